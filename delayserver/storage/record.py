@@ -1,0 +1,354 @@
+"""The one record format of every log: header, record types, payload layouts, limits.
+
+A record on disk is a 9-byte header then the payload::
+
+    crc32c  u32   over the type byte followed by the payload
+    length  u32   payload length in bytes
+    type    u8    a RecordType
+
+All integers are big-endian. Readers and writers of every log (message_log, schedule_log,
+dispatch_log, the spool, parked messages) and every tool use this module and no other layout.
+
+Payload layouts (see the `*_HEAD` structs):
+
+- MESSAGE: store_time q, schedule_time q, sequence Q, flags H, id_len B, subject_len B,
+  headers_len I, body_len I, then id, subject, headers, body.
+  Headers: repeated (key_len H, key, value_len H, value), UTF-8.
+- CANCEL: store_time q, schedule_time q, sequence Q, id_len B, then id (the message to cancel).
+- SCHEDULED / SCHEDULED_CANCEL (schedule_log): message_log offset Q, then a MESSAGE / CANCEL payload.
+- DISPATCH (dispatch_log): schedule_log offset Q, dispatch_time q, group_len B, broker group.
+- DELIVERED (spool): dispatch_time q, attempt I, then a MESSAGE payload.
+- PARKED: parked_time q, attempt I, reason_len H, reason, then a SCHEDULED payload.
+"""
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from typing import Iterator, Mapping
+
+import attrs
+import crc32c as _crc32c
+
+from delayserver.errors import BadHeaders, BadMessageId, BadScheduleTime, BadSubject, MessageTooLarge
+
+HEADER = struct.Struct(">IIB")
+HEADER_SIZE = HEADER.size
+
+MESSAGE_HEAD = struct.Struct(">qqQHBBII")
+CANCEL_HEAD = struct.Struct(">qqQB")
+OFFSET = struct.Struct(">Q")
+SCHEDULED_HEAD = struct.Struct(">QqqQHBBII")  # OFFSET + MESSAGE_HEAD, for one-call decoding
+SCHEDULED_CANCEL_HEAD = struct.Struct(">QqqQB")
+DISPATCH_HEAD = struct.Struct(">QqB")
+DELIVERED_HEAD = struct.Struct(">qI")
+PARKED_HEAD = struct.Struct(">qIH")
+HEADER_ITEM = struct.Struct(">H")
+
+MAX_ID_BYTES = 128
+MAX_SUBJECT_BYTES = 255
+MAX_HEADERS_BYTES = 32 * 1024
+#: The hard cap on a record payload, whatever max_message_bytes says; a declared length over it is
+#: damage, never an allocation.
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Schedule times are epoch milliseconds from 1970 to the end of year 9999 (UTC). Anything outside
+#: is refused before it reaches arithmetic, so no far time can wrap around into "now".
+MIN_TIME_MS = 0
+MAX_TIME_MS = 253_402_300_799_999
+
+SUBJECT_RE = re.compile(rb"[A-Za-z0-9._:%|\-]{1,255}\Z")
+
+
+class RecordType(enum.IntEnum):
+    MESSAGE = 1
+    CANCEL = 2
+    SCHEDULED = 3
+    SCHEDULED_CANCEL = 4
+    DISPATCH = 5
+    DELIVERED = 6
+    PARKED = 7
+
+
+_TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
+VALID_TYPES = frozenset(int(t) for t in RecordType)
+
+
+def checksum(rtype: int, payload) -> int:
+    """crc32c over the type byte followed by the payload."""
+    return _crc32c.crc32c(payload, value=_TYPE_CRC[rtype])
+
+
+def encode_record(rtype: int, payload: bytes) -> bytes:
+    """A whole record: header then payload."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise MessageTooLarge(f"record payload of {len(payload)} bytes is over {MAX_PAYLOAD_BYTES}")
+    return HEADER.pack(checksum(rtype, payload), len(payload), rtype) + payload
+
+
+class RecordError(Exception):
+    """A record that cannot be decoded at `offset`: bad type, bad length or bad crc."""
+
+    def __init__(self, offset: int, reason: str):
+        super().__init__(f"bad record at offset {offset}: {reason}")
+        self.offset = offset
+        self.reason = reason
+
+
+def parse_record(buf, pos: int, end: int | None = None):
+    """Decode the record at `pos` of `buf`.
+
+    Returns ``(rtype, payload_start, next_pos)``, or None when the buffer ends before the record
+    does (an incomplete record). Raises RecordError for a bad type, length or crc.
+    """
+    end = len(buf) if end is None else end
+    if pos + HEADER_SIZE > end:
+        return None
+    crc, length, rtype = HEADER.unpack_from(buf, pos)
+    if rtype not in VALID_TYPES:
+        raise RecordError(pos, f"unknown record type {rtype}")
+    if length > MAX_PAYLOAD_BYTES:
+        raise RecordError(pos, f"declared length {length} over the cap")
+    start = pos + HEADER_SIZE
+    stop = start + length
+    if stop > end:
+        return None
+    if _crc32c.crc32c(memoryview(buf)[start:stop], value=_TYPE_CRC[rtype]) != crc:
+        raise RecordError(pos, "crc mismatch")
+    return rtype, start, stop
+
+
+def iter_records(buf, pos: int = 0, end: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(offset, rtype, payload_start, payload_end)`` for each whole record from `pos`.
+
+    Stops quietly at an incomplete final record; raises RecordError on a bad one. Callers that
+    must tell a torn tail from corruption use `storage.segment.scan`.
+    """
+    end = len(buf) if end is None else end
+    while pos < end:
+        parsed = parse_record(buf, pos, end)
+        if parsed is None:
+            return
+        rtype, start, stop = parsed
+        yield pos, rtype, start, stop
+        pos = stop
+
+
+# --- messages -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Message:
+    """One message as the producer gave it, plus what the master assigned at append."""
+
+    message_id: str
+    subject: str
+    body: bytes
+    schedule_time: int
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+    store_time: int = 0
+    sequence: int = 0
+    flags: int = 0
+
+
+def check_schedule_time(schedule_time: int) -> None:
+    if not isinstance(schedule_time, int) or not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS:
+        raise BadScheduleTime(
+            f"schedule time {schedule_time!r} is outside {MIN_TIME_MS}..{MAX_TIME_MS} epoch ms"
+        )
+
+
+def encode_id(message_id: str) -> bytes:
+    raw = message_id.encode("utf-8") if isinstance(message_id, str) else b""
+    if not 1 <= len(raw) <= MAX_ID_BYTES:
+        raise BadMessageId(f"message id must be 1 to {MAX_ID_BYTES} bytes of UTF-8, got {len(raw)}")
+    return raw
+
+
+def encode_subject(subject: str) -> bytes:
+    raw = subject.encode("utf-8") if isinstance(subject, str) else b""
+    if not SUBJECT_RE.match(raw):
+        raise BadSubject(f"bad subject {subject!r}: 1 to 255 bytes of [A-Za-z0-9._:%|-]")
+    return raw
+
+
+def encode_headers(headers: Mapping[str, str]) -> bytes:
+    parts = []
+    for key, value in headers.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise BadHeaders("header keys must be non-empty strings and values strings")
+        k, v = key.encode("utf-8"), value.encode("utf-8")
+        if len(k) > 0xFFFF or len(v) > 0xFFFF:
+            raise BadHeaders(f"header {key!r} is too long")
+        parts += (HEADER_ITEM.pack(len(k)), k, HEADER_ITEM.pack(len(v)), v)
+    raw = b"".join(parts)
+    if len(raw) > MAX_HEADERS_BYTES:
+        raise BadHeaders(f"headers take {len(raw)} bytes, over {MAX_HEADERS_BYTES}")
+    return raw
+
+
+def decode_headers(raw) -> dict[str, str]:
+    headers = {}
+    pos, end = 0, len(raw)
+    while pos < end:
+        (klen,) = HEADER_ITEM.unpack_from(raw, pos)
+        key = bytes(raw[pos + 2 : pos + 2 + klen]).decode("utf-8")
+        pos += 2 + klen
+        (vlen,) = HEADER_ITEM.unpack_from(raw, pos)
+        headers[key] = bytes(raw[pos + 2 : pos + 2 + vlen]).decode("utf-8")
+        pos += 2 + vlen
+    if pos != end:
+        raise ValueError("headers block overruns its length")
+    return headers
+
+
+def encode_message(m: Message, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+    """The MESSAGE payload of `m`, after checking every limit (raises an InvalidMessage subtype)."""
+    mid = encode_id(m.message_id)
+    subject = encode_subject(m.subject)
+    headers = encode_headers(m.headers)
+    check_schedule_time(m.schedule_time)
+    body = bytes(m.body)
+    if len(body) > max_body_bytes:
+        raise MessageTooLarge(f"body of {len(body)} bytes is over the limit of {max_body_bytes}")
+    head = MESSAGE_HEAD.pack(
+        m.store_time, m.schedule_time, m.sequence, m.flags, len(mid), len(subject), len(headers), len(body)
+    )
+    return b"".join((head, mid, subject, headers, body))
+
+
+def decode_message(buf, start: int = 0, end: int | None = None) -> Message:
+    """Decode a MESSAGE payload at `start` of `buf` (raises ValueError if it does not add up)."""
+    end = len(buf) if end is None else end
+    store, sched, seq, flags, idlen, slen, hlen, blen = MESSAGE_HEAD.unpack_from(buf, start)
+    pos = start + MESSAGE_HEAD.size
+    if pos + idlen + slen + hlen + blen != end:
+        raise ValueError("message fields do not add up to the payload length")
+    view = memoryview(buf)
+    mid = bytes(view[pos : pos + idlen]).decode("utf-8")
+    pos += idlen
+    subject = bytes(view[pos : pos + slen]).decode("utf-8")
+    pos += slen
+    headers = decode_headers(view[pos : pos + hlen])
+    pos += hlen
+    body = bytes(view[pos : pos + blen])
+    return Message(mid, subject, body, sched, headers, store, seq, flags)
+
+
+# --- cancel ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Cancel:
+    """A request to cancel the message `message_id` due at `schedule_time`."""
+
+    message_id: str
+    schedule_time: int
+    store_time: int = 0
+    sequence: int = 0
+
+
+def encode_cancel(c: Cancel) -> bytes:
+    mid = encode_id(c.message_id)
+    check_schedule_time(c.schedule_time)
+    return CANCEL_HEAD.pack(c.store_time, c.schedule_time, c.sequence, len(mid)) + mid
+
+
+def decode_cancel(buf, start: int = 0, end: int | None = None) -> Cancel:
+    end = len(buf) if end is None else end
+    store, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
+    pos = start + CANCEL_HEAD.size
+    if pos + idlen != end:
+        raise ValueError("cancel fields do not add up to the payload length")
+    return Cancel(bytes(memoryview(buf)[pos:end]).decode("utf-8"), sched, store, seq)
+
+
+# --- schedule_log, dispatch_log, spool, parked ----------------------------------------------
+
+
+def encode_scheduled(message_log_offset: int, message_payload: bytes) -> bytes:
+    return OFFSET.pack(message_log_offset) + message_payload
+
+
+def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, Message]:
+    (offset,) = OFFSET.unpack_from(buf, start)
+    return offset, decode_message(buf, start + OFFSET.size, end)
+
+
+def scheduled_key(buf, start: int) -> tuple[int, int, int, str]:
+    """Fast path for loading: ``(message_log_offset, schedule_time, sequence, message_id)``."""
+    offset, _store, sched, seq, _flags, idlen, _s, _h, _b = SCHEDULED_HEAD.unpack_from(buf, start)
+    pos = start + SCHEDULED_HEAD.size
+    return offset, sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
+
+
+def decode_scheduled_cancel(buf, start: int = 0, end: int | None = None) -> tuple[int, Cancel]:
+    (offset,) = OFFSET.unpack_from(buf, start)
+    return offset, decode_cancel(buf, start + OFFSET.size, end)
+
+
+@attrs.frozen
+class Dispatch:
+    """One delivery: the schedule_log record at `schedule_offset` went to `broker_group`."""
+
+    schedule_offset: int
+    dispatch_time: int
+    broker_group: str
+
+
+def encode_dispatch(d: Dispatch) -> bytes:
+    group = d.broker_group.encode("utf-8")
+    if not 1 <= len(group) <= 255:
+        raise ValueError("broker group name must be 1 to 255 bytes")
+    return DISPATCH_HEAD.pack(d.schedule_offset, d.dispatch_time, len(group)) + group
+
+
+def decode_dispatch(buf, start: int = 0, end: int | None = None) -> Dispatch:
+    end = len(buf) if end is None else end
+    offset, when, glen = DISPATCH_HEAD.unpack_from(buf, start)
+    pos = start + DISPATCH_HEAD.size
+    if pos + glen != end:
+        raise ValueError("dispatch fields do not add up to the payload length")
+    return Dispatch(offset, when, bytes(memoryview(buf)[pos:end]).decode("utf-8"))
+
+
+def encode_delivered(dispatch_time: int, attempt: int, message_payload: bytes) -> bytes:
+    return DELIVERED_HEAD.pack(dispatch_time, attempt) + message_payload
+
+
+def decode_delivered(buf, start: int = 0, end: int | None = None) -> tuple[int, int, Message]:
+    when, attempt = DELIVERED_HEAD.unpack_from(buf, start)
+    return when, attempt, decode_message(buf, start + DELIVERED_HEAD.size, end)
+
+
+def encode_parked(parked_time: int, attempt: int, reason: str, scheduled_payload: bytes) -> bytes:
+    raw = reason.encode("utf-8")[:0xFFFF]
+    return PARKED_HEAD.pack(parked_time, attempt, len(raw)) + raw + scheduled_payload
+
+
+def decode_parked(buf, start: int = 0, end: int | None = None) -> tuple[int, int, str, int, Message]:
+    """``(parked_time, attempt, reason, message_log_offset, message)``."""
+    when, attempt, rlen = PARKED_HEAD.unpack_from(buf, start)
+    pos = start + PARKED_HEAD.size
+    reason = bytes(memoryview(buf)[pos : pos + rlen]).decode("utf-8")
+    offset, message = decode_scheduled(buf, pos + rlen, end)
+    return when, attempt, reason, offset, message
+
+
+def decode_payload(rtype: int, buf, start: int, end: int):
+    """Decode any record's payload into its value (used by tools, not hot paths)."""
+    if rtype == RecordType.MESSAGE:
+        return decode_message(buf, start, end)
+    if rtype == RecordType.CANCEL:
+        return decode_cancel(buf, start, end)
+    if rtype == RecordType.SCHEDULED:
+        return decode_scheduled(buf, start, end)
+    if rtype == RecordType.SCHEDULED_CANCEL:
+        return decode_scheduled_cancel(buf, start, end)
+    if rtype == RecordType.DISPATCH:
+        return decode_dispatch(buf, start, end)
+    if rtype == RecordType.DELIVERED:
+        return decode_delivered(buf, start, end)
+    if rtype == RecordType.PARKED:
+        return decode_parked(buf, start, end)
+    raise ValueError(f"unknown record type {rtype}")

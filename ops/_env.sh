@@ -1,0 +1,14 @@
+# Shared by the ops scripts: make sure .venv exists and holds the project with its test extras.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.installed-$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha1sum | cut -c1-12)"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+if [ ! -f "$STAMP" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2
+    rm -f "$VENV"/.installed-*
+    touch "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
