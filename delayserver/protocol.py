@@ -1,0 +1,601 @@
+"""The wire protocol: frames and the payload of each command, as bytes in and values out, no I/O.
+
+Producers, slaves and tools speak one framed binary protocol. This module owns its bytes (h11
+style); a connection task is a short pump: `FrameDecoder.feed` what the socket gave, take frames
+with `FrameDecoder.next_frame` until NEED_DATA, send `encode(frame)`. A frame, big-endian::
+
+    offset  size  field
+    0       4     magic        0x444C5953 ("DLYS")
+    4       1     version      1
+    5       1     command      a Command
+    6       1     flags        bit 0 set: a response; the other bits must be 0
+    7       4     request_id   chosen by the requester, echoed by the response
+    11      4     length       n, the payload length in bytes
+    15      n     payload      the command's payload (layouts below)
+    15+n    4     crc32c       over bytes 0 .. 15+n, header and payload
+
+Rules:
+
+- Every request gets one response: the same command and request_id with the response flag set, or
+  an ERROR response carrying the request_id (0 when the header could not be read).
+- The receiver caps the payload length (`max_frame_bytes`). A header declaring more is refused as
+  soon as the header is read, before any payload arrives: a declared length is never an allocation.
+- Bad magic, another version, an unknown command or flag bit, an ERROR that is not a response, or a
+  crc mismatch raise RemoteProtocolError, and the decoder stays broken: the server answers with an
+  ERROR frame carrying the exception's code, then closes the connection.
+- Payload decoders check structure only: they raise RemoteProtocolError for anything truncated,
+  trailing, out of its enum or not UTF-8. Limits (id 1-128 bytes, subject characters, body size,
+  time range) are the server's to check, through `storage.record.encode_message`.
+
+Payload layouts (str16: u16 length then UTF-8; str32: u32 length then UTF-8; bytes32: u32 length
+then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
+
+    PING       request and response: any bytes, echoed unchanged
+    SEND       request:  count u32, then per message: time kind u8, time value i64, id length u16,
+                         subject length u16, header count u16, body length u32, id, subject,
+                         headers (key str16, value str16 each), body
+               response: count u32, then per message: code u16, schedule_time i64, id str16,
+                         message str32
+    CANCEL     request:  schedule_time i64, id str16 (a Handle)
+               response: code u16, outcome u8 (CancelOutcome), message str32
+    STATUS     request:  schedule_time i64, id str16 (a Handle)
+               response: code u16, state u8 (MessageState), dispatch_time i64 (0: none),
+                         broker_group str16 ("": none), message str32
+    ERROR      response only: code u16, message str32
+    META       UTF-8 JSON both ways (`encode_json`, `decode_json`)
+    SYNC_*     defined by the replication modules
+
+Result codes are those of `errors.ResultCode`; a code this side does not know is kept as an int,
+so an older client still reports what a newer server said.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import re
+import struct
+import urllib.parse
+from typing import Any, Mapping, Sequence
+
+import attrs
+import crc32c as _crc32c
+
+from delayserver.errors import ResultCode
+from delayserver.storage.record import MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS
+
+MAGIC = 0x444C5953
+VERSION = 1
+FLAG_RESPONSE = 0x01
+HEADER = struct.Struct(">IBBBII")
+HEADER_SIZE = HEADER.size
+CRC = struct.Struct(">I")
+FRAME_OVERHEAD = HEADER_SIZE + CRC.size
+#: Room for one message at the default 4 MiB body limit, twice, plus ids, subjects and headers.
+DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 128 * 1024
+MAX_U32 = 0xFFFFFFFF
+
+
+class Command(enum.IntEnum):
+    PING = 1
+    SEND = 2
+    CANCEL = 3
+    STATUS = 4
+    ERROR = 5
+    SYNC_MESSAGE_LOG = 16
+    SYNC_DISPATCH_LOG = 17
+    META = 32
+
+
+_COMMANDS = {int(c): c for c in Command}
+
+
+class ProtocolError(Exception):
+    """The protocol was broken, by this side or by the peer."""
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried to encode something the protocol cannot carry."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that break the protocol; `code` is what to answer in an ERROR frame."""
+
+    def __init__(self, message: str, code: ResultCode = ResultCode.BAD_REQUEST):
+        super().__init__(message)
+        self.code = code
+
+
+class _NeedData(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+#: What `FrameDecoder.next_frame` returns while no whole frame is buffered.
+NEED_DATA = _NeedData.NEED_DATA
+
+
+@attrs.frozen
+class Frame:
+    """One frame; `payload` is the command's payload, encoded by the codecs below."""
+
+    command: Command
+    request_id: int
+    payload: bytes
+    is_response: bool = False
+
+
+def encode(frame: Frame, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """The bytes of `frame`.
+
+    Raises LocalProtocolError for an unknown command, a request_id outside u32, a payload that is
+    not bytes or is longer than `max_frame_bytes` (the peer would refuse it), or an ERROR frame
+    that is not a response.
+    """
+    command = _COMMANDS.get(frame.command) if isinstance(frame.command, int) else None
+    if command is None:
+        raise LocalProtocolError(f"unknown command {frame.command!r}")
+    if not isinstance(frame.request_id, int) or not 0 <= frame.request_id <= MAX_U32:
+        raise LocalProtocolError(f"request id {frame.request_id!r} is outside 0..{MAX_U32}")
+    if not isinstance(frame.payload, bytes):
+        raise LocalProtocolError(f"payload must be bytes, not {type(frame.payload).__name__}")
+    if len(frame.payload) > max_frame_bytes:
+        raise LocalProtocolError(f"payload of {len(frame.payload)} bytes is over {max_frame_bytes}")
+    if command is Command.ERROR and not frame.is_response:
+        raise LocalProtocolError("an ERROR frame must be a response")
+    flags = FLAG_RESPONSE if frame.is_response else 0
+    header = HEADER.pack(MAGIC, VERSION, command, flags, frame.request_id, len(frame.payload))
+    crc = _crc32c.crc32c(frame.payload, value=_crc32c.crc32c(header))
+    return b"".join((header, frame.payload, CRC.pack(crc)))
+
+
+@attrs.define(eq=False)
+class FrameDecoder:
+    """Turns the bytes of one connection into Frames; see the module docstring for the rules."""
+
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    # Bytes before _pos are decoded already; feed() drops them, so the buffer holds at most the
+    # undecoded tail plus what one feed adds, and next_frame() never copies it.
+    _buffer: bytearray = attrs.field(factory=bytearray, init=False)
+    _pos: int = attrs.field(default=0, init=False)
+    _error: RemoteProtocolError | None = attrs.field(default=None, init=False)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet returned as a frame (non-zero at EOF: a torn frame)."""
+        return len(self._buffer) - self._pos
+
+    def feed(self, data: bytes) -> None:
+        """Append bytes received from the peer (ignored once the decoder is broken)."""
+        if self._error is not None:
+            return
+        if self._pos:
+            # Deleting a bytearray's prefix moves its start pointer, it does not copy the rest.
+            del self._buffer[: self._pos]
+            self._pos = 0
+        self._buffer += data
+
+    def next_frame(self) -> Frame | _NeedData:
+        """The next whole frame, or NEED_DATA.
+
+        Raises RemoteProtocolError when the peer broke the protocol, and again on every later call.
+        """
+        if self._error is not None:
+            raise RemoteProtocolError(f"connection already failed: {self._error}", self._error.code)
+        try:
+            return self._next_frame()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
+
+    def _next_frame(self) -> Frame | _NeedData:
+        buf, pos = self._buffer, self._pos
+        if len(buf) - pos < HEADER_SIZE:
+            return NEED_DATA
+        magic, version, command, flags, request_id, length = HEADER.unpack_from(buf, pos)
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"bad magic {magic:#010x}")
+        if version != VERSION:
+            raise RemoteProtocolError(f"unsupported protocol version {version}")
+        if command not in _COMMANDS:
+            raise RemoteProtocolError(f"unknown command {command}")
+        if flags & ~FLAG_RESPONSE:
+            raise RemoteProtocolError(f"unknown flag bits {flags:#04x}")
+        if length > self.max_frame_bytes:
+            raise RemoteProtocolError(
+                f"declared payload of {length} bytes is over {self.max_frame_bytes}",
+                ResultCode.MESSAGE_TOO_LARGE,
+            )
+        is_response = bool(flags & FLAG_RESPONSE)
+        if command == Command.ERROR and not is_response:
+            raise RemoteProtocolError("an ERROR frame must be a response")
+        stop = pos + HEADER_SIZE + length
+        if len(buf) - stop < CRC.size:
+            return NEED_DATA
+        with memoryview(buf) as view:
+            crc = _crc32c.crc32c(view[pos:stop])
+            payload = bytes(view[pos + HEADER_SIZE : stop])
+        if crc != CRC.unpack_from(buf, stop)[0]:
+            raise RemoteProtocolError(f"crc mismatch in frame of request {request_id}")
+        self._pos = stop + CRC.size
+        return Frame(_COMMANDS[command], request_id, payload, is_response)
+
+
+# --- values carried by payloads ---------------------------------------------------------------
+
+
+class TimeKind(enum.IntEnum):
+    AT = 1  # absolute epoch milliseconds
+    DELAY = 2  # milliseconds from the server's now
+    LEVEL = 3  # a delay level, 1..N of the configured levels
+
+
+class CancelOutcome(enum.IntEnum):
+    CANCELLED = 1
+    ALREADY_DELIVERED = 2
+    ALREADY_CANCELLED = 3
+    UNKNOWN = 4
+
+
+class MessageState(enum.IntEnum):
+    PENDING = 1
+    DELIVERED = 2
+    CANCELLED = 3
+    UNKNOWN = 4
+
+
+@attrs.frozen
+class TimeSpec:
+    """When to deliver: at an epoch time, after a delay, or after a delay level."""
+
+    kind: TimeKind
+    value: int
+
+    @classmethod
+    def at(cls, epoch_ms: int) -> TimeSpec:
+        return cls(TimeKind.AT, epoch_ms)
+
+    @classmethod
+    def delay(cls, delay_ms: int) -> TimeSpec:
+        return cls(TimeKind.DELAY, delay_ms)
+
+    @classmethod
+    def level(cls, level: int) -> TimeSpec:
+        return cls(TimeKind.LEVEL, level)
+
+
+@attrs.frozen
+class SendItem:
+    message_id: str
+    subject: str
+    time: TimeSpec
+    body: bytes = b""
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+
+
+_HANDLE_RE = re.compile(r"(0|[1-9][0-9]{0,14}):([A-Za-z0-9._%-]+)")
+
+
+def _quote_id(message_id: str) -> str:
+    # quote() leaves "~" alone, but a shell expands it after ":" in an assignment (H=1:~x).
+    return urllib.parse.quote(message_id, safe="").replace("~", "%7E")
+
+
+@attrs.frozen
+class Handle:
+    """What a producer keeps to cancel or query a message later, from any process.
+
+    Its text form is ``<schedule_time>:<message id>``: the time in decimal epoch milliseconds, the
+    id percent-encoded as UTF-8 with every byte outside ``[A-Za-z0-9._-]`` written ``%XX``
+    (uppercase hex), e.g. ``1732252800000:order%2F42``. The text is printable, needs no quoting in
+    a shell, URL or file name, and there is exactly one text per handle.
+    """
+
+    schedule_time: int
+    message_id: str
+
+    def __str__(self) -> str:
+        return f"{self.schedule_time}:{_quote_id(self.message_id)}"
+
+    @classmethod
+    def parse(cls, text: str) -> Handle:
+        """The handle whose `str()` is `text`.
+
+        Raises ValueError unless `text` is exactly that form, with a schedule time within
+        record.MIN_TIME_MS..MAX_TIME_MS and an id of 1 to 128 bytes of UTF-8.
+        """
+        match = _HANDLE_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(f"not a handle (want <epoch ms>:<percent-encoded id>): {text!r}")
+        schedule_time = int(match[1])
+        if not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS:
+            raise ValueError(f"handle time {schedule_time} is outside {MIN_TIME_MS}..{MAX_TIME_MS}")
+        raw = urllib.parse.unquote_to_bytes(match[2])
+        if not 1 <= len(raw) <= MAX_ID_BYTES:
+            raise ValueError(f"handle id must be 1 to {MAX_ID_BYTES} bytes, got {len(raw)}")
+        try:
+            message_id = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"handle id is not UTF-8: {text!r}") from None
+        if _quote_id(message_id) != match[2]:
+            raise ValueError(f"handle id is not in canonical percent-encoding: {text!r}")
+        return cls(schedule_time, message_id)
+
+
+@attrs.frozen
+class SendResult:
+    code: int
+    message: str
+    schedule_time: int
+    message_id: str
+
+    @property
+    def handle(self) -> Handle:
+        return Handle(self.schedule_time, self.message_id)
+
+
+@attrs.frozen
+class CancelResult:
+    code: int
+    message: str
+    outcome: CancelOutcome
+
+
+@attrs.frozen
+class StatusResult:
+    code: int
+    message: str
+    state: MessageState
+    dispatch_time: int = 0
+    broker_group: str = ""
+
+
+@attrs.frozen
+class ErrorResult:
+    code: int
+    message: str
+
+
+# --- encoding and decoding helpers ------------------------------------------------------------
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_SEND_ITEM = struct.Struct(">BqHHHI")  # time kind, time value, id, subject, header count, body
+_SEND_RESULT = struct.Struct(">HqH")  # code, schedule_time, id length
+_HANDLE = struct.Struct(">qH")  # schedule_time, id length
+_CANCEL_RESULT = struct.Struct(">HBI")  # code, outcome, message length
+_STATUS_RESULT = struct.Struct(">HBqH")  # code, state, dispatch_time, broker_group length
+_ERROR_RESULT = struct.Struct(">HI")  # code, message length
+
+
+def _pack(layout: struct.Struct, *values) -> bytes:
+    try:
+        return layout.pack(*values)
+    except struct.error as exc:
+        raise LocalProtocolError(f"a field is out of range or of the wrong type: {exc}") from None
+
+
+def _utf8(text: str, what: str, limit: int = 0xFFFF) -> bytes:
+    if not isinstance(text, str):
+        raise LocalProtocolError(f"{what} must be a str, not {type(text).__name__}")
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LocalProtocolError(f"{what} cannot be encoded as UTF-8: {exc}") from None
+    if len(raw) > limit:
+        raise LocalProtocolError(f"{what} is {len(raw)} bytes, over {limit}")
+    return raw
+
+
+def _str32(text: str, what: str) -> bytes:
+    raw = _utf8(text, what, MAX_U32)
+    return _U32.pack(len(raw)) + raw
+
+
+def _enum(cls: type[enum.IntEnum], raw: int, what: str):
+    try:
+        return cls(raw)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown {what} {raw}") from None
+
+
+def _result_code(raw: int) -> int:
+    return ResultCode(raw) if raw in ResultCode._value2member_map_ else raw
+
+
+class _Reader:
+    """Reads a payload front to back; every shortfall or leftover is a RemoteProtocolError."""
+
+    def __init__(self, payload: bytes, what: str):
+        self._view = memoryview(payload)
+        self._pos = 0
+        self._what = what
+
+    def unpack(self, layout: struct.Struct) -> tuple:
+        end = self._pos + layout.size
+        if end > len(self._view):
+            raise RemoteProtocolError(f"{self._what} payload is truncated")
+        values = layout.unpack_from(self._view, self._pos)
+        self._pos = end
+        return values
+
+    def take(self, length: int) -> bytes:
+        end = self._pos + length
+        if end > len(self._view):
+            raise RemoteProtocolError(f"{self._what} payload is truncated")
+        raw = bytes(self._view[self._pos : end])
+        self._pos = end
+        return raw
+
+    def text(self, length: int, what: str) -> str:
+        try:
+            return self.take(length).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError(f"{what} in {self._what} payload is not UTF-8") from None
+
+    def str16(self, what: str) -> str:
+        return self.text(self.unpack(_U16)[0], what)
+
+    def str32(self, what: str) -> str:
+        return self.text(self.unpack(_U32)[0], what)
+
+    def finish(self) -> None:
+        if self._pos != len(self._view):
+            trailing = len(self._view) - self._pos
+            raise RemoteProtocolError(f"{self._what} payload has {trailing} trailing bytes")
+
+
+# --- payload codecs ---------------------------------------------------------------------------
+# Encoders raise LocalProtocolError for a value the layout cannot carry (a length or number out
+# of its field, a str that is not encodable); decoders raise RemoteProtocolError and nothing else.
+
+
+def encode_send_request(items: Sequence[SendItem]) -> bytes:
+    """The SEND request payload for a batch of messages."""
+    parts = [_pack(_U32, len(items))]
+    for item in items:
+        message_id = _utf8(item.message_id, "message id")
+        subject = _utf8(item.subject, "subject")
+        headers = [(_utf8(k, "header key"), _utf8(v, "header value")) for k, v in item.headers.items()]
+        if not isinstance(item.body, bytes):
+            raise LocalProtocolError(f"body must be bytes, not {type(item.body).__name__}")
+        if not isinstance(item.time.kind, TimeKind):
+            raise LocalProtocolError(f"unknown time kind {item.time.kind!r}")
+        lengths = (len(message_id), len(subject), len(headers), len(item.body))
+        parts.append(_pack(_SEND_ITEM, item.time.kind, item.time.value, *lengths))
+        parts += (message_id, subject)
+        for key, value in headers:
+            parts += (_U16.pack(len(key)), key, _U16.pack(len(value)), value)
+        parts.append(item.body)
+    return b"".join(parts)
+
+
+def decode_send_request(payload: bytes) -> list[SendItem]:
+    """The batch of a SEND request payload; a header key given twice is a RemoteProtocolError."""
+    reader = _Reader(payload, "SEND request")
+    (count,) = reader.unpack(_U32)
+    items = []
+    for _ in range(count):
+        kind, value, id_len, subject_len, header_count, body_len = reader.unpack(_SEND_ITEM)
+        time = TimeSpec(_enum(TimeKind, kind, "time kind"), value)
+        message_id = reader.text(id_len, "message id")
+        subject = reader.text(subject_len, "subject")
+        headers = {}
+        for _ in range(header_count):
+            key = reader.str16("header key")
+            if key in headers:
+                raise RemoteProtocolError(f"header {key!r} is given twice")
+            headers[key] = reader.str16("header value")
+        items.append(SendItem(message_id, subject, time, reader.take(body_len), headers))
+    reader.finish()
+    return items
+
+
+def encode_send_response(results: Sequence[SendResult]) -> bytes:
+    """The SEND response payload: one result per message, in request order."""
+    parts = [_pack(_U32, len(results))]
+    for result in results:
+        message_id = _utf8(result.message_id, "message id")
+        parts += (
+            _pack(_SEND_RESULT, result.code, result.schedule_time, len(message_id)),
+            message_id,
+            _str32(result.message, "result message"),
+        )
+    return b"".join(parts)
+
+
+def decode_send_response(payload: bytes) -> list[SendResult]:
+    reader = _Reader(payload, "SEND response")
+    (count,) = reader.unpack(_U32)
+    results = []
+    for _ in range(count):
+        code, schedule_time, id_len = reader.unpack(_SEND_RESULT)
+        message_id = reader.text(id_len, "message id")
+        message = reader.str32("result message")
+        results.append(SendResult(_result_code(code), message, schedule_time, message_id))
+    reader.finish()
+    return results
+
+
+def encode_handle(handle: Handle) -> bytes:
+    """The CANCEL or STATUS request payload for the message `handle` names."""
+    message_id = _utf8(handle.message_id, "message id")
+    return _pack(_HANDLE, handle.schedule_time, len(message_id)) + message_id
+
+
+def decode_handle(payload: bytes) -> Handle:
+    """The Handle of a CANCEL or STATUS request; its limits are not checked here."""
+    reader = _Reader(payload, "handle")
+    schedule_time, id_len = reader.unpack(_HANDLE)
+    handle = Handle(schedule_time, reader.text(id_len, "message id"))
+    reader.finish()
+    return handle
+
+
+def encode_cancel_response(result: CancelResult) -> bytes:
+    if not isinstance(result.outcome, CancelOutcome):
+        raise LocalProtocolError(f"unknown cancel outcome {result.outcome!r}")
+    message = _utf8(result.message, "result message", MAX_U32)
+    return _pack(_CANCEL_RESULT, result.code, result.outcome, len(message)) + message
+
+
+def decode_cancel_response(payload: bytes) -> CancelResult:
+    reader = _Reader(payload, "CANCEL response")
+    code, outcome, message_len = reader.unpack(_CANCEL_RESULT)
+    outcome = _enum(CancelOutcome, outcome, "cancel outcome")
+    result = CancelResult(_result_code(code), reader.text(message_len, "result message"), outcome)
+    reader.finish()
+    return result
+
+
+def encode_status_response(result: StatusResult) -> bytes:
+    if not isinstance(result.state, MessageState):
+        raise LocalProtocolError(f"unknown message state {result.state!r}")
+    group = _utf8(result.broker_group, "broker group")
+    head = _pack(_STATUS_RESULT, result.code, result.state, result.dispatch_time, len(group))
+    return b"".join((head, group, _str32(result.message, "result message")))
+
+
+def decode_status_response(payload: bytes) -> StatusResult:
+    reader = _Reader(payload, "STATUS response")
+    code, state, dispatch_time, group_len = reader.unpack(_STATUS_RESULT)
+    state = _enum(MessageState, state, "message state")
+    group = reader.text(group_len, "broker group")
+    result = StatusResult(_result_code(code), reader.str32("result message"), state, dispatch_time, group)
+    reader.finish()
+    return result
+
+
+def encode_error(result: ErrorResult) -> bytes:
+    """The ERROR response payload."""
+    message = _utf8(result.message, "error message", MAX_U32)
+    return _pack(_ERROR_RESULT, result.code, len(message)) + message
+
+
+def decode_error(payload: bytes) -> ErrorResult:
+    reader = _Reader(payload, "ERROR response")
+    code, message_len = reader.unpack(_ERROR_RESULT)
+    result = ErrorResult(_result_code(code), reader.text(message_len, "error message"))
+    reader.finish()
+    return result
+
+
+def encode_json(obj: Any) -> bytes:
+    """Compact UTF-8 JSON of `obj`; LocalProtocolError if it is not JSON (NaN and Infinity included)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise LocalProtocolError(f"not encodable as JSON: {exc}") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_json(payload: bytes) -> Any:
+    """The value of a UTF-8 JSON payload; RemoteProtocolError for anything else (NaN included)."""
+    try:
+        return json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise RemoteProtocolError(f"payload is not JSON: {exc}") from None
