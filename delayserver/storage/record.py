@@ -18,7 +18,8 @@ Payload layouts (see the `*_HEAD` structs):
 - SCHEDULED / SCHEDULED_CANCEL (schedule_log): message_log offset Q, then a MESSAGE / CANCEL payload.
 - DISPATCH (dispatch_log): schedule_log offset Q, dispatch_time q, group_len B, broker group.
 - DELIVERED (spool): dispatch_time q, attempt I, then a MESSAGE payload.
-- PARKED: parked_time q, attempt I, reason_len H, reason, then a SCHEDULED payload.
+- PARKED: parked_time q, attempt I, schedule_offset Q, reason_len H, reason, then a SCHEDULED
+  payload (the schedule_log offset lets a reload skip what was parked).
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ SCHEDULED_HEAD = struct.Struct(">QqqQHBBII")  # OFFSET + MESSAGE_HEAD, for one-c
 SCHEDULED_CANCEL_HEAD = struct.Struct(">QqqQB")
 DISPATCH_HEAD = struct.Struct(">QqB")
 DELIVERED_HEAD = struct.Struct(">qI")
-PARKED_HEAD = struct.Struct(">qIH")
+PARKED_HEAD = struct.Struct(">qIQH")
 HEADER_ITEM = struct.Struct(">H")
+_MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 
 MAX_ID_BYTES = 128
 MAX_SUBJECT_BYTES = 255
@@ -125,11 +127,22 @@ def iter_records(buf, pos: int = 0, end: int | None = None) -> Iterator[tuple[in
     must tell a torn tail from corruption use `storage.segment.scan`.
     """
     end = len(buf) if end is None else end
-    while pos < end:
-        parsed = parse_record(buf, pos, end)
-        if parsed is None:
+    # parse_record, inlined with its globals bound locally: this loop is every reader's hot path.
+    view = memoryview(buf)
+    unpack, crc32c, type_crc = HEADER.unpack_from, _crc32c.crc32c, _TYPE_CRC
+    while pos + HEADER_SIZE <= end:
+        crc, length, rtype = unpack(buf, pos)
+        seed = type_crc.get(rtype)
+        if seed is None:
+            raise RecordError(pos, f"unknown record type {rtype}")
+        if length > MAX_PAYLOAD_BYTES:
+            raise RecordError(pos, f"declared length {length} over the cap")
+        start = pos + HEADER_SIZE
+        stop = start + length
+        if stop > end:
             return
-        rtype, start, stop = parsed
+        if crc32c(view[start:stop], value=seed) != crc:
+            raise RecordError(pos, "crc mismatch")
         yield pos, rtype, start, stop
         pos = stop
 
@@ -152,50 +165,78 @@ class Message:
 
 
 def check_schedule_time(schedule_time: int) -> None:
-    if not isinstance(schedule_time, int) or not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS:
+    """Raise BadScheduleTime unless `schedule_time` is an int within MIN_TIME_MS..MAX_TIME_MS."""
+    if (
+        isinstance(schedule_time, bool)
+        or not isinstance(schedule_time, int)
+        or not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS
+    ):
         raise BadScheduleTime(
             f"schedule time {schedule_time!r} is outside {MIN_TIME_MS}..{MAX_TIME_MS} epoch ms"
         )
 
 
+def _utf8(value) -> bytes | None:
+    """`value` as UTF-8, or None when it is not a str or cannot be encoded (a lone surrogate)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+
+
 def encode_id(message_id: str) -> bytes:
-    raw = message_id.encode("utf-8") if isinstance(message_id, str) else b""
-    if not 1 <= len(raw) <= MAX_ID_BYTES:
-        raise BadMessageId(f"message id must be 1 to {MAX_ID_BYTES} bytes of UTF-8, got {len(raw)}")
+    """The id as UTF-8; raises BadMessageId unless it is 1 to MAX_ID_BYTES bytes of UTF-8."""
+    raw = _utf8(message_id)
+    if raw is None or not 1 <= len(raw) <= MAX_ID_BYTES:
+        got = "not a string of UTF-8" if raw is None else f"{len(raw)} bytes"
+        raise BadMessageId(f"message id must be 1 to {MAX_ID_BYTES} bytes of UTF-8, got {got}")
     return raw
 
 
 def encode_subject(subject: str) -> bytes:
-    raw = subject.encode("utf-8") if isinstance(subject, str) else b""
-    if not SUBJECT_RE.match(raw):
+    """The subject as bytes; raises BadSubject unless it is 1 to 255 bytes of the allowed set."""
+    raw = _utf8(subject)
+    if raw is None or not SUBJECT_RE.match(raw):
         raise BadSubject(f"bad subject {subject!r}: 1 to 255 bytes of [A-Za-z0-9._:%|-]")
     return raw
 
 
 def encode_headers(headers: Mapping[str, str]) -> bytes:
+    """The headers block; raises BadHeaders for a non-mapping, a non-string or empty key, a value
+    that is not a string of UTF-8, or a block over MAX_HEADERS_BYTES."""
+    if not isinstance(headers, Mapping):
+        raise BadHeaders(f"headers must be a mapping of strings, got {type(headers).__name__}")
     parts = []
+    total = 0
     for key, value in headers.items():
-        if not isinstance(key, str) or not isinstance(value, str) or not key:
-            raise BadHeaders("header keys must be non-empty strings and values strings")
-        k, v = key.encode("utf-8"), value.encode("utf-8")
-        if len(k) > 0xFFFF or len(v) > 0xFFFF:
-            raise BadHeaders(f"header {key!r} is too long")
+        k, v = _utf8(key), _utf8(value)
+        if not k or v is None:
+            raise BadHeaders("header keys must be non-empty strings and values strings, in UTF-8")
+        total += 2 * HEADER_ITEM.size + len(k) + len(v)
+        # Checked per item so that a huge header map is refused before it is all encoded.
+        if total > MAX_HEADERS_BYTES:
+            raise BadHeaders(f"headers take over {MAX_HEADERS_BYTES} bytes")
         parts += (HEADER_ITEM.pack(len(k)), k, HEADER_ITEM.pack(len(v)), v)
-    raw = b"".join(parts)
-    if len(raw) > MAX_HEADERS_BYTES:
-        raise BadHeaders(f"headers take {len(raw)} bytes, over {MAX_HEADERS_BYTES}")
-    return raw
+    return b"".join(parts)
 
 
 def decode_headers(raw) -> dict[str, str]:
+    """Decode a headers block; raises ValueError when it does not add up to its length."""
+    raw = bytes(raw)
     headers = {}
     pos, end = 0, len(raw)
     while pos < end:
+        if pos + 2 > end:
+            raise ValueError("headers block overruns its length")
         (klen,) = HEADER_ITEM.unpack_from(raw, pos)
-        key = bytes(raw[pos + 2 : pos + 2 + klen]).decode("utf-8")
+        key = raw[pos + 2 : pos + 2 + klen].decode("utf-8")
         pos += 2 + klen
+        if pos + 2 > end:
+            raise ValueError("headers block overruns its length")
         (vlen,) = HEADER_ITEM.unpack_from(raw, pos)
-        headers[key] = bytes(raw[pos + 2 : pos + 2 + vlen]).decode("utf-8")
+        headers[key] = raw[pos + 2 : pos + 2 + vlen].decode("utf-8")
         pos += 2 + vlen
     if pos != end:
         raise ValueError("headers block overruns its length")
@@ -219,20 +260,29 @@ def encode_message(m: Message, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> 
 
 def decode_message(buf, start: int = 0, end: int | None = None) -> Message:
     """Decode a MESSAGE payload at `start` of `buf` (raises ValueError if it does not add up)."""
-    end = len(buf) if end is None else end
+    if type(buf) is not bytes:
+        # One copy up front, so that every field below is a plain bytes slice (the fast path).
+        end = len(buf) if end is None else end
+        buf, start, end = bytes(memoryview(buf)[start:end]), 0, end - start
+    elif end is None:
+        end = len(buf)
     store, sched, seq, flags, idlen, slen, hlen, blen = MESSAGE_HEAD.unpack_from(buf, start)
-    pos = start + MESSAGE_HEAD.size
-    if pos + idlen + slen + hlen + blen != end:
+    id_at = start + _MESSAGE_HEAD_SIZE
+    subject_at = id_at + idlen
+    headers_at = subject_at + slen
+    body_at = headers_at + hlen
+    if body_at + blen != end:
         raise ValueError("message fields do not add up to the payload length")
-    view = memoryview(buf)
-    mid = bytes(view[pos : pos + idlen]).decode("utf-8")
-    pos += idlen
-    subject = bytes(view[pos : pos + slen]).decode("utf-8")
-    pos += slen
-    headers = decode_headers(view[pos : pos + hlen])
-    pos += hlen
-    body = bytes(view[pos : pos + blen])
-    return Message(mid, subject, body, sched, headers, store, seq, flags)
+    return Message(
+        buf[id_at:subject_at].decode("utf-8"),
+        buf[subject_at:headers_at].decode("utf-8"),
+        buf[body_at:end],
+        sched,
+        decode_headers(buf[headers_at:body_at]) if hlen else {},
+        store,
+        seq,
+        flags,
+    )
 
 
 # --- cancel ---------------------------------------------------------------------------------
@@ -321,18 +371,36 @@ def decode_delivered(buf, start: int = 0, end: int | None = None) -> tuple[int, 
     return when, attempt, decode_message(buf, start + DELIVERED_HEAD.size, end)
 
 
-def encode_parked(parked_time: int, attempt: int, reason: str, scheduled_payload: bytes) -> bytes:
+@attrs.frozen
+class Parked:
+    """A message a broker rejected for good, kept aside until an operator redrives it."""
+
+    parked_time: int
+    attempt: int
+    schedule_offset: int
+    reason: str
+    message_log_offset: int
+    message: Message
+
+
+def encode_parked(parked_time: int, attempt: int, schedule_offset: int, reason: str,
+                  scheduled_payload: bytes) -> bytes:
     raw = reason.encode("utf-8")[:0xFFFF]
-    return PARKED_HEAD.pack(parked_time, attempt, len(raw)) + raw + scheduled_payload
+    while True:
+        try:
+            raw.decode("utf-8")
+            break
+        except UnicodeDecodeError:  # the cut fell inside a character
+            raw = raw[:-1]
+    return PARKED_HEAD.pack(parked_time, attempt, schedule_offset, len(raw)) + raw + scheduled_payload
 
 
-def decode_parked(buf, start: int = 0, end: int | None = None) -> tuple[int, int, str, int, Message]:
-    """``(parked_time, attempt, reason, message_log_offset, message)``."""
-    when, attempt, rlen = PARKED_HEAD.unpack_from(buf, start)
+def decode_parked(buf, start: int = 0, end: int | None = None) -> Parked:
+    when, attempt, soff, rlen = PARKED_HEAD.unpack_from(buf, start)
     pos = start + PARKED_HEAD.size
     reason = bytes(memoryview(buf)[pos : pos + rlen]).decode("utf-8")
     offset, message = decode_scheduled(buf, pos + rlen, end)
-    return when, attempt, reason, offset, message
+    return Parked(when, attempt, soff, reason, offset, message)
 
 
 def decode_payload(rtype: int, buf, start: int, end: int):

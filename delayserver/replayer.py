@@ -1,0 +1,208 @@
+"""The replayer: message_log -> schedule_log segments, then into the wheel when `can_add` says so.
+
+The checkpoint (checkpoint/replay.json) holds the message_log offset replay has reached and the
+schedule segment sizes at that moment, written only after those segments are fsynced. On open,
+every schedule segment is truncated back to its checkpointed size and replay resumes from the
+checkpointed offset. Each bucket's segment is its records in message_log order, so re-replaying
+rebuilds the same bytes at the same offsets: a message is never scheduled twice, and dispatch_log
+records of offsets past the checkpoint stay valid (tests/test_replayer.py).
+
+Within a pass, appends to several buckets are all-or-nothing: if one fails (a full disk), the
+buckets written in that pass are truncated back and the pass is retried later from the same cursor.
+"""
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from delayserver import failpoints
+from delayserver.storage.buckets import bucket_name, parse_bucket_name
+from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.record import (
+    CANCEL_HEAD, MESSAGE_HEAD, OFFSET, RecordError, RecordType, encode_record, iter_records,
+)
+from delayserver.storage.segment import CorruptSegment, StorageError
+from delayserver.storage.store import Store
+from delayserver.wakeup import Wakeup
+
+log = logging.getLogger("delayserver.replayer")
+
+CHECKPOINT_NAME = "replay.json"
+
+
+class Replayer:
+    def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0):
+        self.store = store
+        self.ticks = ticks
+        self.offset = offset
+        self.max_sequence = max_sequence
+        self.checkpointed_offset = offset
+        self.replayed = 0
+        self.caught_up = Wakeup()
+
+    @property
+    def checkpoint_path(self):
+        return self.store.checkpoint_dir / CHECKPOINT_NAME
+
+    @classmethod
+    def open(cls, store: Store, ticks) -> "Replayer":
+        """Restore the checkpoint: truncate schedule segments to it and find the top sequence.
+
+        Raises StorageError if a segment is shorter than its checkpointed size (fsynced data went
+        missing) or the checkpoint points past the end of message_log.
+        """
+        cp = read_checkpoint(store.checkpoint_dir / CHECKPOINT_NAME) or {}
+        offset = cp.get("message_log_offset", store.message_log.start_offset)
+        sizes = {parse_bucket_name(k): v for k, v in cp.get("schedule_sizes", {}).items()}
+        if offset > store.message_log.end_offset:
+            raise StorageError(
+                f"replay checkpoint offset {offset} is past the end of message_log ({store.message_log.end_offset})"
+            )
+        schedule_log = store.schedule_log
+        for bucket in schedule_log.buckets():
+            kept = sizes.get(bucket, 0)
+            actual = schedule_log.size(bucket)
+            if actual < kept:
+                raise StorageError(
+                    f"{schedule_log.path(bucket)} holds {actual} bytes but the replay checkpoint says {kept}"
+                )
+            if actual > kept:
+                log.info("%s: truncating %d bytes replayed after the checkpoint", schedule_log.path(bucket), actual - kept)
+                schedule_log.truncate(bucket, kept)
+        schedule_log.sync()
+        self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0))
+        self.max_sequence = max(self.max_sequence, self._scan_sequences(offset))
+        return self
+
+    def _scan_sequences(self, offset: int) -> int:
+        top = 0
+        for _, rtype, payload in self.store.message_log.iter_from(offset):
+            if rtype == RecordType.MESSAGE:
+                top = max(top, MESSAGE_HEAD.unpack_from(payload, 0)[2])
+            elif rtype == RecordType.CANCEL:
+                top = max(top, CANCEL_HEAD.unpack_from(payload, 0)[2])
+        return top
+
+    def replay_once(self, now: int, limit: int, max_bytes: int = 1 << 20) -> int:
+        """Replay whole records from the cursor up to message_log offset `limit`; returns how many.
+
+        Raises CorruptSegment for damage in message_log, StorageError (DiskFull) when a schedule
+        append fails (the pass is rolled back; call again later).
+        """
+        if self.offset >= limit:
+            return 0
+        data, base = self.store.message_log.read(self.offset, max_bytes)
+        scale = self.store.segment_scale_ms
+        per_bucket: dict[int, list[bytes]] = {}
+        sizes: dict[int, int] = {}
+        notes = []  # (bucket, offset in bucket, kind, schedule_time, message id or None)
+        end = self.offset
+        try:
+            for pos, rtype, s, e in iter_records(data):
+                off = base + pos
+                if off >= limit:
+                    break
+                if rtype == RecordType.MESSAGE:
+                    _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(data, s)
+                    kind, mid = RecordType.SCHEDULED, None
+                elif rtype == RecordType.CANCEL:
+                    _, sched, seq, idlen = CANCEL_HEAD.unpack_from(data, s)
+                    kind = RecordType.SCHEDULED_CANCEL
+                    mid = bytes(data[s + CANCEL_HEAD.size : s + CANCEL_HEAD.size + idlen]).decode("utf-8")
+                else:
+                    raise CorruptSegment(self.store.message_log.directory, off, f"unexpected record type {rtype}")
+                bucket = sched - sched % scale
+                rec = encode_record(kind, OFFSET.pack(off) + data[s:e])
+                recs = per_bucket.setdefault(bucket, [])
+                if bucket not in sizes:
+                    sizes[bucket] = self.store.schedule_log.size(bucket)
+                notes.append((bucket, sizes[bucket], kind, sched, mid))
+                sizes[bucket] += len(rec)
+                recs.append(rec)
+                self.max_sequence = max(self.max_sequence, seq)
+                end = base + e
+        except RecordError as err:
+            raise CorruptSegment(self.store.message_log.directory, base + err.offset, err.reason) from None
+        self._append_all(per_bucket)
+        for bucket, offset, kind, sched, mid in notes:
+            if kind == RecordType.SCHEDULED:
+                self.ticks.on_replayed(bucket, offset, sched, now)
+            else:
+                self.ticks.on_cancel(bucket, offset, sched, mid)
+        self.offset = end
+        self.replayed += len(notes)
+        return len(notes)
+
+    def _append_all(self, per_bucket: dict[int, list[bytes]]) -> None:
+        schedule_log = self.store.schedule_log
+        done: list[tuple[int, int]] = []
+        try:
+            for bucket, recs in per_bucket.items():
+                before = schedule_log.size(bucket)
+                schedule_log.append(bucket, b"".join(recs))
+                done.append((bucket, before))
+        except StorageError:
+            for bucket, before in done:
+                schedule_log.truncate(bucket, before)
+            raise
+
+    def checkpoint(self) -> None:
+        """fsync the schedule segments, then record the offset and sizes atomically."""
+        self._write_checkpoint(self._snapshot())
+
+    def _snapshot(self):
+        paths, new_files = self.store.schedule_log.take_dirty()
+        data = {
+            "message_log_offset": self.offset,
+            "max_sequence": self.max_sequence,
+            "schedule_sizes": {bucket_name(b): s for b, s in self.store.schedule_log.sizes.items()},
+        }
+        return paths, new_files, data
+
+    def _write_checkpoint(self, snapshot) -> None:
+        paths, new_files, data = snapshot
+        self.store.schedule_log.sync_paths(paths, new_files)
+        failpoints.hit("schedule-before-checkpoint")
+        write_checkpoint(self.checkpoint_path, data)
+        self.checkpointed_offset = data["message_log_offset"]
+
+    async def checkpoint_async(self) -> None:
+        """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread)."""
+        snapshot = self._snapshot()
+        try:
+            await trio.to_thread.run_sync(self._write_checkpoint, snapshot)
+        except StorageError:
+            self.store.schedule_log.mark_dirty(snapshot[0])
+            raise
+
+    async def serve(self, clock, durable_offset, new_data: Wakeup, *, checkpoint_interval_ms: int = 1000,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Replay forever: whenever `new_data` is set, up to `durable_offset()`.
+
+        A failed pass (full disk) is logged and retried after a pause, never skipped.
+        """
+        task_status.started()
+        last_checkpoint = clock.now_ms()
+        while True:
+            try:
+                n = self.replay_once(clock.now_ms(), durable_offset())
+            except StorageError as e:
+                if isinstance(e, CorruptSegment):
+                    raise
+                log.error("replay pass failed, will retry: %s", e)
+                await trio.sleep(0.5)
+                continue
+            if n:
+                self.caught_up.set()
+            now = clock.now_ms()
+            if self.offset != self.checkpointed_offset and now - last_checkpoint >= checkpoint_interval_ms:
+                try:
+                    await self.checkpoint_async()
+                except StorageError as e:
+                    log.error("replay checkpoint failed, will retry: %s", e)
+                last_checkpoint = now
+            if n == 0:
+                await new_data.wait(checkpoint_interval_ms / 1000)
+            else:
+                await trio.lowlevel.checkpoint()

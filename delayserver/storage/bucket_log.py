@@ -1,0 +1,165 @@
+"""Logs with one segment per bucket: schedule_log and dispatch_log.
+
+Any bucket's segment may be appended to (messages arrive for any delivery time), so there can be
+thousands of segments; file descriptors are kept in a small LRU and reopened on demand. fsync works
+on the file, not the descriptor, so a segment closed before its fsync is synced by reopening it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from pathlib import Path
+
+from delayserver.storage.buckets import bucket_name, parse_bucket_name
+from delayserver.storage.directory import SegmentDirectory
+from delayserver.storage.record import RecordError, iter_records
+from delayserver.storage.segment import CorruptSegment, Segment, fsync_dir, fsync_fd, read_file, scan, write_all
+
+log = logging.getLogger("delayserver.storage")
+
+SUFFIX = ".log"
+MAX_OPEN_FDS = 128
+
+
+class BucketLog:
+    """A directory of per-bucket segments; `sizes` maps bucket start -> end of the last record."""
+
+    def __init__(self, directory: Path, max_open: int = MAX_OPEN_FDS):
+        self.directory = Path(directory)
+        self.sizes: SegmentDirectory[int] = SegmentDirectory()
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._dirty: set[int] = set()
+        self._max_open = max_open
+        self._new_files = False
+
+    @classmethod
+    def open(cls, directory: Path, **kw) -> "BucketLog":
+        """List the segments; no scan (callers recover tails against their checkpoint)."""
+        self = cls(directory, **kw)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in self.directory.glob("*" + SUFFIX):
+            try:
+                bucket = parse_bucket_name(path.name[: -len(SUFFIX)])
+            except ValueError:
+                continue
+            self.sizes[bucket] = path.stat().st_size
+        return self
+
+    def path(self, bucket: int) -> Path:
+        return self.directory / (bucket_name(bucket) + SUFFIX)
+
+    def buckets(self) -> list[int]:
+        return self.sizes.keys()
+
+    def size(self, bucket: int) -> int:
+        return self.sizes[bucket] if bucket in self.sizes else 0
+
+    def _fd(self, bucket: int) -> int:
+        fd = self._fds.get(bucket)
+        if fd is not None:
+            self._fds.move_to_end(bucket)
+            return fd
+        if bucket not in self.sizes:
+            self.sizes[bucket] = 0
+            self._new_files = True
+        fd = os.open(self.path(bucket), os.O_RDWR | os.O_CREAT, 0o644)
+        self._fds[bucket] = fd
+        while len(self._fds) > self._max_open:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        return fd
+
+    def append(self, bucket: int, data: bytes) -> int:
+        """Append encoded records to the bucket's segment in one write; returns their offset.
+
+        Does not fsync (see `sync`). Raises DiskFull / StorageError with the segment intact.
+        """
+        pos = self.size(bucket)
+        write_all(self._fd(bucket), data, pos, self.path(bucket))
+        self.sizes[bucket] = pos + len(data)
+        self._dirty.add(bucket)
+        return pos
+
+    def sync(self) -> None:
+        """fsync every segment written since the last sync, and the directory if files appeared."""
+        for bucket in sorted(self._dirty):
+            fsync_fd(self._fd(bucket), self.path(bucket))
+        self._dirty.clear()
+        if self._new_files:
+            fsync_dir(self.directory)
+            self._new_files = False
+
+    def take_dirty(self) -> tuple[list[Path], bool]:
+        """Hand over what `sync` would fsync, for `sync_paths` in a worker thread."""
+        paths = [self.path(b) for b in sorted(self._dirty)]
+        new_files, self._new_files = self._new_files, False
+        self._dirty.clear()
+        return paths, new_files
+
+    def mark_dirty(self, paths: list[Path]) -> None:
+        """Put back what a failed `sync_paths` did not make durable."""
+        for path in paths:
+            self._dirty.add(parse_bucket_name(path.name[: -len(SUFFIX)]))
+        self._new_files = True
+
+    def sync_paths(self, paths: list[Path], new_files: bool) -> None:
+        """fsync files by path (safe off the trio thread: it shares no descriptor with the LRU)."""
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fsync_fd(fd, path)
+            finally:
+                os.close(fd)
+        if new_files:
+            fsync_dir(self.directory)
+
+    def read(self, bucket: int, start: int = 0, end: int | None = None) -> bytes:
+        size = self.size(bucket)
+        end = size if end is None else min(end, size)
+        if end <= start:
+            return b""
+        return os.pread(self._fd(bucket), end - start, start)
+
+    def truncate(self, bucket: int, size: int) -> None:
+        if self.size(bucket) > size:
+            os.ftruncate(self._fd(bucket), size)
+            self.sizes[bucket] = size
+            self._dirty.add(bucket)
+
+    def recover_tail(self, bucket: int) -> None:
+        """Scan the bucket's segment; truncate a torn tail (logged). Raises CorruptSegment."""
+        path = self.path(bucket)
+        if not path.exists():
+            return
+        result = scan(read_file(path), path)
+        if result.torn_bytes:
+            log.warning("%s: torn tail at offset %d (%s): truncating %d bytes",
+                        path, result.valid_end, result.torn_reason, result.torn_bytes)
+            self.sizes[bucket] = path.stat().st_size
+            self.truncate(bucket, result.valid_end)
+            self.sync()
+
+    def records(self, bucket: int, start: int = 0, end: int | None = None):
+        """Yield ``(offset, rtype, payload)`` for whole records; raises CorruptSegment on a bad one."""
+        data = self.read(bucket, start, end)
+        try:
+            for pos, rtype, s, e in iter_records(data):
+                yield start + pos, rtype, data[s:e]
+        except RecordError as e:
+            raise CorruptSegment(self.path(bucket), start + e.offset, e.reason) from None
+
+    def remove(self, bucket: int) -> None:
+        fd = self._fds.pop(bucket, None)
+        if fd is not None:
+            os.close(fd)
+        self._dirty.discard(bucket)
+        if bucket in self.sizes:
+            self.sizes.pop(bucket)
+        self.path(bucket).unlink(missing_ok=True)
+        fsync_dir(self.directory)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

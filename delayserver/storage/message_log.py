@@ -1,0 +1,167 @@
+"""message_log: the append-only log every received message lands in first.
+
+Segments roll at `segment_bytes` and are named by their 20-digit base offset; an offset is global
+(base + position in segment). Only the last segment is written; sealed ones were fsynced before the
+roll, so damage in them is corruption, never a torn tail.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from delayserver import failpoints
+from delayserver.storage.directory import SegmentDirectory
+from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records
+from delayserver.storage.segment import CorruptSegment, Segment, fsync_dir, read_file
+
+log = logging.getLogger("delayserver.storage")
+
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+SUFFIX = ".log"
+
+
+def segment_name(base: int) -> str:
+    return f"{base:020d}{SUFFIX}"
+
+
+class MessageLog:
+    def __init__(self, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.segments: SegmentDirectory[int] = SegmentDirectory()  # base -> size of sealed segment
+        self.active: Segment | None = None
+        self.active_base = 0
+
+    @classmethod
+    def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "MessageLog":
+        """Open the log, recovering the last segment's torn tail. Raises CorruptSegment."""
+        self = cls(directory, segment_bytes)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in sorted(self.directory.glob("*" + SUFFIX)):
+            stem = path.name[: -len(SUFFIX)]
+            if len(stem) == 20 and stem.isdigit():
+                self.segments[int(stem)] = path.stat().st_size
+        last = self.segments.last()
+        if last is None:
+            self._start_segment(0)
+        else:
+            self.active_base = last
+            self.active = Segment.open(self._path(last))
+            self.segments[last] = self.active.size
+        return self
+
+    def _path(self, base: int) -> Path:
+        return self.directory / segment_name(base)
+
+    def _start_segment(self, base: int) -> None:
+        self.active = Segment.open(self._path(base), recover=False)
+        self.active_base = base
+        self.segments[base] = 0
+        fsync_dir(self.directory)
+
+    @property
+    def end_offset(self) -> int:
+        return self.active_base + self.active.size
+
+    @property
+    def start_offset(self) -> int:
+        return self.segments.first()
+
+    def append(self, data: bytes) -> int:
+        """Append already-encoded records in one write; returns the offset of the first byte.
+
+        Rolls to a new segment first when `data` would not fit in the active one. Does not fsync:
+        call `sync()` before acknowledging. Raises DiskFull / StorageError with the log intact.
+        """
+        if self.active.size and self.active.size + len(data) > self.segment_bytes:
+            self.roll()
+        pos = self.active.append(data)
+        self.segments[self.active_base] = self.active.size
+        return self.active_base + pos
+
+    def roll(self) -> None:
+        self.active.sync()
+        failpoints.hit("segment-roll")
+        base = self.end_offset
+        self.active.close()
+        self._start_segment(base)
+
+    def sync(self) -> None:
+        self.active.sync()
+
+    def truncate(self, offset: int) -> None:
+        """Drop everything at and after `offset` (a slave realigning with its master)."""
+        while self.active_base > offset:
+            self.active.close()
+            self._path(self.active_base).unlink()
+            self.segments.pop(self.active_base)
+            base = self.segments.last()
+            self.active_base = base
+            self.active = Segment.open(self._path(base), recover=False)
+        self.active.truncate(offset - self.active_base)
+        self.segments[self.active_base] = self.active.size
+
+    def read(self, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
+        """Raw bytes of whole records from `offset`: ``(data, base_offset_of_data)``.
+
+        At least one whole record is returned when one exists, even one over `max_bytes`. At a
+        segment's end the read moves to the next segment. Empty data means nothing new.
+        """
+        base = self.segments.locate(offset)
+        if base is None:
+            raise ValueError(f"offset {offset} is before the first message_log segment")
+        size = self.active.size if base == self.active_base else self.segments[base]
+        if offset - base >= size:
+            nxt = self.segments.higher(base)
+            if nxt is None:
+                return b"", offset
+            base, offset = nxt, nxt
+            size = self.active.size if base == self.active_base else self.segments[base]
+        pos = offset - base
+        if base == self.active_base:
+            chunk = self.active.read(pos, pos + max_bytes)
+        else:
+            chunk = read_file(self._path(base), pos, min(size, pos + max_bytes))
+        end = 0
+        try:
+            for _, _, _, stop in iter_records(chunk):
+                end = stop
+        except RecordError as e:
+            raise CorruptSegment(self._path(base), pos + e.offset, e.reason) from None
+        if end == 0 and chunk:
+            # One record larger than max_bytes: read exactly it.
+            _, length, _ = HEADER.unpack_from(chunk, 0)
+            return self.read_exact(base, pos, length), offset
+        return chunk[:end], offset
+
+    def read_exact(self, base: int, pos: int, length: int) -> bytes:
+        if base == self.active_base:
+            return self.active.read(pos, pos + HEADER_SIZE + length)
+        return read_file(self._path(base), pos, pos + HEADER_SIZE + length)
+
+    def iter_from(self, offset: int):
+        """Yield ``(offset, rtype, payload)`` for every record from `offset` to the end."""
+        while True:
+            data, base = self.read(offset)
+            if not data:
+                return
+            for pos, rtype, start, stop in iter_records(data):
+                yield base + pos, rtype, data[start:stop]
+            offset = base + len(data)
+
+    def delete_before(self, offset: int) -> list[int]:
+        """Delete sealed segments that end at or before `offset`; returns their bases."""
+        deleted = []
+        for base in self.segments.keys():
+            if base == self.active_base or base + self.segments[base] > offset:
+                break
+            self._path(base).unlink()
+            self.segments.pop(base)
+            deleted.append(base)
+        if deleted:
+            fsync_dir(self.directory)
+        return deleted
+
+    def close(self) -> None:
+        if self.active is not None:
+            self.active.close()

@@ -1,0 +1,204 @@
+"""One segment file: append, read, fsync, and recovery that keeps three outcomes apart.
+
+Recovery of a segment ends in exactly one of:
+
+- clean end: every byte belongs to a whole, valid record;
+- torn tail: the records stop being valid at some offset and nothing valid follows (a write cut
+  short by a crash, a zero-filled tail, a flipped bit in the last record). The tail is truncated
+  and the file, offset and bytes dropped are logged;
+- corruption: a bad record with a valid record after it, so the damage is inside data that was
+  once whole. CorruptSegment names the file and offset; nothing past it is ever yielded.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import attrs
+
+from delayserver.storage.record import HEADER, HEADER_SIZE, MAX_PAYLOAD_BYTES, VALID_TYPES, RecordError, checksum, parse_record
+
+log = logging.getLogger("delayserver.storage")
+
+
+class StorageError(Exception):
+    """An I/O failure of the storage engine."""
+
+
+class DiskFull(StorageError):
+    """No space left: the write was rolled back, nothing stored was damaged."""
+
+
+class FsyncFailed(StorageError):
+    """fsync failed: what was written since the last good fsync may be lost (never ack it)."""
+
+
+class CorruptSegment(StorageError):
+    """A damaged record inside data that was once whole."""
+
+    def __init__(self, path, offset: int, reason: str):
+        super().__init__(f"{path}: corrupt record at offset {offset}: {reason}")
+        self.path = Path(path)
+        self.offset = offset
+        self.reason = reason
+
+
+@attrs.frozen
+class ScanResult:
+    valid_end: int
+    records: int
+    torn_bytes: int
+    torn_reason: str = ""
+
+
+def _valid_record_at(buf, pos: int) -> bool:
+    end = len(buf)
+    if pos + HEADER_SIZE > end or buf[pos + 8] not in VALID_TYPES:
+        return False
+    crc, length, rtype = HEADER.unpack_from(buf, pos)
+    if length > MAX_PAYLOAD_BYTES or pos + HEADER_SIZE + length > end:
+        return False
+    return checksum(rtype, memoryview(buf)[pos + HEADER_SIZE : pos + HEADER_SIZE + length]) == crc
+
+
+def find_valid_record_after(buf, pos: int) -> int | None:
+    """The first offset past `pos` where a whole valid record starts, or None.
+
+    Used only after damage is found, to tell a torn tail (nothing valid follows) from corruption
+    (valid data follows, so truncating would destroy it). Its cost is the distance to the next
+    valid record, since the check per byte fails fast on the type byte.
+    """
+    for p in range(pos + 1, len(buf) - HEADER_SIZE + 1):
+        if _valid_record_at(buf, p):
+            return p
+    return None
+
+
+def scan(buf, path, *, allow_torn_tail: bool = True) -> ScanResult:
+    """Walk every record of a segment image and classify its end (see the module docstring).
+
+    Raises CorruptSegment for damage followed by valid data, or for any damage when
+    `allow_torn_tail` is False (a sealed segment has no tail that may be torn).
+    """
+    pos, count, end = 0, 0, len(buf)
+    while pos < end:
+        try:
+            parsed = parse_record(buf, pos, end)
+            reason = "incomplete record"
+        except RecordError as e:
+            parsed, reason = None, e.reason
+        if parsed is None:
+            if not allow_torn_tail:
+                raise CorruptSegment(path, pos, reason + " in a sealed segment")
+            following = find_valid_record_after(buf, pos)
+            if following is not None:
+                raise CorruptSegment(path, pos, f"{reason}; valid records follow at {following}")
+            return ScanResult(pos, count, end - pos, reason)
+        pos = parsed[2]
+        count += 1
+    return ScanResult(pos, count, 0)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, start: int = 0, end: int | None = None) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read() if end is None else f.read(end - start)
+
+
+def write_all(fd: int, data, pos: int, path) -> None:
+    """pwrite all of `data` at `pos`; on failure truncate back to `pos` and raise.
+
+    Raises DiskFull on ENOSPC/EDQUOT and StorageError on any other OSError. Either way the file
+    ends where it ended before the call, so nothing stored is damaged.
+    """
+    view = memoryview(data)
+    written = 0
+    try:
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], pos + written)
+    except OSError as e:
+        try:
+            os.ftruncate(fd, pos)
+        except OSError:
+            log.error("%s: could not truncate back to %d after a failed write", path, pos)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"{path}: no space left on device") from e
+        raise StorageError(f"{path}: write failed: {e}") from e
+
+
+def fsync_fd(fd: int, path) -> None:
+    """fsync, translated: an fsync error is never retried (the page cache may have dropped data)."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise FsyncFailed(f"{path}: fsync failed: {e}") from e
+
+
+@attrs.define(eq=False)
+class Segment:
+    """An open segment file. `size` is the end of the last whole record."""
+
+    path: Path
+    fd: int
+    size: int
+
+    @classmethod
+    def open(cls, path: Path, *, create: bool = True, recover: bool = True, sealed: bool = False) -> "Segment":
+        """Open (and with `recover`, scan) a segment; a torn tail is truncated and logged.
+
+        Raises CorruptSegment when damage is not a torn tail (see `scan`).
+        """
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if recover and size:
+                result = scan(read_file(path), path, allow_torn_tail=not sealed)
+                if result.torn_bytes:
+                    log.warning(
+                        "%s: torn tail at offset %d (%s): truncating %d bytes",
+                        path, result.valid_end, result.torn_reason, result.torn_bytes,
+                    )
+                    os.ftruncate(fd, result.valid_end)
+                    fsync_fd(fd, path)
+                size = result.valid_end
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, size)
+
+    def append(self, data) -> int:
+        """Write `data` at the end; returns the offset it starts at. Does not fsync."""
+        pos = self.size
+        write_all(self.fd, data, pos, self.path)
+        self.size = pos + len(data)
+        return pos
+
+    def sync(self) -> None:
+        fsync_fd(self.fd, self.path)
+
+    def read(self, start: int, end: int | None = None) -> bytes:
+        end = self.size if end is None else min(end, self.size)
+        if end <= start:
+            return b""
+        return os.pread(self.fd, end - start, start)
+
+    def truncate(self, size: int) -> None:
+        if size < self.size:
+            os.ftruncate(self.fd, size)
+            self.size = size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

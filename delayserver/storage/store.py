@@ -1,0 +1,102 @@
+"""The data directory: message_log, schedule_log, dispatch_log and checkpoints, opened together.
+
+Layout::
+
+    DATA_DIR/message_log/00000000000000000000.log   segments by base offset
+    DATA_DIR/schedule_log/202611221600.log          one per bucket (UTC start)
+    DATA_DIR/dispatch_log/202611221600.log          one per bucket
+    DATA_DIR/checkpoint/replay.json                 replay offset + schedule segment sizes
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from delayserver.storage.bucket_log import BucketLog
+from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
+from delayserver.storage.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
+from delayserver.storage.record import (
+    DISPATCH_HEAD, SCHEDULED_CANCEL_HEAD, RecordType, Dispatch, decode_dispatch, scheduled_key,
+)
+
+
+@attrs.define(eq=False)
+class Store:
+    root: Path
+    segment_scale_ms: int
+    message_log: MessageLog
+    schedule_log: BucketLog
+    dispatch_log: BucketLog
+
+    @classmethod
+    def open(cls, root: Path, *, segment_scale_ms: int = DEFAULT_SCALE_MS,
+             message_log_segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "Store":
+        root = Path(root)
+        check_scale(segment_scale_ms)
+        (root / "checkpoint").mkdir(parents=True, exist_ok=True)
+        return cls(
+            root,
+            segment_scale_ms,
+            MessageLog.open(root / "message_log", message_log_segment_bytes),
+            BucketLog.open(root / "schedule_log"),
+            BucketLog.open(root / "dispatch_log"),
+        )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "checkpoint"
+
+    def dispatched(self, bucket: int) -> dict[int, Dispatch]:
+        """schedule_log offset -> its first dispatch record, after recovering a torn tail."""
+        self.dispatch_log.recover_tail(bucket)
+        out: dict[int, Dispatch] = {}
+        for _, rtype, payload in self.dispatch_log.records(bucket):
+            if rtype == RecordType.DISPATCH:
+                d = decode_dispatch(payload)
+                out.setdefault(d.schedule_offset, d)
+        return out
+
+    def close(self) -> None:
+        self.message_log.close()
+        self.schedule_log.close()
+        self.dispatch_log.close()
+
+
+@attrs.frozen
+class BucketStats:
+    bucket: int
+    scheduled: int
+    dispatched: int
+    cancelled: int
+    pending: int
+    duplicate_dispatches: int
+
+
+def bucket_stats(schedule_log: BucketLog, dispatch_log: BucketLog, bucket: int) -> BucketStats:
+    """Count one bucket from its segments (raises CorruptSegment on damage).
+
+    A message is cancelled when a cancel for its (id, schedule time) follows it and it was never
+    dispatched; dispatched when its offset has a dispatch record; pending otherwise.
+    """
+    offsets_by_key: dict[tuple[str, int], list[int]] = {}
+    scheduled = 0
+    cancelled_offsets: set[int] = set()
+    for offset, rtype, payload in schedule_log.records(bucket):
+        if rtype == RecordType.SCHEDULED:
+            _, sched, _, mid = scheduled_key(payload, 0)
+            offsets_by_key.setdefault((mid, sched), []).append(offset)
+            scheduled += 1
+        elif rtype == RecordType.SCHEDULED_CANCEL:
+            _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(payload, 0)
+            mid = payload[SCHEDULED_CANCEL_HEAD.size : SCHEDULED_CANCEL_HEAD.size + idlen].decode("utf-8")
+            cancelled_offsets.update(offsets_by_key.get((mid, sched), ()))
+    dispatch_count = 0
+    dispatched: set[int] = set()
+    for _, rtype, payload in dispatch_log.records(bucket):
+        if rtype == RecordType.DISPATCH:
+            dispatched.add(DISPATCH_HEAD.unpack_from(payload, 0)[0])
+            dispatch_count += 1
+    cancelled = len(cancelled_offsets - dispatched)
+    return BucketStats(bucket, scheduled, len(dispatched), cancelled,
+                       scheduled - len(dispatched) - cancelled, dispatch_count - len(dispatched))

@@ -1,0 +1,45 @@
+"""The trio task around the tick manager: load ahead, advance the wheel, wake the sender.
+
+It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
+the replayer (an entry earlier than the current sleep), or at most `max_sleep_ms` (so that a
+wall-clock step is noticed within that time). It never spins through empty ticks.
+"""
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from delayserver.wakeup import Wakeup
+from delayserver.wheel.tick_manager import TickManager
+
+log = logging.getLogger("delayserver.wheel")
+
+
+async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms: int = 1000,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Recover (load every bucket up to the load target) before reporting started, then tick."""
+    while ticks.load_step(clock.now_ms()):
+        if ticks.ready:
+            ready.set()
+        await trio.lowlevel.checkpoint()
+    log.info("recovered: %d messages in memory, %d overdue", ticks.loaded, len(ticks.ready))
+    task_status.started()
+    while True:
+        now = clock.now_ms()
+        ticks.advance(now)
+        while ticks.load_step(now):
+            await trio.lowlevel.checkpoint()
+            now = clock.now_ms()
+        ticks.advance(now)
+        if ticks.ready:
+            ready.set()
+        wake_at = now + max_sleep_ms
+        due = ticks.wheel.next_due()
+        if due is not None:
+            wake_at = min(wake_at, due)
+        wake_at = min(wake_at, ticks.next_load_time())
+        ticks.sleeping_until = wake_at
+        with trio.move_on_after(max(0, wake_at - now) / 1000 + 0.0005):
+            await ticks.changed.wait()
+        ticks.sleeping_until = None

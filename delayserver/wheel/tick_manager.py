@@ -1,0 +1,273 @@
+"""The tick manager: what is loaded into the wheel, and what fires.
+
+Schedule segments are loaded `load_ahead_ms` before their bucket starts, in bucket order, tracked
+by two cursors:
+
+- the loading cursor: the bucket being loaded and its end offset pinned when loading began;
+- the loaded cursor: the offset in that bucket up to which records are in memory, advanced record
+  by record, so that a load cut short resumes where it stopped.
+
+`can_add(bucket, offset)` decides whether a freshly replayed record goes straight into the wheel:
+a bucket before the loading cursor, yes (the loader has passed it); the bucket being loaded, only
+past the pinned end (the loader stops there); a later bucket, no (the loader will read it). So
+every record reaches the wheel exactly once, whichever of the replayer and the loader sees it
+first (tests/test_tick_manager.py::test_records_racing_the_loader_fire_once).
+
+When no segment exists yet for the target bucket, both cursors move onto it (pinned end 0): the
+blocking-exit rule, without which replayed messages for an empty upcoming bucket would wait for
+a loader that has nothing to load.
+
+Memory: a loaded message is one (due, ref) pair in the wheel's arrays, where
+ref = bucket_id << 40 | schedule_offset. Cancels are kept per bucket until the bucket completes.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+from delayserver.storage.record import (
+    HEADER, HEADER_SIZE, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType,
+    decode_scheduled, iter_records, parse_record,
+)
+from delayserver.storage.segment import CorruptSegment
+from delayserver.storage.store import Store
+from delayserver.wakeup import Wakeup
+from delayserver.wheel.timingwheel import TimingWheel
+
+log = logging.getLogger("delayserver.wheel")
+
+OFFSET_BITS = 40
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+LOAD_CHUNK_BYTES = 4 << 20  # records bigger than this are read whole
+
+
+def cancel_key(payload) -> tuple[int, str]:
+    """(schedule_time, message_id) of a SCHEDULED_CANCEL payload."""
+    _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(payload, 0)
+    start = SCHEDULED_CANCEL_HEAD.size
+    return sched, bytes(payload[start : start + idlen]).decode("utf-8")
+
+
+class TickManager:
+    """Synchronous core: loading, can_add, firing, cancels. Time is always passed in."""
+
+    def __init__(self, store: Store, *, now_ms: int, tick_ms: int = 10, slots: int = 1 << 16,
+                 load_ahead_ms: int | None = None, settled_elsewhere=None):
+        """`settled_elsewhere(bucket) -> set of offsets` names records that a load must skip besides
+        those in dispatch_log (parked messages)."""
+        self.store = store
+        self.scale = store.segment_scale_ms
+        self.load_ahead_ms = self.scale // 2 if load_ahead_ms is None else load_ahead_ms
+        self.wheel = TimingWheel(tick_ms=tick_ms, slots=slots, start_ms=now_ms)
+        self._bucket_ids: dict[int, int] = {}
+        self._buckets: list[int] = []
+        self.loading_bucket: int | None = None
+        self.loading_end = 0
+        self.loaded_offset = 0
+        self._skip_in_load: set[int] = set()
+        self._settled_elsewhere = settled_elsewhere
+        # Per bucket: messages in the wheel, ready or in flight; and (sched, id) -> cancel offset.
+        self.outstanding: collections.Counter[int] = collections.Counter()
+        self.cancels: dict[int, dict[tuple[int, str], int]] = {}
+        self.ready: collections.deque[int] = collections.deque()
+        self.inflight: set[int] = set()
+        self.last_now = now_ms
+        # The tick task sleeps until `sleeping_until`; an earlier entry must wake it.
+        self.sleeping_until: int | None = None
+        self.changed = Wakeup()
+        self.fired = 0
+        self.cancelled_drops = 0
+
+    # --- refs -------------------------------------------------------------------------------
+
+    def ref(self, bucket: int, offset: int) -> int:
+        bid = self._bucket_ids.get(bucket)
+        if bid is None:
+            bid = self._bucket_ids[bucket] = len(self._buckets)
+            self._buckets.append(bucket)
+        return bid << OFFSET_BITS | offset
+
+    def split(self, ref: int) -> tuple[int, int]:
+        """(bucket, schedule_offset) of a ref."""
+        return self._buckets[ref >> OFFSET_BITS], ref & OFFSET_MASK
+
+    # --- adding -------------------------------------------------------------------------------
+
+    def can_add(self, bucket: int, offset: int) -> bool:
+        if self.loading_bucket is None:
+            return False
+        if bucket < self.loading_bucket:
+            return True
+        return bucket == self.loading_bucket and offset >= self.loading_end
+
+    def add(self, bucket: int, offset: int, schedule_time: int, now: int) -> None:
+        ref = self.ref(bucket, offset)
+        self.outstanding[bucket] += 1
+        if not self.wheel.add(schedule_time, ref, now):
+            self.ready.append(ref)
+            self.changed.set()
+        elif self.sleeping_until is not None and schedule_time < self.sleeping_until:
+            self.changed.set()
+
+    def on_replayed(self, bucket: int, offset: int, schedule_time: int, now: int) -> bool:
+        """A SCHEDULED record was appended by the replayer; True if it went into memory."""
+        if self.can_add(bucket, offset):
+            self.add(bucket, offset, schedule_time, now)
+            return True
+        return False
+
+    def on_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:
+        """A SCHEDULED_CANCEL at `offset`: every earlier record of that key is dropped at fire."""
+        self.cancels.setdefault(bucket, {})[(schedule_time, message_id)] = offset
+
+    def is_cancelled(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> bool:
+        return self.cancels.get(bucket, {}).get((schedule_time, message_id), -1) > offset
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def load_target(self, now: int) -> int:
+        t = now + self.load_ahead_ms
+        return t - t % self.scale
+
+    def load_step(self, now: int, max_bytes: int = LOAD_CHUNK_BYTES) -> bool:
+        """Load one chunk toward the target bucket; True while there is more to do now.
+
+        Raises CorruptSegment on a damaged record (nothing past it is loaded).
+        """
+        target = self.load_target(now)
+        if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
+            self._load_chunk(now, max_bytes)
+            return True
+        nxt = self._next_bucket()
+        if nxt is not None and nxt <= target:
+            self._begin(nxt)
+            return True
+        if self.loading_bucket is None or self.loading_bucket < target:
+            # Blocking exit: no segment for the target bucket yet, so move the cursors onto it
+            # and let the replayer put its records straight into the wheel.
+            self._begin(target)
+        return False
+
+    def _next_bucket(self) -> int | None:
+        sizes = self.store.schedule_log.sizes
+        if self.loading_bucket is None:
+            return sizes.first()
+        return sizes.higher(self.loading_bucket)
+
+    def _begin(self, bucket: int) -> None:
+        self.loading_bucket = bucket
+        self.loading_end = self.store.schedule_log.size(bucket)
+        self.loaded_offset = 0
+        self._skip_in_load = set()
+        if self.loading_end:
+            self._skip_in_load.update(self.store.dispatched(bucket))
+            if self._settled_elsewhere is not None:
+                self._skip_in_load.update(self._settled_elsewhere(bucket))
+        log.debug("loading bucket %d up to %d", bucket, self.loading_end)
+
+    def _load_chunk(self, now: int, max_bytes: int) -> None:
+        bucket, start = self.loading_bucket, self.loaded_offset
+        log_ = self.store.schedule_log
+        data = log_.read(bucket, start, min(self.loading_end, start + max_bytes))
+        if len(data) >= HEADER_SIZE:
+            need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
+            if need > len(data):  # one record bigger than the chunk
+                data = log_.read(bucket, start, min(self.loading_end, start + need))
+        overdue: list[tuple[int, int]] = []
+        consumed = 0
+        skip = self._skip_in_load
+        try:
+            for pos, rtype, s, e in iter_records(data):
+                consumed = e
+                offset = start + pos
+                if rtype == RecordType.SCHEDULED:
+                    if offset in skip:
+                        continue
+                    sched = SCHEDULED_HEAD.unpack_from(data, s)[2]
+                    ref = self.ref(bucket, offset)
+                    self.outstanding[bucket] += 1
+                    if not self.wheel.add(sched, ref, now):
+                        overdue.append((sched, ref))
+                elif rtype == RecordType.SCHEDULED_CANCEL:
+                    sched, mid = cancel_key(memoryview(data)[s:e])
+                    self.on_cancel(bucket, offset, sched, mid)
+        except RecordError as err:
+            raise CorruptSegment(log_.path(bucket), start + err.offset, err.reason) from None
+        if consumed == 0:
+            # The pinned end cuts a record: only possible if the segment was damaged under us.
+            raise CorruptSegment(log_.path(bucket), start, "record cut short before the pinned end")
+        # Overdue messages come out at once, in schedule-time order.
+        overdue.sort()
+        self.ready.extend(ref for _, ref in overdue)
+        self.loaded_offset = start + consumed
+        if self.loaded_offset >= self.loading_end:
+            self._skip_in_load = set()
+
+    # --- firing -------------------------------------------------------------------------------
+
+    def advance(self, now: int) -> int:
+        """Move due entries from the wheel to the ready queue; returns how many."""
+        if now < self.last_now:
+            log.warning("clock stepped back by %d ms: nothing fires early", self.last_now - now)
+        elif now - self.last_now > 60_000:
+            log.warning("clock stepped forward by %d ms: firing what became due", now - self.last_now)
+        self.last_now = now
+        due = self.wheel.advance(now)
+        self.ready.extend(ref for _, ref in due)
+        return len(due)
+
+    def next_load_time(self) -> int:
+        """When the next bucket after the loading cursor becomes a load target."""
+        base = self.loading_bucket if self.loading_bucket is not None else 0
+        return base + self.scale - self.load_ahead_ms
+
+    def take(self, limit: int) -> list[int]:
+        """Pop up to `limit` ready refs and mark them in flight (the sender owns them now)."""
+        out = []
+        ready, inflight = self.ready, self.inflight
+        while ready and len(out) < limit:
+            ref = ready.popleft()
+            inflight.add(ref)
+            out.append(ref)
+        self.fired += len(out)
+        return out
+
+    def drop_cancelled(self, ref: int) -> None:
+        """The sender found `ref` cancelled when it read the record: never deliver it."""
+        self.cancelled_drops += 1
+        self._settle(ref)
+
+    def on_dispatched(self, ref: int) -> None:
+        """`ref`'s dispatch_log record is written."""
+        self._settle(ref)
+
+    def _settle(self, ref: int) -> None:
+        self.inflight.discard(ref)
+        bucket = self._buckets[ref >> OFFSET_BITS]
+        self.outstanding[bucket] -= 1
+        if self.outstanding[bucket] <= 0:
+            del self.outstanding[bucket]
+            if self.loading_bucket is not None and bucket < self.loading_bucket:
+                self.cancels.pop(bucket, None)
+
+    def read_message(self, ref: int):
+        """(bucket, offset, message_log_offset, Message) for a ref, from schedule_log."""
+        bucket, offset = self.split(ref)
+        head = self.store.schedule_log.read(bucket, offset, offset + HEADER_SIZE)
+        if len(head) < HEADER_SIZE:
+            raise CorruptSegment(self.store.schedule_log.path(bucket), offset, "no record here")
+        length = HEADER.unpack_from(head, 0)[1]
+        data = self.store.schedule_log.read(bucket, offset, offset + HEADER_SIZE + length)
+        try:
+            parsed = parse_record(data, 0)
+        except RecordError as e:
+            raise CorruptSegment(self.store.schedule_log.path(bucket), offset, e.reason) from None
+        if parsed is None:
+            raise CorruptSegment(self.store.schedule_log.path(bucket), offset, "record cut short")
+        rtype, s, e = parsed
+        mlo, message = decode_scheduled(data, s, e)
+        return bucket, offset, mlo, message
+
+    @property
+    def loaded(self) -> int:
+        return len(self.wheel) + len(self.ready) + len(self.inflight)
