@@ -1,0 +1,5 @@
+import sys
+
+from delayserver.cli import main
+
+sys.exit(main())

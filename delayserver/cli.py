@@ -1,0 +1,74 @@
+"""`delayserver serve` (a delay-server node) and `delayserver meta` (the meta server)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import trio
+
+from delayserver.config import Config, ConfigError
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="delayserver serve", description="Run a delay-server node.")
+    ap.add_argument("--config", help="TOML configuration file (see README: Configuration)")
+    ap.add_argument("--data-dir", help="data directory (default ./var)")
+    ap.add_argument("--listen", help="HOST:PORT to serve producers on (default 127.0.0.1:20801)")
+    ap.add_argument("--metrics-listen", help="HOST:PORT for Prometheus metrics (default: off)")
+    ap.add_argument("--flush", choices=["sync", "async"], help="fsync before ack (sync) or on a timer (async)")
+    ap.add_argument("--meta", help="meta server HOST:PORT (default: none, embedded routing)")
+    ap.add_argument("--group", help="delay group this node belongs to (with --meta)")
+    ap.add_argument("--node-id", help="this node's id in its group (with --meta)")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+async def run_node(config: Config) -> None:
+    from delayserver.server import DelayServer
+
+    server = DelayServer(config)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            print(f"delayserver: serving on {config.listen[0]}:{port}, data in {config.data_dir}", flush=True)
+            async for _ in signals:
+                await server.drain()
+                break
+
+
+def serve_main(argv: list[str]) -> int:
+    args = _serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {"data_dir": args.data_dir, "listen": args.listen, "metrics_listen": args.metrics_listen,
+                 "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id}
+    try:
+        config = Config.load(args.config, **overrides)
+    except ConfigError as e:
+        print(f"delayserver: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    trio.run(run_node, config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: delayserver {serve,meta} [options]\n\n"
+              "  serve   run a delay-server node (delayserver serve --help)\n"
+              "  meta    run the meta server (delayserver meta --help)")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve_main(rest)
+    if command == "meta":
+        from delayserver.meta.server import main_meta
+        return main_meta(rest)
+    print(f"delayserver: unknown command {command!r} (serve, meta)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

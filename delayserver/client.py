@@ -1,0 +1,269 @@
+"""Producer clients: `AsyncProducer` for trio code and `Producer`, a blocking facade.
+
+    async with AsyncProducer("127.0.0.1:20801") as producer:
+        handle = await producer.send("orders.expire", b"...", delay=30_000)
+        print(await producer.status(handle))
+
+    with Producer("127.0.0.1:20801") as producer:
+        handle = producer.send("orders.expire", b"...", delay_level=3)
+
+One connection is reused and requests are pipelined over it (a reader task matches responses to
+request ids). A lost connection fails the requests in flight with ConnectionError (the producer
+may retry them: delivery is at least once, and the id travels with the message for dedupe) and
+the next request reconnects, with back-off, within `timeout`. Every non-OK result raises the
+exception of its result code, carrying the server's code and message.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Iterable, Mapping
+
+import attrs
+import trio
+
+from delayserver import protocol as p
+from delayserver.config import parse_address
+from delayserver.errors import DelayServerError, ResultCode, error_for
+from delayserver.protocol import CancelOutcome, Handle, MessageState, SendItem, TimeSpec
+
+DEFAULT_TIMEOUT = 10.0
+SEND_BATCH = 256
+
+
+def new_message_id(now_ms: int | None = None) -> str:
+    """A time-ordered id: 12 hex digits of epoch ms then 16 random hex digits."""
+    now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    return f"{now_ms:012x}{os.urandom(8).hex()}"
+
+
+def time_spec(deliver_at: int | None, delay: int | None, delay_level: int | None) -> TimeSpec:
+    given = [x is not None for x in (deliver_at, delay, delay_level)]
+    if sum(given) > 1:
+        raise ValueError("give at most one of deliver_at, delay, delay_level")
+    if deliver_at is not None:
+        return TimeSpec.at(int(deliver_at))
+    if delay_level is not None:
+        return TimeSpec.level(int(delay_level))
+    return TimeSpec.delay(int(delay or 0))
+
+
+@attrs.frozen
+class Status:
+    state: MessageState
+    dispatch_time: int = 0
+    broker_group: str = ""
+
+
+@attrs.frozen
+class Message:
+    """What `send_many` takes: one message to schedule."""
+
+    subject: str
+    body: bytes
+    deliver_at: int | None = None
+    delay: int | None = None
+    delay_level: int | None = None
+    message_id: str | None = None
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+
+
+class AsyncProducer:
+    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT):
+        self.host, self.port = parse_address(address, "address")
+        self.timeout = timeout
+        self._stream: trio.SocketStream | None = None
+        self._waiting: dict[int, tuple[trio.Event, list]] = {}
+        self._ids = itertools.count(1)
+        self._send_lock = trio.Lock()
+        self._connect_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> "AsyncProducer":
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+        self._nursery.cancel_scope.cancel()
+        await self._nursery_cm.__aexit__(*exc)
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
+            self._stream = None
+
+    async def _connect(self) -> trio.SocketStream:
+        async with self._connect_lock:
+            if self._stream is not None:
+                return self._stream
+            delay, deadline = 0.05, trio.current_time() + self.timeout
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream(self.host, self.port)
+                    break
+                except OSError as e:
+                    if trio.current_time() + delay > deadline:
+                        raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+            self._stream = stream
+            self._nursery.start_soon(self._reader, stream)
+            return stream
+
+    async def _reader(self, stream: trio.SocketStream) -> None:
+        decoder = p.FrameDecoder()
+        error: Exception = ConnectionError("connection closed by the server")
+        try:
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                decoder.feed(data)
+                while (frame := decoder.next_frame()) is not p.NEED_DATA:
+                    waiter = self._waiting.pop(frame.request_id, None)
+                    if waiter is None and frame.command == p.Command.ERROR:
+                        err = p.decode_error(frame.payload)
+                        error = error_for(err.code, err.message)
+                        continue
+                    if waiter is not None:
+                        waiter[1].append(frame)
+                        waiter[0].set()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, p.ProtocolError) as e:
+            error = ConnectionError(f"connection lost: {e}")
+        finally:
+            if self._stream is stream:
+                self._stream = None
+            for event, box in self._waiting.values():
+                box.append(error)
+                event.set()
+            self._waiting.clear()
+
+    async def _call(self, command: p.Command, payload: bytes) -> bytes:
+        with trio.fail_after(self.timeout):
+            stream = await self._connect()
+            rid = next(self._ids) & 0xFFFFFFFF
+            event, box = trio.Event(), []
+            self._waiting[rid] = (event, box)
+            try:
+                async with self._send_lock:
+                    await stream.send_all(p.encode(p.Frame(command, rid, payload)))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self._waiting.pop(rid, None)
+                raise ConnectionError(f"connection lost: {e}") from e
+            try:
+                await event.wait()
+            finally:
+                self._waiting.pop(rid, None)
+        result = box[0]
+        if isinstance(result, Exception):
+            raise result
+        if result.command == p.Command.ERROR:
+            err = p.decode_error(result.payload)
+            raise error_for(err.code, err.message)
+        return result.payload
+
+    async def ping(self, token: bytes = b"") -> bytes:
+        return await self._call(p.Command.PING, token)
+
+    async def send(self, subject: str, body: bytes, *, deliver_at: int | None = None, delay: int | None = None,
+                   delay_level: int | None = None, message_id: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> Handle:
+        """Schedule one message; returns its handle once the server says it is stored.
+
+        `deliver_at` is epoch ms; `delay` is ms from now; `delay_level` is 1-based. Raises the
+        result code's exception (BadSubject, MessageTooLarge, BadScheduleTime, ...) on refusal.
+        """
+        item = SendItem(message_id or new_message_id(), subject, time_spec(deliver_at, delay, delay_level),
+                        bytes(body), dict(headers or {}))
+        (result,) = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request([item])))
+        if result.code != ResultCode.OK:
+            raise error_for(result.code, result.message)
+        return Handle(result.schedule_time, result.message_id)
+
+    async def send_many(self, messages: Iterable[Message], *, batch: int = SEND_BATCH) -> list[Handle | DelayServerError]:
+        """Schedule many messages in pipelined batches; a handle or the error, per message, in order."""
+        items = [SendItem(m.message_id or new_message_id(), m.subject, time_spec(m.deliver_at, m.delay, m.delay_level),
+                          bytes(m.body), dict(m.headers)) for m in messages]
+        out: list = [None] * len(items)
+
+        async def one(start: int) -> None:
+            chunk = items[start : start + batch]
+            results = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request(chunk)))
+            for i, r in enumerate(results):
+                out[start + i] = (Handle(r.schedule_time, r.message_id) if r.code == ResultCode.OK
+                                  else error_for(r.code, r.message))
+
+        async with trio.open_nursery() as nursery:
+            for start in range(0, len(items), batch):
+                nursery.start_soon(one, start)
+        return out
+
+    async def cancel(self, handle: Handle | str) -> CancelOutcome:
+        """Cancel a pending message; says whether the cancel won or the message was delivered."""
+        handle = Handle.parse(handle) if isinstance(handle, str) else handle
+        r = p.decode_cancel_response(await self._call(p.Command.CANCEL, p.encode_handle(handle)))
+        if r.code != ResultCode.OK:
+            raise error_for(r.code, r.message)
+        return r.outcome
+
+    async def status(self, handle: Handle | str) -> Status:
+        handle = Handle.parse(handle) if isinstance(handle, str) else handle
+        r = p.decode_status_response(await self._call(p.Command.STATUS, p.encode_handle(handle)))
+        if r.code != ResultCode.OK:
+            raise error_for(r.code, r.message)
+        return Status(r.state, r.dispatch_time, r.broker_group)
+
+
+class Producer:
+    """The blocking facade: a trio loop in a background thread runs an AsyncProducer.
+
+    Safe to share between threads; each call blocks until its answer (or `timeout`).
+    """
+
+    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT):
+        self._address, self._timeout = address, timeout
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True, name="delayserver-producer")
+        self._thread.start()
+        self._ready.wait()
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with AsyncProducer(self._address, timeout=self._timeout) as producer:
+            self._producer = producer
+            self._ready.set()
+            await self._stop.wait()
+
+    def _run(self, fn, *args, **kw):
+        return trio.from_thread.run(lambda: fn(*args, **kw), trio_token=self._token)
+
+    def send(self, subject: str, body: bytes, **kw) -> Handle:
+        return self._run(self._producer.send, subject, body, **kw)
+
+    def send_many(self, messages: Iterable[Message], **kw) -> list:
+        return self._run(self._producer.send_many, list(messages), **kw)
+
+    def cancel(self, handle: Handle | str) -> CancelOutcome:
+        return self._run(self._producer.cancel, handle)
+
+    def status(self, handle: Handle | str) -> Status:
+        return self._run(self._producer.status, handle)
+
+    def ping(self) -> bytes:
+        return self._run(self._producer.ping)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._thread.join()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

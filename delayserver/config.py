@@ -1,0 +1,221 @@
+"""Configuration of a delay-server node: defaults, TOML loading, validation naming the option.
+
+Durations are milliseconds as integers, or strings with a unit: "250ms", "30s", "5m", "1h", "2d",
+"2y" (365 days). Sizes are bytes as integers, or strings like "64MiB", "4KiB".
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from delayserver.storage.buckets import MINUTE_MS
+
+DEFAULT_PORT = 20801
+DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "y": 365 * 86_400_000}
+_UNITS_B = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the option."""
+
+
+def parse_duration(value: Any, option: str = "duration") -> int:
+    """Milliseconds from an int or a string like "30s"; ConfigError names `option` otherwise."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{option}: expected a duration, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{option}: must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*(ms|s|m|h|d|y)\s*", value)
+        if m:
+            return int(m.group(1)) * _UNITS_MS[m.group(2)]
+    raise ConfigError(f"{option}: expected a duration such as 500ms, 30s, 5m, 1h, 2y; got {value!r}")
+
+
+def parse_size(value: Any, option: str = "size") -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*([KMG]i?B|B)?\s*", value, re.IGNORECASE)
+        if m and int(m.group(1)) > 0:
+            return int(m.group(1)) * _UNITS_B[(m.group(2) or "").lower()]
+    raise ConfigError(f"{option}: expected a positive size such as 4096 or 64MiB; got {value!r}")
+
+
+def parse_delay_levels(text: str, option: str = "delay_levels") -> tuple[int, ...]:
+    """RocketMQ-style levels: level N (1-based) is the N-th duration of the string."""
+    if not isinstance(text, str) or not text.split():
+        raise ConfigError(f"{option}: expected durations separated by spaces, got {text!r}")
+    return tuple(parse_duration(part, option) for part in text.split())
+
+
+def parse_address(text: str, option: str = "listen", default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    host, sep, port = str(text).rpartition(":")
+    if not sep:
+        host, port = str(text), str(default_port)
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r}") from None
+    if not host or not 0 <= port_n <= 65535:
+        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), port_n
+
+
+@attrs.frozen
+class BrokerGroupConfig:
+    name: str
+    transport: str = "spool"
+    address: str = ""
+    weight: int = 1
+    subjects: tuple[str, ...] | None = None
+    options: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Config:
+    data_dir: Path = Path("var")
+    listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT)
+    metrics_listen: tuple[str, int] | None = None
+    flush: str = "sync"
+    flush_interval_ms: int = 10
+    max_message_bytes: int = 4 << 20
+    max_delay_ms: int = 2 * _UNITS_MS["y"]
+    segment_scale_ms: int = 60 * MINUTE_MS
+    load_ahead_ms: int | None = None
+    message_log_segment_bytes: int = 64 << 20
+    tick_ms: int = 10
+    wheel_slots: int = 1 << 16
+    delay_levels: tuple[int, ...] = parse_delay_levels(DEFAULT_DELAY_LEVELS)
+    checkpoint_interval_ms: int = 1000
+    send_batch_size: int = 256
+    send_wait_ms: int = 2
+    max_inflight: int = 20_000
+    max_connections: int = 1024
+    max_frame_bytes: int = 8 << 20
+    idle_timeout_ms: int = 300_000
+    frame_timeout_ms: int = 10_000
+    max_queued_messages: int = 100_000
+    retention_ms: int = 3_600_000
+    cleaner_interval_ms: int = 60_000
+    meta: str | None = None
+    group: str = "default"
+    node_id: str = ""
+    broker_groups: tuple[BrokerGroupConfig, ...] = (BrokerGroupConfig("spool"),)
+
+    @classmethod
+    def load(cls, path: Path | None = None, **overrides) -> "Config":
+        """Read a TOML file (optional) and apply overrides (raw values, as from the command line).
+
+        Raises ConfigError naming the first invalid or unknown option.
+        """
+        raw: dict[str, Any] = {}
+        if path is not None:
+            try:
+                raw = tomllib.loads(Path(path).read_text())
+            except OSError as e:
+                raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        known = {f.name for f in attrs.fields(cls)} | {"max_delay", "segment_scale", "load_ahead"}
+        for key in raw:
+            if key not in known and key != "broker_group":
+                raise ConfigError(f"{key}: unknown option")
+        kw: dict[str, Any] = {}
+        get = raw.get
+        if "data_dir" in raw:
+            kw["data_dir"] = Path(raw["data_dir"])
+        if "listen" in raw:
+            kw["listen"] = parse_address(raw["listen"], "listen")
+        if "metrics_listen" in raw:
+            kw["metrics_listen"] = parse_address(raw["metrics_listen"], "metrics_listen", 20802)
+        if "flush" in raw:
+            if raw["flush"] not in ("sync", "async"):
+                raise ConfigError(f"flush: expected 'sync' or 'async', got {raw['flush']!r}")
+            kw["flush"] = raw["flush"]
+        for name in ("flush_interval_ms", "checkpoint_interval_ms", "send_wait_ms", "idle_timeout_ms",
+                     "frame_timeout_ms", "retention_ms", "cleaner_interval_ms"):
+            if name in raw:
+                kw[name] = parse_duration(raw[name], name)
+        for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes"):
+            if name in raw:
+                kw[name] = parse_size(raw[name], name)
+        for name in ("send_batch_size", "max_inflight", "max_connections", "max_queued_messages",
+                     "tick_ms", "wheel_slots"):
+            if name in raw:
+                v = raw[name]
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
+                kw[name] = v
+        if "wheel_slots" in kw and kw["wheel_slots"] & (kw["wheel_slots"] - 1):
+            raise ConfigError(f"wheel_slots: must be a power of two, got {kw['wheel_slots']}")
+        if get("max_delay") is not None or get("max_delay_ms") is not None:
+            kw["max_delay_ms"] = parse_duration(get("max_delay", get("max_delay_ms")), "max_delay")
+        scale = get("segment_scale", get("segment_scale_ms"))
+        if scale is not None:
+            ms = parse_duration(scale, "segment_scale")
+            if ms % MINUTE_MS or not 1 <= ms // MINUTE_MS <= 60:
+                raise ConfigError(f"segment_scale: must be 1 to 60 whole minutes, got {scale!r}")
+            kw["segment_scale_ms"] = ms
+        ahead = get("load_ahead", get("load_ahead_ms"))
+        if ahead is not None:
+            kw["load_ahead_ms"] = parse_duration(ahead, "load_ahead")
+        if "delay_levels" in raw:
+            kw["delay_levels"] = parse_delay_levels(raw["delay_levels"])
+        for name in ("meta", "group", "node_id"):
+            if name in raw:
+                if not isinstance(raw[name], str):
+                    raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")
+                kw[name] = raw[name]
+        groups = get("broker_group", get("broker_groups"))
+        if groups is not None:
+            kw["broker_groups"] = _broker_groups(groups)
+        return cls(**kw)
+
+    @property
+    def effective_load_ahead_ms(self) -> int:
+        return self.segment_scale_ms // 2 if self.load_ahead_ms is None else self.load_ahead_ms
+
+
+def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
+    if not isinstance(items, list) or not items:
+        raise ConfigError("broker_group: expected a non-empty array of tables ([[broker_group]])")
+    out, names = [], set()
+    for i, item in enumerate(items):
+        where = f"broker_group[{i}]"
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise ConfigError(f"{where}.name: every broker group needs a name")
+        if item["name"] in names:
+            raise ConfigError(f"{where}.name: duplicate broker group {item['name']!r}")
+        names.add(item["name"])
+        unknown = set(item) - {"name", "transport", "address", "weight", "subjects", "options"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown option")
+        transport = item.get("transport", "spool")
+        if transport not in ("spool", "redis", "http"):
+            raise ConfigError(f"{where}.transport: expected spool, redis or http, got {transport!r}")
+        weight = item.get("weight", 1)
+        if not isinstance(weight, int) or isinstance(weight, bool) or weight <= 0:
+            raise ConfigError(f"{where}.weight: expected a positive integer, got {weight!r}")
+        subjects = item.get("subjects")
+        if subjects is not None and (not isinstance(subjects, list) or not all(isinstance(s, str) for s in subjects)):
+            raise ConfigError(f"{where}.subjects: expected an array of subject names")
+        if transport != "spool" and not item.get("address"):
+            raise ConfigError(f"{where}.address: required for the {transport} transport")
+        out.append(BrokerGroupConfig(item["name"], transport, str(item.get("address", "")), weight,
+                                     tuple(subjects) if subjects is not None else None,
+                                     dict(item.get("options", {}))))
+    return tuple(out)

@@ -1,0 +1,241 @@
+"""The receiver: validation, group commit into message_log, acknowledgement after durability.
+
+Producers' messages from every connection are queued; the commit task takes everything queued,
+assigns sequences, writes it in one append and (flush = "sync") fsyncs once, then answers every
+waiter. With flush = "async" the answer goes after the write and a timer fsyncs every
+`flush_interval_ms`. Replay only ever reads up to the last fsynced offset (`durable_offset`), so
+the schedule can never run ahead of what survives a crash.
+
+Failure rules:
+- DiskFull: that batch gets DISK_FULL, message_log is truncated back to where it was, and the next
+  batch tries again (writes resume by themselves once space is free).
+- An fsync error is fatal for acknowledgements: after it the node answers READ_ONLY to every write,
+  since the kernel may have dropped the dirty pages; it is never retried.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+
+import attrs
+import trio
+
+from delayserver import failpoints
+from delayserver.errors import BadScheduleTime, DelayServerError, InvalidMessage, ResultCode
+from delayserver.protocol import SendItem, SendResult, TimeKind
+from delayserver.storage.record import (
+    Cancel, Message, RecordType, check_schedule_time, encode_cancel, encode_message, encode_record,
+)
+from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError
+from delayserver.wakeup import Wakeup
+
+log = logging.getLogger("delayserver.receiver")
+
+_SEQ = struct.Struct(">Q")
+_SEQ_AT = 16  # store_time q, schedule_time q, then sequence: same place in MESSAGE and CANCEL
+
+
+@attrs.define(eq=False)
+class _Pending:
+    rtype: int
+    payload: bytearray
+    done: trio.Event = attrs.field(factory=trio.Event)
+    code: ResultCode = ResultCode.OK
+    error: str = ""
+    offset: int = -1
+
+
+class Receiver:
+    def __init__(self, store, clock, config, *, next_sequence: int, on_durable: Wakeup):
+        self.store = store
+        self.clock = clock
+        self.config = config
+        self.next_sequence = next_sequence
+        self.on_durable = on_durable
+        self.durable_offset = store.message_log.end_offset
+        self.read_only_reason = ""
+        self.accepting = True
+        self._queue: list[_Pending] = []
+        self._wakeup = Wakeup()
+        self._idle = trio.Event()
+        self._idle.set()
+        self.appended = 0
+        self.batches = 0
+
+    # --- validation ---------------------------------------------------------------------------
+
+    def schedule_time(self, spec, now: int) -> int:
+        """The absolute delivery time for a time spec; a time at or before now means now.
+
+        Raises BadScheduleTime for a time past max_delay, an unknown level or a negative delay.
+        """
+        if spec.kind == TimeKind.AT:
+            when = spec.value
+        elif spec.kind == TimeKind.DELAY:
+            if spec.value < 0:
+                raise BadScheduleTime(f"delay must not be negative, got {spec.value} ms")
+            when = now + spec.value
+        elif spec.kind == TimeKind.LEVEL:
+            levels = self.config.delay_levels
+            if not 1 <= spec.value <= len(levels):
+                raise BadScheduleTime(f"delay level must be 1 to {len(levels)}, got {spec.value}")
+            when = now + levels[spec.value - 1]
+        else:
+            raise BadScheduleTime(f"unknown time kind {spec.kind}")
+        # Compare before any further arithmetic: a huge value is refused, never wrapped.
+        if when > now + self.config.max_delay_ms:
+            raise BadScheduleTime(
+                f"delivery time {when} is more than max_delay ({self.config.max_delay_ms} ms) ahead"
+            )
+        when = max(when, now)
+        check_schedule_time(when)
+        return when
+
+    def _refuse_writes(self) -> ResultCode | None:
+        if self.read_only_reason:
+            return ResultCode.READ_ONLY
+        if len(self._queue) >= self.config.max_queued_messages:
+            return ResultCode.BUSY
+        return None
+
+    # --- API used by connections --------------------------------------------------------------
+
+    async def send(self, items: list[SendItem]) -> list[SendResult]:
+        """Store a batch; every OK result is durable (flush=sync) before this returns."""
+        now = self.clock.now_ms()
+        results: list[SendResult | None] = [None] * len(items)
+        pending: list[tuple[int, _Pending, int]] = []
+        refused = self._refuse_writes()
+        for i, item in enumerate(items):
+            if refused is not None:
+                results[i] = SendResult(refused, self._refusal_text(refused), 0, item.message_id)
+                continue
+            try:
+                when = self.schedule_time(item.time, now)
+                payload = encode_message(
+                    Message(item.message_id, item.subject, item.body, when, item.headers, now),
+                    self.config.max_message_bytes,
+                )
+            except InvalidMessage as e:
+                results[i] = SendResult(e.code, str(e), 0, item.message_id)
+                continue
+            p = _Pending(RecordType.MESSAGE, bytearray(payload))
+            pending.append((i, p, when))
+        await self._commit([p for _, p, _ in pending])
+        for i, p, when in pending:
+            msg = "stored" if p.code == ResultCode.OK else p.error
+            results[i] = SendResult(p.code, msg, when if p.code == ResultCode.OK else 0, items[i].message_id)
+        return results
+
+    async def append_cancel(self, schedule_time: int, message_id: str) -> tuple[ResultCode, str, int]:
+        """Durably append a CANCEL record; returns (code, message, message_log offset)."""
+        refused = self._refuse_writes()
+        if refused is not None:
+            return refused, self._refusal_text(refused), -1
+        try:
+            payload = encode_cancel(Cancel(message_id, schedule_time, self.clock.now_ms()))
+        except InvalidMessage as e:
+            return e.code, str(e), -1
+        p = _Pending(RecordType.CANCEL, bytearray(payload))
+        await self._commit([p])
+        return p.code, p.error or "stored", p.offset
+
+    def _refusal_text(self, code: ResultCode) -> str:
+        if code == ResultCode.READ_ONLY:
+            return f"node is read-only: {self.read_only_reason}"
+        return code.description
+
+    async def _commit(self, pending: list[_Pending]) -> None:
+        if not pending:
+            return
+        self._queue.extend(pending)
+        self._wakeup.set()
+        for p in pending:
+            await p.done.wait()
+
+    # --- the commit task ----------------------------------------------------------------------
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.config.flush == "async":
+                nursery.start_soon(self._flush_timer)
+            task_status.started()
+            while True:
+                if not self._queue:
+                    self._idle.set()
+                    await self._wakeup.wait()
+                    continue
+                self._idle = trio.Event()
+                batch, self._queue = self._queue, []
+                await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[_Pending]) -> None:
+        if self.read_only_reason:
+            return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+        parts, seq = [], self.next_sequence
+        for p in batch:
+            _SEQ.pack_into(p.payload, _SEQ_AT, seq)
+            seq += 1
+            parts.append(encode_record(p.rtype, bytes(p.payload)))
+        sizes = [len(x) for x in parts]
+        try:
+            start = self.store.message_log.append(b"".join(parts))
+        except DiskFull as e:
+            log.warning("message_log append refused: %s", e)
+            return self._finish(batch, ResultCode.DISK_FULL, ResultCode.DISK_FULL.description)
+        except StorageError as e:
+            self._go_read_only(f"write failed: {e}")
+            return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+        self.next_sequence = seq
+        end = start + sum(sizes)
+        pos = start
+        for p, size in zip(batch, sizes):
+            p.offset = pos
+            pos += size
+        failpoints.hit("after-append-before-ack")
+        if self.config.flush == "sync":
+            try:
+                await trio.to_thread.run_sync(self.store.message_log.sync)
+            except FsyncFailed as e:
+                self._go_read_only(str(e))
+                return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+            self._set_durable(end)
+        self.appended += len(batch)
+        self.batches += 1
+        self._finish(batch, ResultCode.OK, "")
+
+    def _set_durable(self, offset: int) -> None:
+        if offset > self.durable_offset:
+            self.durable_offset = offset
+            self.on_durable.set()
+
+    async def _flush_timer(self) -> None:
+        while True:
+            await trio.sleep(self.config.flush_interval_ms / 1000)
+            end = self.store.message_log.end_offset
+            if end > self.durable_offset and not self.read_only_reason:
+                try:
+                    await trio.to_thread.run_sync(self.store.message_log.sync)
+                except FsyncFailed as e:
+                    self._go_read_only(str(e))
+                    continue
+                self._set_durable(end)
+
+    def _finish(self, batch: list[_Pending], code: ResultCode, error: str) -> None:
+        for p in batch:
+            p.code, p.error = code, error
+            p.done.set()
+
+    def _go_read_only(self, reason: str) -> None:
+        log.critical("no more writes are acknowledged: %s", reason)
+        self.read_only_reason = reason
+
+    async def drain(self) -> None:
+        """Finish what is queued and make it durable (used on shutdown)."""
+        self.accepting = False
+        while self._queue or not self._idle.is_set():
+            await self._idle.wait()
+            await trio.lowlevel.checkpoint()
+        if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
+            await trio.to_thread.run_sync(self.store.message_log.sync)
+            self._set_durable(self.store.message_log.end_offset)
