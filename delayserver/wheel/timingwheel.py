@@ -1,0 +1,248 @@
+"""The hashed timing wheel: which loaded entries are due, pure and synchronous, time injected.
+
+Rules:
+
+- An entry is a pair ``(due_ms, ref)``: an epoch-millisecond due time and a caller-chosen
+  non-negative 63-bit int naming the message (the caller packs bucket and file offset into it).
+  Refs are meant to be unique among stored entries.
+- Ticks are counted from a fixed start, so nothing drifts: tick n covers
+  ``[start_ms + n * tick_ms, start_ms + (n + 1) * tick_ms)``, and every entry due in tick n lives
+  in slot ``n % slots``. One revolution is ``slots * tick_ms`` ms (65536 * 10 ms: about 11 min).
+- An entry due more than a revolution ahead stays in its slot next to entries of earlier rounds.
+  Its remaining rounds are not stored: they follow from its due time. Each slot keeps its
+  entries sorted by due time (ties in insertion order), so draining a slot takes exactly the
+  prefix that is due and leaves later rounds in place.
+- ``add(due_ms, ref, now)`` refuses (returns False) an entry already due at ``now``: the caller
+  fires it at once.
+- ``advance(now)`` returns every stored entry with ``due_ms <= now``, in due order, ties in
+  insertion order, each once, and removes them. Nothing is ever returned before its due time;
+  ``now`` may jump far ahead or step back (a clock step), the rule stays the same.
+- A small min-heap holds, for each non-empty slot, the due time of its earliest entry. It makes
+  ``next_due()`` exact and cheap and lets ``advance`` visit only the slots that hold something
+  due, each at most once per call: no spinning through empty ticks, however far ``now`` jumps.
+
+Memory: a slot is one ``array('q')``, its k due times then their k refs, about 16 bytes per entry
+plus array growth, plus one heap key per non-empty slot. No Python object is kept per entry.
+"""
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left, bisect_right
+from heapq import heapify, heappop, heappush
+from operator import itemgetter
+
+import attrs
+
+MAX_REF = (1 << 63) - 1
+
+#: Stale heap keys (left by adds in front of a slot, cancels and emptied slots) are dropped once
+#: the heap outgrows twice the non-empty slots by this much: memory stays bounded, the rebuild
+#: cost is paid back by the pushes that made it necessary.
+_HEAP_SLACK = 64
+
+_due_of = itemgetter(0)
+
+
+def _power_of_two(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{attribute.name} must be a power of two, got {value}")
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+# attrs' default on_setattr would route every assignment (``self._len += 1``) through a Python
+# __setattr__ that runs the validators: it halved add's throughput. Validators run at init only.
+@attrs.define(eq=False, kw_only=True, on_setattr=attrs.setters.NO_OP)
+class TimingWheel:
+    """A hashed timing wheel of ``(due_ms, ref)`` entries; see the module docstring for the rules.
+
+    Raises ValueError when ``slots`` is not a power of two or ``tick_ms`` is not positive.
+    """
+
+    start_ms: int
+    tick_ms: int = attrs.field(default=10, validator=_positive)
+    slots: int = attrs.field(default=65536, validator=_power_of_two)
+
+    # Per slot: None when empty, else one array('q') holding k due times, sorted, ties in
+    # insertion order, then the k refs in step. One object per slot rather than two: half the
+    # headers, and add touches one object and one buffer (it is memory-bound; this doubled it).
+    _slot_entries: list[array | None] = attrs.field(init=False)
+    # Keys ``due << _shift | slot``: one int orders by due time and names the slot. A key is
+    # valid while its slot's first due time equals its due; every non-empty slot has a valid key.
+    _heap: list[int] = attrs.field(init=False, factory=list)
+    _mask: int = attrs.field(init=False)
+    _shift: int = attrs.field(init=False)
+    _nonempty: int = attrs.field(init=False, default=0)
+    _len: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._slot_entries = [None] * self.slots
+        self._mask = self.slots - 1
+        self._shift = self.slots.bit_length() - 1
+
+    def add(self, due_ms: int, ref: int, now: int) -> bool:
+        """Store the entry and return True, or return False when it is already due at ``now``.
+
+        Raises ValueError when ``ref`` is outside ``0..MAX_REF`` and OverflowError when ``due_ms``
+        does not fit 64 bits; the wheel is unchanged then.
+        """
+        if due_ms <= now:
+            return False
+        if ref >> 63:  # negative or over 63 bits, in one operation
+            raise ValueError(f"ref must be in 0..2**63-1, got {ref}")
+        slot = ((due_ms - self.start_ms) // self.tick_ms) & self._mask
+        entries = self._slot_entries[slot]
+        if entries is None:
+            self._slot_entries[slot] = array("q", (due_ms, ref))
+            self._nonempty += 1
+            self._push((due_ms << self._shift) | slot)
+        else:
+            k = len(entries) >> 1
+            if due_ms >= entries[k - 1]:
+                # The usual case within one round; bisect_right below would give the same place.
+                entries.insert(k, due_ms)
+                entries.append(ref)
+            else:
+                # bisect_right: an equal due time goes after those already there (insertion order).
+                i = bisect_right(entries, due_ms, 0, k)
+                entries.insert(i, due_ms)
+                entries.insert(k + 1 + i, ref)
+                if not i:
+                    self._push((due_ms << self._shift) | slot)
+        self._len += 1
+        return True
+
+    def advance(self, now: int) -> list[tuple[int, int]]:
+        """Remove and return the entries due by ``now``: by due time, ties in insertion order.
+
+        An entry is due when ``due_ms <= now``. ``now`` may be far ahead (each slot is visited at
+        most once) or behind an earlier call (only entries due by this ``now`` come out, usually
+        none).
+        """
+        heap = self._heap
+        limit = (now << self._shift) | self._mask  # key <= limit exactly when its due <= now
+        if not heap or heap[0] > limit:
+            return []
+        slot_entries = self._slot_entries
+        mask, shift = self._mask, self._shift
+        fired: list[tuple[int, int]] = []
+        extend = fired.extend
+        # Slots come out of the heap by their first due time. Their runs are already in global
+        # order unless one run reaches past the start of the next: only a jump of over a
+        # revolution (several rounds of one slot due at once) does that, and then we sort.
+        latest = heap[0] >> shift
+        in_order = True
+        while heap and heap[0] <= limit:
+            key = heappop(heap)
+            slot = key & mask
+            entries = slot_entries[slot]
+            head = key >> shift
+            if entries is None or entries[0] != head:
+                continue  # stale key
+            k = len(entries) >> 1
+            if entries[k - 1] <= now:
+                tail = entries[k - 1]
+                extend(zip(entries[:k], entries[k:]))
+                slot_entries[slot] = None
+                self._nonempty -= 1
+            else:
+                j = bisect_right(entries, now, 0, k)
+                tail = entries[j - 1]
+                extend(zip(entries[:j], entries[k : k + j]))
+                del entries[k : k + j]
+                del entries[:j]
+                heappush(heap, (entries[0] << shift) | slot)
+            if head < latest:
+                in_order = False
+            if tail > latest:
+                latest = tail
+        if not in_order:
+            # Stable: equal due times share a tick, hence a slot, whose order is insertion order.
+            fired.sort(key=_due_of)
+        self._len -= len(fired)
+        return fired
+
+    def next_due(self) -> int | None:
+        """The due time of the earliest stored entry (exact), or None when the wheel is empty.
+
+        ``advance(t)`` returns something exactly when ``t >= next_due()``. The result may be in
+        the past (an entry added before a clock step back): then advance at once.
+        """
+        heap = self._heap
+        while heap:
+            key = heap[0]
+            due = key >> self._shift
+            entries = self._slot_entries[key & self._mask]
+            if entries is not None and entries[0] == due:
+                return due
+            heappop(heap)  # stale key
+        assert self._len == 0, "test_model_agrees: an entry left without a heap key"
+        return None
+
+    def cancel(self, ref: int, due_ms: int | None = None) -> bool:
+        """Remove the stored entry with this ref and return True, or return False if there is none.
+
+        With ``due_ms`` (the schedule time a cancel handle carries) only the entry ``(due_ms, ref)``
+        is looked for, in its one slot. Without it every slot is searched: O(entries), meant for
+        tools and tests. If a ref was stored twice, each call removes one.
+        """
+        if due_ms is not None:
+            slot = ((due_ms - self.start_ms) // self.tick_ms) & self._mask
+            entries = self._slot_entries[slot]
+            if entries is None:
+                return False
+            k = len(entries) >> 1
+            lo, hi = bisect_left(entries, due_ms, 0, k), bisect_right(entries, due_ms, 0, k)
+            try:
+                i = entries.index(ref, k + lo, k + hi) - k
+            except ValueError:
+                return False
+            self._remove(slot, i)
+            return True
+        for slot, entries in enumerate(self._slot_entries):
+            if entries is not None and ref in entries:  # a cheap filter: it may be a due time
+                try:
+                    i = entries.index(ref, len(entries) >> 1) - (len(entries) >> 1)
+                except ValueError:
+                    continue
+                self._remove(slot, i)
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, ref: object) -> bool:
+        return any(ref in entries[len(entries) >> 1 :] for entries in self._slot_entries if entries)
+
+    def _remove(self, slot: int, i: int) -> None:
+        entries = self._slot_entries[slot]
+        del entries[(len(entries) >> 1) + i]
+        del entries[i]
+        self._len -= 1
+        if not entries:
+            self._slot_entries[slot] = None
+            self._nonempty -= 1
+        elif not i:
+            self._push((entries[0] << self._shift) | slot)
+
+    def _push(self, key: int) -> None:
+        heap = self._heap
+        heappush(heap, key)
+        if len(heap) > 2 * self._nonempty + _HEAP_SLACK:
+            self._drop_stale_keys()
+
+    def _drop_stale_keys(self) -> None:
+        shift, mask, slot_entries = self._shift, self._mask, self._slot_entries
+        valid = [
+            key
+            for key in set(self._heap)
+            if (entries := slot_entries[key & mask]) is not None and entries[0] == key >> shift
+        ]
+        # Exactly one valid key per non-empty slot survives the set: nothing due can be lost.
+        assert len(valid) == self._nonempty, "test_heap_stays_bounded_under_descending_adds"
+        heapify(valid)
+        self._heap[:] = valid
