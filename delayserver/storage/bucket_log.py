@@ -3,6 +3,9 @@
 Any bucket's segment may be appended to (messages arrive for any delivery time), so there can be
 thousands of segments; file descriptors are kept in a small LRU and reopened on demand. fsync works
 on the file, not the descriptor, so a segment closed before its fsync is synced by reopening it.
+
+Opened `readonly` (the operator tools), nothing is created, written or truncated: a torn tail is
+only hidden from readers, and left for the node to truncate at its next start.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from pathlib import Path
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.record import RecordError, iter_records
-from delayserver.storage.segment import CorruptSegment, Segment, fsync_dir, fsync_fd, read_file, scan, write_all
+from delayserver.storage.segment import (
+    CorruptSegment, ScanResult, StorageError, fsync_dir, fsync_fd, read_file, scan, write_all,
+)
 
 log = logging.getLogger("delayserver.storage")
 
@@ -25,8 +30,9 @@ MAX_OPEN_FDS = 128
 class BucketLog:
     """A directory of per-bucket segments; `sizes` maps bucket start -> end of the last record."""
 
-    def __init__(self, directory: Path, max_open: int = MAX_OPEN_FDS):
+    def __init__(self, directory: Path, max_open: int = MAX_OPEN_FDS, readonly: bool = False):
         self.directory = Path(directory)
+        self.readonly = readonly
         self.sizes: SegmentDirectory[int] = SegmentDirectory()
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._dirty: set[int] = set()
@@ -35,9 +41,13 @@ class BucketLog:
 
     @classmethod
     def open(cls, directory: Path, **kw) -> "BucketLog":
-        """List the segments; no scan (callers recover tails against their checkpoint)."""
+        """List the segments; no scan (callers recover tails against their checkpoint).
+
+        A missing directory is created, or with `readonly=True` read as empty.
+        """
         self = cls(directory, **kw)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.readonly:
+            self.directory.mkdir(parents=True, exist_ok=True)
         for path in self.directory.glob("*" + SUFFIX):
             try:
                 bucket = parse_bucket_name(path.name[: -len(SUFFIX)])
@@ -60,10 +70,13 @@ class BucketLog:
         if fd is not None:
             self._fds.move_to_end(bucket)
             return fd
-        if bucket not in self.sizes:
-            self.sizes[bucket] = 0
-            self._new_files = True
-        fd = os.open(self.path(bucket), os.O_RDWR | os.O_CREAT, 0o644)
+        if self.readonly:
+            fd = os.open(self.path(bucket), os.O_RDONLY)
+        else:
+            if bucket not in self.sizes:
+                self.sizes[bucket] = 0
+                self._new_files = True
+            fd = os.open(self.path(bucket), os.O_RDWR | os.O_CREAT, 0o644)
         self._fds[bucket] = fd
         while len(self._fds) > self._max_open:
             _, old = self._fds.popitem(last=False)
@@ -75,6 +88,7 @@ class BucketLog:
 
         Does not fsync (see `sync`). Raises DiskFull / StorageError with the segment intact.
         """
+        self._check_writable()
         pos = self.size(bucket)
         write_all(self._fd(bucket), data, pos, self.path(bucket))
         self.sizes[bucket] = pos + len(data)
@@ -121,24 +135,39 @@ class BucketLog:
             return b""
         return os.pread(self._fd(bucket), end - start, start)
 
+    def _check_writable(self) -> None:
+        if self.readonly:
+            raise StorageError(f"{self.directory} is open read-only")
+
     def truncate(self, bucket: int, size: int) -> None:
+        self._check_writable()
         if self.size(bucket) > size:
             os.ftruncate(self._fd(bucket), size)
             self.sizes[bucket] = size
             self._dirty.add(bucket)
 
-    def recover_tail(self, bucket: int) -> None:
-        """Scan the bucket's segment; truncate a torn tail (logged). Raises CorruptSegment."""
+    def recover_tail(self, bucket: int) -> ScanResult | None:
+        """Scan the bucket's segment; truncate a torn tail (logged) and return the scan, or None
+        when there is no segment. Read-only, the tail is hidden from readers, not truncated.
+
+        Raises CorruptSegment when the damage is not a torn tail.
+        """
         path = self.path(bucket)
         if not path.exists():
-            return
+            return None
         result = scan(read_file(path), path)
         if result.torn_bytes:
+            if self.readonly:
+                log.warning("%s: torn tail at offset %d (%s): %d bytes left for the node to truncate",
+                            path, result.valid_end, result.torn_reason, result.torn_bytes)
+                self.sizes[bucket] = result.valid_end
+                return result
             log.warning("%s: torn tail at offset %d (%s): truncating %d bytes",
                         path, result.valid_end, result.torn_reason, result.torn_bytes)
             self.sizes[bucket] = path.stat().st_size
             self.truncate(bucket, result.valid_end)
             self.sync()
+        return result
 
     def records(self, bucket: int, start: int = 0, end: int | None = None):
         """Yield ``(offset, rtype, payload)`` for whole records; raises CorruptSegment on a bad one."""
@@ -150,6 +179,7 @@ class BucketLog:
             raise CorruptSegment(self.path(bucket), start + e.offset, e.reason) from None
 
     def remove(self, bucket: int) -> None:
+        self._check_writable()
         fd = self._fds.pop(bucket, None)
         if fd is not None:
             os.close(fd)

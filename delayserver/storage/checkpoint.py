@@ -17,6 +17,8 @@ from delayserver import failpoints
 
 
 class CorruptCheckpoint(StorageError):
+    """A checkpoint file that is not a whole checkpoint document or whose crc does not match."""
+
     def __init__(self, path, reason: str):
         super().__init__(f"{path}: corrupt checkpoint: {reason}")
         self.path = Path(path)
@@ -32,7 +34,10 @@ def write_checkpoint(path: Path, data: dict) -> None:
     body = _body(data)
     doc = json.dumps({"crc32c": crc32c.crc32c(body), "data": data}, sort_keys=True).encode("utf-8")
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:
+        raise StorageError(f"{tmp}: could not create: {e}") from e
     try:
         write_all(fd, doc, 0, tmp)
         try:
@@ -42,8 +47,11 @@ def write_checkpoint(path: Path, data: dict) -> None:
     finally:
         os.close(fd)
     failpoints.hit("checkpoint-before-rename")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise StorageError(f"{path}: could not replace the checkpoint: {e}") from e
 
 
 def read_checkpoint(path: Path) -> dict | None:
@@ -59,6 +67,8 @@ def read_checkpoint(path: Path) -> dict | None:
         crc = doc["crc32c"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(path, f"not a checkpoint document ({e})") from None
+    if not isinstance(data, dict):
+        raise CorruptCheckpoint(path, "its data is not an object")
     if crc32c.crc32c(_body(data)) != crc:
         raise CorruptCheckpoint(path, "crc mismatch")
     return data

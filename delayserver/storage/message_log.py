@@ -3,6 +3,11 @@
 Segments roll at `segment_bytes` and are named by their 20-digit base offset; an offset is global
 (base + position in segment). Only the last segment is written; sealed ones were fsynced before the
 roll, so damage in them is corruption, never a torn tail.
+
+Sealed segments are not scanned at open (that would read the whole log); a bad record in one is
+found when it is read. Their sizes are checked at open, though: each must end where the next one
+begins. One that does not is quarantined: opening succeeds and says so loudly, and any read that
+reaches the segment raises CorruptSegment (a read from a later offset is unaffected).
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 
 from delayserver import failpoints
 from delayserver.storage.directory import SegmentDirectory
-from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records
+from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
 from delayserver.storage.segment import CorruptSegment, Segment, fsync_dir, read_file
 
 log = logging.getLogger("delayserver.storage")
@@ -31,16 +36,21 @@ class MessageLog:
         self.segments: SegmentDirectory[int] = SegmentDirectory()  # base -> size of sealed segment
         self.active: Segment | None = None
         self.active_base = 0
+        self.quarantined: dict[int, tuple[int, str]] = {}  # base -> (file offset, reason)
 
     @classmethod
     def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "MessageLog":
-        """Open the log, recovering the last segment's torn tail. Raises CorruptSegment."""
+        """Open the log, recovering the last segment's torn tail and quarantining sealed segments
+        that do not end where the next one begins. Raises CorruptSegment for damage in the last
+        segment that is not a torn tail.
+        """
         self = cls(directory, segment_bytes)
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.directory.glob("*" + SUFFIX)):
             stem = path.name[: -len(SUFFIX)]
             if len(stem) == 20 and stem.isdigit():
                 self.segments[int(stem)] = path.stat().st_size
+        self._check_sealed_sizes()
         last = self.segments.last()
         if last is None:
             self._start_segment(0)
@@ -49,6 +59,15 @@ class MessageLog:
             self.active = Segment.open(self._path(last))
             self.segments[last] = self.active.size
         return self
+
+    def _check_sealed_sizes(self) -> None:
+        bases = self.segments.keys()
+        for base, nxt in zip(bases, bases[1:]):
+            size = self.segments[base]
+            if base + size != nxt:
+                reason = f"segment ends at offset {base + size} but the next one starts at {nxt}"
+                self.quarantined[base] = (min(size, nxt - base), reason)
+                log.error("%s: corrupt sealed segment, quarantined: %s", self._path(base), reason)
 
     def _path(self, base: int) -> Path:
         return self.directory / segment_name(base)
@@ -91,53 +110,79 @@ class MessageLog:
 
     def truncate(self, offset: int) -> None:
         """Drop everything at and after `offset` (a slave realigning with its master)."""
+        unlinked = False
         while self.active_base > offset:
             self.active.close()
             self._path(self.active_base).unlink()
             self.segments.pop(self.active_base)
+            unlinked = True
             base = self.segments.last()
             self.active_base = base
             self.active = Segment.open(self._path(base), recover=False)
+        if unlinked:
+            # Else a crash could bring the dropped segments back as the log's end.
+            fsync_dir(self.directory)
         self.active.truncate(offset - self.active_base)
         self.segments[self.active_base] = self.active.size
+        self.quarantined.pop(self.active_base, None)
 
     def read(self, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
         """Raw bytes of whole records from `offset`: ``(data, base_offset_of_data)``.
 
         At least one whole record is returned when one exists, even one over `max_bytes`. At a
-        segment's end the read moves to the next segment. Empty data means nothing new.
+        segment's end the read moves to the next segment. Empty data means nothing new. Whole
+        records before damage are returned; the read that starts at the damage raises
+        CorruptSegment (a bad record, a sealed segment that ends inside a record, or a quarantined
+        segment). Raises ValueError for an offset before the first segment.
         """
         base = self.segments.locate(offset)
         if base is None:
             raise ValueError(f"offset {offset} is before the first message_log segment")
-        size = self.active.size if base == self.active_base else self.segments[base]
+        self._check_not_quarantined(base)
+        size = self.segments[base]
         if offset - base >= size:
             nxt = self.segments.higher(base)
             if nxt is None:
                 return b"", offset
             base, offset = nxt, nxt
-            size = self.active.size if base == self.active_base else self.segments[base]
+            self._check_not_quarantined(base)
+            size = self.segments[base]
         pos = offset - base
-        if base == self.active_base:
-            chunk = self.active.read(pos, pos + max_bytes)
-        else:
-            chunk = read_file(self._path(base), pos, min(size, pos + max_bytes))
+        chunk = self._read(base, pos, min(size, pos + max_bytes))
         end = 0
         try:
-            for _, _, _, stop in iter_records(chunk):
-                end = stop
+            for _, _, _, end in iter_records(chunk):
+                pass
         except RecordError as e:
-            raise CorruptSegment(self._path(base), pos + e.offset, e.reason) from None
-        if end == 0 and chunk:
-            # One record larger than max_bytes: read exactly it.
-            _, length, _ = HEADER.unpack_from(chunk, 0)
-            return self.read_exact(base, pos, length), offset
-        return chunk[:end], offset
+            # The whole records before the damage are returned; the next read raises.
+            if not e.offset:
+                raise CorruptSegment(self._path(base), pos, e.reason) from None
+            end = e.offset
+        if end:
+            return chunk[:end], offset
+        return self._read_one(base, pos, size), offset
 
-    def read_exact(self, base: int, pos: int, length: int) -> bytes:
+    def _check_not_quarantined(self, base: int) -> None:
+        if base in self.quarantined:
+            raise CorruptSegment(self._path(base), *self.quarantined[base])
+
+    def _read(self, base: int, start: int, end: int) -> bytes:
         if base == self.active_base:
-            return self.active.read(pos, pos + HEADER_SIZE + length)
-        return read_file(self._path(base), pos, pos + HEADER_SIZE + length)
+            return self.active.read(start, end)
+        return read_file(self._path(base), start, end)
+
+    def _read_one(self, base: int, pos: int, size: int) -> bytes:
+        """The one whole record at `pos` (one larger than a read's max_bytes), or CorruptSegment."""
+        header = self._read(base, pos, min(size, pos + HEADER_SIZE))
+        if len(header) == HEADER_SIZE:
+            _, length, _ = HEADER.unpack_from(header)
+            record = self._read(base, pos, min(size, pos + HEADER_SIZE + length))
+            try:
+                if parse_record(record, 0) is not None:
+                    return record
+            except RecordError as e:
+                raise CorruptSegment(self._path(base), pos, e.reason) from None
+        raise CorruptSegment(self._path(base), pos, "incomplete record at the end of a sealed segment")
 
     def iter_from(self, offset: int):
         """Yield ``(offset, rtype, payload)`` for every record from `offset` to the end."""
@@ -157,6 +202,7 @@ class MessageLog:
                 break
             self._path(base).unlink()
             self.segments.pop(base)
+            self.quarantined.pop(base, None)
             deleted.append(base)
         if deleted:
             fsync_dir(self.directory)
