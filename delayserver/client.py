@@ -15,6 +15,7 @@ exception of its result code, carrying the server's code and message.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -82,14 +83,23 @@ class AsyncProducer:
         self._nursery: trio.Nursery | None = None
 
     async def __aenter__(self) -> "AsyncProducer":
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
-        return self
+        self._session = self._running()
+        return await self._session.__aenter__()
 
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-        self._nursery.cancel_scope.cancel()
-        await self._nursery_cm.__aexit__(*exc)
+    async def __aexit__(self, *exc):
+        return await self._session.__aexit__(*exc)
+
+    @contextlib.asynccontextmanager
+    async def _running(self):
+        # The reader task of each connection lives in this nursery, for as long as the producer.
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                yield self
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.aclose()
+                nursery.cancel_scope.cancel()
 
     async def aclose(self) -> None:
         if self._stream is not None:
@@ -143,6 +153,12 @@ class AsyncProducer:
             self._waiting.clear()
 
     async def _call(self, command: p.Command, payload: bytes) -> bytes:
+        try:
+            return await self._call_once(command, payload)
+        except trio.TooSlowError:
+            raise TimeoutError(f"no answer from {self.host}:{self.port} within {self.timeout} s") from None
+
+    async def _call_once(self, command: p.Command, payload: bytes) -> bytes:
         with trio.fail_after(self.timeout):
             stream = await self._connect()
             rid = next(self._ids) & 0xFFFFFFFF
@@ -184,15 +200,22 @@ class AsyncProducer:
             raise error_for(result.code, result.message)
         return Handle(result.schedule_time, result.message_id)
 
-    async def send_many(self, messages: Iterable[Message], *, batch: int = SEND_BATCH) -> list[Handle | DelayServerError]:
-        """Schedule many messages in pipelined batches; a handle or the error, per message, in order."""
+    async def send_many(self, messages: Iterable[Message], *, batch: int = SEND_BATCH) -> list[Handle | Exception]:
+        """Schedule many messages in pipelined batches; per message, in order, its handle or the
+        exception that refused it (a DelayServerError, or ConnectionError / TimeoutError when the
+        batch got no answer and may be sent again)."""
         items = [SendItem(m.message_id or new_message_id(), m.subject, time_spec(m.deliver_at, m.delay, m.delay_level),
                           bytes(m.body), dict(m.headers)) for m in messages]
         out: list = [None] * len(items)
 
         async def one(start: int) -> None:
             chunk = items[start : start + batch]
-            results = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request(chunk)))
+            try:
+                results = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request(chunk)))
+            except (ConnectionError, TimeoutError) as e:
+                # Not acknowledged: the caller may send these again (at least once).
+                out[start : start + len(chunk)] = [e] * len(chunk)
+                return
             for i, r in enumerate(results):
                 out[start + i] = (Handle(r.schedule_time, r.message_id) if r.code == ResultCode.OK
                                   else error_for(r.code, r.message))
