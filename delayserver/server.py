@@ -38,6 +38,7 @@ class DelayServer:
         self.clock = clock or WallClock()
         self.connections = 0
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self._listener_scope = trio.CancelScope()
         self.meta_agent = None
 
@@ -89,7 +90,8 @@ class DelayServer:
                 await nursery.start(self.sender.serve)
                 if self.config.metrics_listen is not None:
                     from delayserver.metrics import serve_metrics
-                    await nursery.start(serve_metrics, self, *self.config.metrics_listen)
+                    listeners = await nursery.start(serve_metrics, self, *self.config.metrics_listen)
+                    self.metrics_port = listeners[0].socket.getsockname()[1]
                 if self.config.meta:
                     from delayserver.meta_wiring import start_meta_agent
                     await start_meta_agent(self, nursery)

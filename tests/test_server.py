@@ -238,3 +238,22 @@ async def test_restart_resumes_sequences_above_the_highest_written(tmp_path, nur
     log = MessageLog.open(tmp_path / "data" / "message_log")
     seqs = [struct.unpack_from(">Q", payload, 16)[0] for _, _, payload in log.iter_from(0)]
     assert seqs == [1, 2, 3, 4, 5, 6]
+
+
+async def test_metrics_are_served_in_prometheus_text_format(tmp_path, nursery):
+    server = DelayServer(config(tmp_path, metrics_listen="127.0.0.1:0"))
+    await nursery.start(server.serve)
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        await prod.send("m.x", b"x", delay=3_600_000)
+    port = server.metrics_port
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+    data = b""
+    with trio.fail_after(5):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    text = data.decode()
+    assert text.startswith("HTTP/1.0 200 OK")
+    assert "\ndelayserver_received_total 1\n" in text
+    assert "# TYPE delayserver_wheel_entries gauge" in text
+    assert 'delayserver_lateness_ms{quantile="0.99"}' in text
