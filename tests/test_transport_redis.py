@@ -1,0 +1,144 @@
+import pytest
+import redis
+import trio
+
+from delayserver.sender.redis_streams import RedisTransport
+from delayserver.sender.transport import OutboundMessage, Outcome, make_transport
+
+
+def outbound(i: int, subject: str = "orders", **changes) -> OutboundMessage:
+    fields = dict(
+        message_id=f"m{i}", subject=subject, body=b"\x00body\xff%d" % i, headers={"trace": f"t{i}", "k": "v"},
+        schedule_time=1_700_000_000_000 + i, dispatch_time=1_700_000_000_500 + i, attempt=2,
+    )
+    fields.update(changes)
+    return OutboundMessage(**fields)
+
+
+def transport(redis_server, **options) -> RedisTransport:
+    return make_transport("redis", redis_server.address, options, data_dir=None)
+
+
+def entries(redis_server, stream: str) -> list[dict[bytes, bytes]]:
+    with redis.Redis.from_url(redis_server.url) as client:
+        return [fields for _id, fields in client.xrange(stream)]
+
+
+async def test_batch_lands_in_the_subject_streams_with_all_fields(redis_server):
+    batch = [outbound(1, "orders"), outbound(2, "pay.events", headers={}), outbound(3, "orders")]
+    async with transport(redis_server) as t:
+        results = await t.send_batch(batch)
+
+    assert [r.outcome for r in results] == [Outcome.ACKED] * 3
+    assert entries(redis_server, "orders") == [
+        {b"id": b"m1", b"subject": b"orders", b"body": b"\x00body\xff1", b"schedule_time": b"1700000000001",
+         b"dispatch_time": b"1700000000501", b"attempt": b"2", b"h:trace": b"t1", b"h:k": b"v"},
+        {b"id": b"m3", b"subject": b"orders", b"body": b"\x00body\xff3", b"schedule_time": b"1700000000003",
+         b"dispatch_time": b"1700000000503", b"attempt": b"2", b"h:trace": b"t3", b"h:k": b"v"},
+    ]
+    assert [e[b"id"] for e in entries(redis_server, "pay.events")] == [b"m2"]
+
+
+async def test_stream_template_names_the_stream(redis_server):
+    async with transport(redis_server, stream_template="delay:{subject}:out") as t:
+        [result] = await t.send_batch([outbound(1)])
+    assert result.outcome is Outcome.ACKED
+    assert [e[b"id"] for e in entries(redis_server, "delay:orders:out")] == [b"m1"]
+    assert entries(redis_server, "orders") == []
+
+
+async def test_maxlen_trims_the_stream(redis_server):
+    async with transport(redis_server, maxlen=10) as t:
+        for k in range(10):
+            await t.send_batch([outbound(100 * k + i) for i in range(100)])
+    with redis.Redis.from_url(redis_server.url) as client:
+        # Approximate trimming drops whole stream nodes (100 entries by default).
+        assert 10 <= client.xlen("orders") < 1000
+
+
+async def test_wrong_type_key_is_rejected_and_the_rest_acked(redis_server):
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.set("plain", "not a stream")
+    async with transport(redis_server) as t:
+        results = await t.send_batch([outbound(1, "orders"), outbound(2, "plain"), outbound(3, "orders")])
+    assert [r.outcome for r in results] == [Outcome.ACKED, Outcome.REJECTED, Outcome.ACKED]
+    assert "WRONGTYPE" in results[1].detail
+
+
+async def test_server_out_of_memory_gives_retry_per_message(redis_server):
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.config_set("maxmemory", 1)
+    async with transport(redis_server) as t:
+        results = await t.send_batch([outbound(1), outbound(2)])
+    assert [r.outcome for r in results] == [Outcome.RETRY] * 2
+    assert all("OOM" in r.detail or "maxmemory" in r.detail for r in results)
+
+
+async def test_server_down_gives_retry_for_all_then_acked_once_back(redis_server):
+    async with transport(redis_server, timeout_ms=1000) as t:
+        assert [r.outcome for r in await t.send_batch([outbound(1)])] == [Outcome.ACKED]
+
+        redis_server.stop()
+        with trio.fail_after(3):
+            results = await t.send_batch([outbound(2), outbound(3)])
+        assert [r.outcome for r in results] == [Outcome.RETRY] * 2
+        assert "ConnectionError" in results[0].detail
+
+        redis_server.start()
+        results = await t.send_batch([outbound(2), outbound(3)])
+    assert [r.outcome for r in results] == [Outcome.ACKED] * 2
+    # The restarted server is empty (no persistence): only what it acknowledged is there.
+    assert [e[b"id"] for e in entries(redis_server, "orders")] == [b"m2", b"m3"]
+
+
+async def test_server_that_never_answers_times_out_with_retry(silent_server):
+    async with make_transport("redis", silent_server, {"timeout_ms": 200}, data_dir=None) as t:
+        with trio.fail_after(3):
+            results = await t.send_batch([outbound(1), outbound(2)])
+    assert [r.outcome for r in results] == [Outcome.RETRY] * 2
+    assert "Timeout" in results[0].detail
+
+
+async def test_connection_refused_gives_retry(unused_port):
+    async with make_transport("redis", f"127.0.0.1:{unused_port}", {}, data_dir=None) as t:
+        with trio.fail_after(3):
+            results = await t.send_batch([outbound(1)])
+    assert [r.outcome for r in results] == [Outcome.RETRY]
+
+
+async def test_redis_url_address(redis_server):
+    async with make_transport("redis", redis_server.url, {}, data_dir=None) as t:
+        [result] = await t.send_batch([outbound(1)])
+    assert result.outcome is Outcome.ACKED
+
+
+def test_name_hides_the_password():
+    t = make_transport("redis", "redis://user:secret@127.0.0.1:6379/0", {}, data_dir=None)
+    assert "secret" not in t.name and "127.0.0.1:6379" in t.name
+
+
+@pytest.mark.parametrize(
+    "address, options, field",
+    [
+        ("", {}, "address"),
+        ("localhost", {}, "address"),
+        ("localhost:port", {}, "address"),
+        ("localhost:70000", {}, "address"),
+        ("http://localhost:6379", {}, "address"),
+        ("redis://localhost:abc", {}, "address"),
+        ("localhost:6379", {"stream_template": "{topic}"}, "stream_template"),
+        ("localhost:6379", {"stream_template": ""}, "stream_template"),
+        ("localhost:6379", {"maxlen": 0}, "maxlen"),
+        ("localhost:6379", {"timeout_ms": "5000"}, "timeout_ms"),
+        ("localhost:6379", {"timeout_ms": True}, "timeout_ms"),
+        ("localhost:6379", {"stream": "x"}, "'stream'"),
+    ],
+)
+def test_bad_redis_config_names_the_field(address, options, field):
+    with pytest.raises(ValueError, match=field):
+        make_transport("redis", address, options, data_dir=None)
+
+
+def test_ipv6_host_port_address():
+    t = make_transport("redis", "[::1]:6379", {}, data_dir=None)
+    assert t.pool.connection_kwargs["host"] == "::1"
