@@ -81,3 +81,22 @@ def test_kill_9_while_sending_loses_no_acknowledged_message(server):
     for dispatch_time, _, m in spooled(server.data_dir):
         assert dispatch_time >= m.schedule_time
     assert server.terminate() == 0
+
+
+def test_kill_between_broker_ack_and_dispatch_log_write_delivers_again_after_restart(tmp_path):
+    proc = ServerProcess(tmp_path / "data", env={"DELAYSERVER_FAILPOINT": "after-broker-ack"})
+    proc.start()
+    try:
+        with Producer(proc.address) as producer:
+            handle = producer.send("fp.orders", b"exactly-this", delay=300)
+        assert proc.process.wait(15) == -9
+        first = [m.message_id for _, _, m in spooled(proc.data_dir)]
+        assert first == [handle.message_id]  # the broker has it; dispatch_log does not
+        proc.env = {}
+        proc.start()
+        again = wait_for(lambda: len(d) == 2 and d if (d := spooled(proc.data_dir)) else None, timeout=15)
+        assert again and {m.message_id for _, _, m in again} == {handle.message_id}
+        with Producer(proc.address) as producer:
+            assert wait_for(lambda: producer.status(handle).state.name == "DELIVERED", timeout=10)
+    finally:
+        proc.kill()
