@@ -17,8 +17,14 @@ When no segment exists yet for the target bucket, both cursors move onto it (pin
 blocking-exit rule, without which replayed messages for an empty upcoming bucket would wait for
 a loader that has nothing to load.
 
+A message of the bucket being loaded that is due (overdue at load, or due while the load goes on)
+is held back until the bucket is loaded to its pinned end: its cancel may sit in a chunk not read
+yet, and the held messages then come out together in schedule-time order, however many chunks the
+bucket took (tests/test_tick_manager.py::test_cancel_loaded_from_a_later_chunk_than_its_message_still_wins).
+
 Memory: a loaded message is one (due, ref) pair in the wheel's arrays, where
-ref = bucket_id << 40 | schedule_offset. Cancels are kept per bucket until the bucket completes.
+ref = bucket_id << 40 | schedule_offset. Cancels are kept per bucket until the loading cursor has
+passed the bucket and none of its messages is left in memory.
 """
 from __future__ import annotations
 
@@ -65,6 +71,8 @@ class TickManager:
         self.loading_end = 0
         self.loaded_offset = 0
         self._skip_in_load: set[int] = set()
+        # (schedule_time, ref) of the loading bucket's messages that are due but not released yet.
+        self._held: list[tuple[int, int]] = []
         self._settled_elsewhere = settled_elsewhere
         # Per bucket: messages in the wheel, ready or in flight; and (sched, id) -> cancel offset.
         self.outstanding: collections.Counter[int] = collections.Counter()
@@ -118,7 +126,12 @@ class TickManager:
 
     def on_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:
         """A SCHEDULED_CANCEL at `offset`: every earlier record of that key is dropped at fire."""
-        self.cancels.setdefault(bucket, {})[(schedule_time, message_id)] = offset
+        keyed = self.cancels.setdefault(bucket, {})
+        key = (schedule_time, message_id)
+        # The loader reads a bucket's cancels after the replayer may have reported later ones:
+        # only the latest cancel of a key counts (test_a_message_sent_and_cancelled_twice_never_fires).
+        if keyed.get(key, -1) < offset:
+            keyed[key] = offset
 
     def is_cancelled(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> bool:
         return self.cancels.get(bucket, {}).get((schedule_time, message_id), -1) > offset
@@ -155,6 +168,7 @@ class TickManager:
         return sizes.higher(self.loading_bucket)
 
     def _begin(self, bucket: int) -> None:
+        self._forget_cancels_before(bucket)
         self.loading_bucket = bucket
         self.loading_end = self.store.schedule_log.size(bucket)
         self.loaded_offset = 0
@@ -165,54 +179,73 @@ class TickManager:
                 self._skip_in_load.update(self._settled_elsewhere(bucket))
         log.debug("loading bucket %d up to %d", bucket, self.loading_end)
 
+    def _forget_cancels_before(self, bucket: int) -> None:
+        """Cancels of a bucket the loader has passed matter only while its messages are in memory."""
+        for passed in [b for b in self.cancels if b < bucket and not self.outstanding[b]]:
+            del self.cancels[passed]
+
     def _load_chunk(self, now: int, max_bytes: int) -> None:
         bucket, start = self.loading_bucket, self.loaded_offset
         log_ = self.store.schedule_log
-        data = log_.read(bucket, start, min(self.loading_end, start + max_bytes))
+        data = log_.read(bucket, start, min(self.loading_end, start + max(max_bytes, HEADER_SIZE)))
         if len(data) >= HEADER_SIZE:
             need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
             if need > len(data):  # one record bigger than the chunk
                 data = log_.read(bucket, start, min(self.loading_end, start + need))
-        overdue: list[tuple[int, int]] = []
+        held = self._held
         consumed = 0
         skip = self._skip_in_load
         try:
             for pos, rtype, s, e in iter_records(data):
-                consumed = e
-                offset = start + pos
                 if rtype == RecordType.SCHEDULED:
-                    if offset in skip:
-                        continue
-                    sched = SCHEDULED_HEAD.unpack_from(data, s)[2]
-                    ref = self.ref(bucket, offset)
-                    self.outstanding[bucket] += 1
-                    if not self.wheel.add(sched, ref, now):
-                        overdue.append((sched, ref))
+                    offset = start + pos
+                    if offset not in skip:
+                        sched = SCHEDULED_HEAD.unpack_from(data, s)[2]
+                        ref = self.ref(bucket, offset)
+                        self.outstanding[bucket] += 1
+                        if not self.wheel.add(sched, ref, now):
+                            held.append((sched, ref))
                 elif rtype == RecordType.SCHEDULED_CANCEL:
                     sched, mid = cancel_key(memoryview(data)[s:e])
-                    self.on_cancel(bucket, offset, sched, mid)
+                    self.on_cancel(bucket, start + pos, sched, mid)
+                consumed = e
         except RecordError as err:
+            # The records before the bad one are in memory: a retry must not add them again.
+            self.loaded_offset = start + consumed
             raise CorruptSegment(log_.path(bucket), start + err.offset, err.reason) from None
         if consumed == 0:
             # The pinned end cuts a record: only possible if the segment was damaged under us.
             raise CorruptSegment(log_.path(bucket), start, "record cut short before the pinned end")
-        # Overdue messages come out at once, in schedule-time order.
-        overdue.sort()
-        self.ready.extend(ref for _, ref in overdue)
         self.loaded_offset = start + consumed
         if self.loaded_offset >= self.loading_end:
             self._skip_in_load = set()
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """The bucket is loaded whole: its due messages come out at once, in schedule-time order."""
+        self._held.sort()
+        self.ready.extend(ref for _, ref in self._held)
+        self._held = []
 
     # --- firing -------------------------------------------------------------------------------
 
     def advance(self, now: int) -> int:
-        """Move due entries from the wheel to the ready queue; returns how many."""
+        """Move due entries from the wheel to the ready queue; returns how many.
+
+        Due entries of a bucket still loading are held back until it is loaded (module docstring).
+        """
         if now < self.last_now:
             log.warning("clock stepped back by %d ms: nothing fires early", self.last_now - now)
         elif now - self.last_now > 60_000:
             log.warning("clock stepped forward by %d ms: firing what became due", now - self.last_now)
         self.last_now = now
         due = self.wheel.advance(now)
+        if due and self.loaded_offset < self.loading_end:
+            loading = self._bucket_ids.get(self.loading_bucket)
+            held = [entry for entry in due if entry[1] >> OFFSET_BITS == loading]
+            if held:
+                self._held.extend(held)
+                due = [entry for entry in due if entry[1] >> OFFSET_BITS != loading]
         self.ready.extend(ref for _, ref in due)
         return len(due)
 
@@ -270,4 +303,4 @@ class TickManager:
 
     @property
     def loaded(self) -> int:
-        return len(self.wheel) + len(self.ready) + len(self.inflight)
+        return len(self.wheel) + len(self._held) + len(self.ready) + len(self.inflight)
