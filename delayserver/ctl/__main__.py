@@ -1,0 +1,3 @@
+from delayserver.ctl import main
+
+raise SystemExit(main())

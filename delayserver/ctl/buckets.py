@@ -1,0 +1,70 @@
+"""`delayctl buckets DATA_DIR`: per bucket, how many messages are scheduled, dispatched,
+cancelled and pending (and dispatched twice), then the totals. Read-only.
+
+A torn tail is counted up to its last whole record (and reported on stderr); a bucket with
+corruption is reported, left out of the totals, and makes the exit code 1.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import attrs
+
+from delayserver.ctl.progress import Progress
+from delayserver.storage.bucket_log import BucketLog
+from delayserver.storage.buckets import bucket_name
+from delayserver.storage.segment import CorruptSegment
+from delayserver.storage.store import BucketStats, bucket_stats
+
+COLUMNS = ("scheduled", "dispatched", "cancelled", "pending", "duplicate_dispatches")
+HEADINGS = ("SCHEDULED", "DISPATCHED", "CANCELLED", "PENDING", "DUPLICATES")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("buckets", help="scheduled / dispatched / cancelled / pending per bucket",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("data_dir", type=Path, help="the node's data directory")
+    p.add_argument("--json", action="store_true", help="JSON lines: one object per bucket, then the totals")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    data_dir: Path = args.data_dir
+    if not (data_dir / "schedule_log").is_dir():
+        print(f"error: {data_dir}: not a data directory (no schedule_log)", file=sys.stderr)
+        return 1
+    schedule_log = BucketLog.open(data_dir / "schedule_log", readonly=True)
+    dispatch_log = BucketLog.open(data_dir / "dispatch_log", readonly=True)
+    buckets = sorted(set(schedule_log.buckets()) | set(dispatch_log.buckets()))
+    rows, damaged = [], []
+    with Progress(len(buckets), "buckets") as progress:
+        for bucket in buckets:
+            try:
+                schedule_log.recover_tail(bucket)
+                dispatch_log.recover_tail(bucket)
+                rows.append(bucket_stats(schedule_log, dispatch_log, bucket))
+            except CorruptSegment as e:
+                damaged.append(e)
+            progress.advance(1)
+    schedule_log.close()
+    dispatch_log.close()
+    totals = {c: sum(getattr(row, c) for row in rows) for c in COLUMNS}
+    (print_json if args.json else print_table)(rows, totals)
+    for e in damaged:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if damaged else 0
+
+
+def print_table(rows: list[BucketStats], totals: dict) -> None:
+    print(f"{'BUCKET':<14}" + "".join(f"{h:>12}" for h in HEADINGS))
+    for row in rows:
+        print(f"{bucket_name(row.bucket):<14}" + "".join(f"{getattr(row, c):>12}" for c in COLUMNS))
+    print(f"{'total':<14}" + "".join(f"{totals[c]:>12}" for c in COLUMNS))
+
+
+def print_json(rows: list[BucketStats], totals: dict) -> None:
+    for row in rows:
+        print(json.dumps({**attrs.asdict(row), "bucket": bucket_name(row.bucket)}))
+    print(json.dumps({"bucket": "total", **totals}))
