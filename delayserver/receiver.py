@@ -24,7 +24,7 @@ from delayserver import failpoints
 from delayserver.errors import BadScheduleTime, DelayServerError, InvalidMessage, ResultCode
 from delayserver.protocol import SendItem, SendResult, TimeKind
 from delayserver.storage.record import (
-    Cancel, Message, RecordType, check_schedule_time, encode_cancel, encode_message, encode_record,
+    Cancel, RecordType, check_schedule_time, encode_cancel, encode_message_fields, encode_record,
 )
 from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError
 from delayserver.wakeup import Wakeup
@@ -37,8 +37,10 @@ _SEQ_AT = 16  # store_time q, schedule_time q, then sequence: same place in MESS
 
 @attrs.define(eq=False)
 class _Pending:
+    """The records of one request, committed together: one event per request, not per message."""
+
     rtype: int
-    payload: bytearray
+    payloads: list[bytearray]
     done: trio.Event = attrs.field(factory=trio.Event)
     code: ResultCode = ResultCode.OK
     error: str = ""
@@ -56,6 +58,7 @@ class Receiver:
         self.read_only_reason = ""
         self.accepting = True
         self._queue: list[_Pending] = []
+        self._queued = 0
         self._wakeup = Wakeup()
         self._idle = trio.Event()
         self._idle.set()
@@ -94,7 +97,7 @@ class Receiver:
     def _refuse_writes(self) -> ResultCode | None:
         if self.read_only_reason:
             return ResultCode.READ_ONLY
-        if len(self._queue) >= self.config.max_queued_messages:
+        if self._queued >= self.config.max_queued_messages:
             return ResultCode.BUSY
         return None
 
@@ -104,27 +107,29 @@ class Receiver:
         """Store a batch; every OK result is durable (flush=sync) before this returns."""
         now = self.clock.now_ms()
         results: list[SendResult | None] = [None] * len(items)
-        pending: list[tuple[int, _Pending, int]] = []
+        accepted: list[tuple[int, int]] = []
+        payloads: list[bytearray] = []
         refused = self._refuse_writes()
+        max_bytes = self.config.max_message_bytes
         for i, item in enumerate(items):
             if refused is not None:
                 results[i] = SendResult(refused, self._refusal_text(refused), 0, item.message_id)
                 continue
             try:
                 when = self.schedule_time(item.time, now)
-                payload = encode_message(
-                    Message(item.message_id, item.subject, item.body, when, item.headers, now),
-                    self.config.max_message_bytes,
-                )
+                payload = encode_message_fields(item.message_id, item.subject, item.body, when, item.headers,
+                                                now, max_body_bytes=max_bytes)
             except InvalidMessage as e:
                 results[i] = SendResult(e.code, str(e), 0, item.message_id)
                 continue
-            p = _Pending(RecordType.MESSAGE, bytearray(payload))
-            pending.append((i, p, when))
-        await self._commit([p for _, p, _ in pending])
-        for i, p, when in pending:
-            msg = "stored" if p.code == ResultCode.OK else p.error
-            results[i] = SendResult(p.code, msg, when if p.code == ResultCode.OK else 0, items[i].message_id)
+            accepted.append((i, when))
+            payloads.append(bytearray(payload))
+        if payloads:
+            p = _Pending(RecordType.MESSAGE, payloads)
+            await self._commit(p)
+            ok = p.code == ResultCode.OK
+            for i, when in accepted:
+                results[i] = SendResult(p.code, "stored" if ok else p.error, when if ok else 0, items[i].message_id)
         return results
 
     async def append_cancel(self, schedule_time: int, message_id: str) -> tuple[ResultCode, str, int]:
@@ -136,8 +141,8 @@ class Receiver:
             payload = encode_cancel(Cancel(message_id, schedule_time, self.clock.now_ms()))
         except InvalidMessage as e:
             return e.code, str(e), -1
-        p = _Pending(RecordType.CANCEL, bytearray(payload))
-        await self._commit([p])
+        p = _Pending(RecordType.CANCEL, [bytearray(payload)])
+        await self._commit(p)
         return p.code, p.error or "stored", p.offset
 
     def _refusal_text(self, code: ResultCode) -> str:
@@ -145,13 +150,11 @@ class Receiver:
             return f"node is read-only: {self.read_only_reason}"
         return code.description
 
-    async def _commit(self, pending: list[_Pending]) -> None:
-        if not pending:
-            return
-        self._queue.extend(pending)
+    async def _commit(self, pending: _Pending) -> None:
+        self._queue.append(pending)
+        self._queued += len(pending.payloads)
         self._wakeup.set()
-        for p in pending:
-            await p.done.wait()
+        await pending.done.wait()
 
     # --- the commit task ----------------------------------------------------------------------
 
@@ -166,18 +169,23 @@ class Receiver:
                     await self._wakeup.wait()
                     continue
                 self._idle = trio.Event()
-                batch, self._queue = self._queue, []
+                batch, self._queue, self._queued = self._queue, [], 0
                 await self._write_batch(batch)
 
     async def _write_batch(self, batch: list[_Pending]) -> None:
         if self.read_only_reason:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         parts, seq = [], self.next_sequence
+        sizes = []
         for p in batch:
-            _SEQ.pack_into(p.payload, _SEQ_AT, seq)
-            seq += 1
-            parts.append(encode_record(p.rtype, bytes(p.payload)))
-        sizes = [len(x) for x in parts]
+            size = 0
+            for payload in p.payloads:
+                _SEQ.pack_into(payload, _SEQ_AT, seq)
+                seq += 1
+                rec = encode_record(p.rtype, bytes(payload))
+                parts.append(rec)
+                size += len(rec)
+            sizes.append(size)
         try:
             start = self.store.message_log.append(b"".join(parts))
         except DiskFull as e:
@@ -200,7 +208,7 @@ class Receiver:
                 self._go_read_only(str(e))
                 return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
             self._set_durable(end)
-        self.appended += len(batch)
+        self.appended += len(parts)
         self.batches += 1
         self._finish(batch, ResultCode.OK, "")
 

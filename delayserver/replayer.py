@@ -7,6 +7,12 @@ checkpointed offset. Each bucket's segment is its records in message_log order, 
 rebuilds the same bytes at the same offsets: a message is never scheduled twice, and dispatch_log
 records of offsets past the checkpoint stay valid (tests/test_replayer.py).
 
+Open replays all that message_log holds past the checkpoint before the tick manager has loaded
+anything. Otherwise a loader that pinned a segment's end at its truncated size would leave the
+re-replayed records to `can_add`, which puts them straight into the wheel: a record delivered
+before the crash (its dispatch_log entry unread) would fire again, and a message whose cancel
+was acknowledged before the crash could fire before the cancel is replayed again.
+
 Within a pass, appends to several buckets are all-or-nothing: if one fails (a full disk), the
 buckets written in that pass are truncated back and the pass is retried later from the same cursor.
 """
@@ -20,7 +26,8 @@ from delayserver import failpoints
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.record import (
-    CANCEL_HEAD, MESSAGE_HEAD, OFFSET, RecordError, RecordType, encode_record, iter_records,
+    CANCEL_HEAD, HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, RecordError, RecordType, checksum,
+    checksum_continue, iter_records,
 )
 from delayserver.storage.segment import CorruptSegment, StorageError
 from delayserver.storage.store import Store
@@ -46,12 +53,18 @@ class Replayer:
         return self.store.checkpoint_dir / CHECKPOINT_NAME
 
     @classmethod
-    def open(cls, store: Store, ticks) -> "Replayer":
-        """Restore the checkpoint: truncate schedule segments to it and find the top sequence.
+    def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20) -> "Replayer":
+        """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
+        message_log; `max_sequence` is then the highest sequence message_log holds.
 
-        Raises StorageError if a segment is shorter than its checkpointed size (fsynced data went
-        missing) or the checkpoint points past the end of message_log.
+        Call it before the tick manager loads anything (module docstring). Raises StorageError if a
+        segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
+        points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
+        the replay cannot append.
         """
+        assert ticks.loading_bucket is None, (
+            "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
+        )
         cp = read_checkpoint(store.checkpoint_dir / CHECKPOINT_NAME) or {}
         offset = cp.get("message_log_offset", store.message_log.start_offset)
         sizes = {parse_bucket_name(k): v for k, v in cp.get("schedule_sizes", {}).items()}
@@ -72,17 +85,11 @@ class Replayer:
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
         self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0))
-        self.max_sequence = max(self.max_sequence, self._scan_sequences(offset))
+        end = store.message_log.end_offset
+        # Nothing is loaded, so can_add refuses every record and the time passed is never used.
+        while self.replay_once(ticks.last_now, end, max_bytes):
+            pass
         return self
-
-    def _scan_sequences(self, offset: int) -> int:
-        top = 0
-        for _, rtype, payload in self.store.message_log.iter_from(offset):
-            if rtype == RecordType.MESSAGE:
-                top = max(top, MESSAGE_HEAD.unpack_from(payload, 0)[2])
-            elif rtype == RecordType.CANCEL:
-                top = max(top, CANCEL_HEAD.unpack_from(payload, 0)[2])
-        return top
 
     def replay_once(self, now: int, limit: int, max_bytes: int = 1 << 20) -> int:
         """Replay whole records from the cursor up to message_log offset `limit`; returns how many.
@@ -93,6 +100,7 @@ class Replayer:
         if self.offset >= limit:
             return 0
         data, base = self.store.message_log.read(self.offset, max_bytes)
+        view = memoryview(data)
         scale = self.store.segment_scale_ms
         per_bucket: dict[int, list[bytes]] = {}
         sizes: dict[int, int] = {}
@@ -113,13 +121,19 @@ class Replayer:
                 else:
                     raise CorruptSegment(self.store.message_log.directory, off, f"unexpected record type {rtype}")
                 bucket = sched - sched % scale
-                rec = encode_record(kind, OFFSET.pack(off) + data[s:e])
-                recs = per_bucket.setdefault(bucket, [])
-                if bucket not in sizes:
+                # The schedule record is the offset then the message_log payload as it is: build
+                # its crc over the two pieces instead of copying them into one buffer first.
+                off_raw = OFFSET.pack(off)
+                payload = view[s:e]
+                crc = checksum_continue(checksum(kind, off_raw), payload)
+                recs = per_bucket.get(bucket)
+                if recs is None:
+                    recs = per_bucket[bucket] = []
                     sizes[bucket] = self.store.schedule_log.size(bucket)
                 notes.append((bucket, sizes[bucket], kind, sched, mid))
-                sizes[bucket] += len(rec)
-                recs.append(rec)
+                length = 8 + e - s
+                sizes[bucket] += HEADER_SIZE + length
+                recs += (HEADER.pack(crc, length, kind), off_raw, payload)
                 self.max_sequence = max(self.max_sequence, seq)
                 end = base + e
         except RecordError as err:

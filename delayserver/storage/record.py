@@ -81,6 +81,11 @@ def checksum(rtype: int, payload) -> int:
     return _crc32c.crc32c(payload, value=_TYPE_CRC[rtype])
 
 
+def checksum_continue(crc: int, more) -> int:
+    """Extend a checksum over further payload bytes (a payload written in pieces)."""
+    return _crc32c.crc32c(more, value=crc)
+
+
 def encode_record(rtype: int, payload: bytes) -> bytes:
     """A whole record: header then payload."""
     if len(payload) > MAX_PAYLOAD_BYTES:
@@ -245,17 +250,33 @@ def decode_headers(raw) -> dict[str, str]:
 
 def encode_message(m: Message, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
     """The MESSAGE payload of `m`, after checking every limit (raises an InvalidMessage subtype)."""
-    mid = encode_id(m.message_id)
-    subject = encode_subject(m.subject)
-    headers = encode_headers(m.headers)
-    check_schedule_time(m.schedule_time)
-    body = bytes(m.body)
+    return encode_message_fields(m.message_id, m.subject, m.body, m.schedule_time, m.headers,
+                                 m.store_time, m.sequence, m.flags, max_body_bytes)
+
+
+_subject_cache: dict[str, bytes] = {}
+
+
+def encode_message_fields(message_id: str, subject: str, body: bytes, schedule_time: int,
+                          headers: Mapping[str, str], store_time: int = 0, sequence: int = 0,
+                          flags: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+    """`encode_message` without building a Message first (the receiver's hot path)."""
+    mid = encode_id(message_id)
+    # Subjects repeat: remember the ones already checked (bounded, so no input can grow it forever).
+    raw_subject = _subject_cache.get(subject)
+    if raw_subject is None:
+        raw_subject = encode_subject(subject)
+        if len(_subject_cache) < 4096:
+            _subject_cache[subject] = raw_subject
+    raw_headers = b"" if type(headers) is dict and not headers else encode_headers(headers)
+    check_schedule_time(schedule_time)
+    if type(body) is not bytes:
+        body = bytes(body)
     if len(body) > max_body_bytes:
         raise MessageTooLarge(f"body of {len(body)} bytes is over the limit of {max_body_bytes}")
-    head = MESSAGE_HEAD.pack(
-        m.store_time, m.schedule_time, m.sequence, m.flags, len(mid), len(subject), len(headers), len(body)
-    )
-    return b"".join((head, mid, subject, headers, body))
+    head = MESSAGE_HEAD.pack(store_time, schedule_time, sequence, flags, len(mid), len(raw_subject),
+                             len(raw_headers), len(body))
+    return b"".join((head, mid, raw_subject, raw_headers, body))
 
 
 def decode_message(buf, start: int = 0, end: int | None = None) -> Message:
