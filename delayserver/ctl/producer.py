@@ -1,0 +1,131 @@
+"""`delayctl send`, `delayctl cancel`, `delayctl status`: talk to a running delay server.
+
+    delayctl send --server 127.0.0.1:20801 --subject orders.expire --delay 30s --body 'order 42'
+    delayctl cancel 1795323199529:01a2...
+    delayctl status 1795323199529:01a2... --json
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+from delayserver.config import ConfigError, parse_duration
+from delayserver.errors import DelayServerError
+from delayserver.protocol import Handle
+
+DEFAULT_SERVER = "127.0.0.1:20801"
+
+
+def parse_at(text: str) -> int:
+    """Epoch ms from ISO 8601 (a time without a zone is UTC) or from an integer of epoch ms."""
+    if text.isdigit():
+        return int(text)
+    try:
+        t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--at: not an ISO 8601 time or epoch ms: {text!r}") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.timezone.utc)
+    return int(t.timestamp() * 1000)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("send", help="schedule one message and print its handle")
+    p.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+    p.add_argument("--subject", required=True)
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--delay", help="from now: 500ms, 30s, 5m, 2h, 7d")
+    when.add_argument("--at", help="ISO 8601 time (UTC unless a zone is given) or epoch ms")
+    when.add_argument("--level", type=int, help="delay level, 1-based (1s 5s 10s 30s 1m ... by default)")
+    p.add_argument("--id", help="message id (default: a time-ordered id)")
+    body = p.add_mutually_exclusive_group(required=True)
+    body.add_argument("--body", help="the body, as text")
+    body.add_argument("--body-file", type=Path, help="read the body from this file ('-': stdin)")
+    p.add_argument("--header", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(run=run_send)
+
+    for name, helptext, fn in (("cancel", "cancel a pending message by its handle", run_cancel),
+                               ("status", "pending / delivered / cancelled / unknown, by handle", run_status)):
+        c = subparsers.add_parser(name, help=helptext)
+        c.add_argument("handle", help="the handle printed by send (SCHEDULE_TIME:ID)")
+        c.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(run=fn)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def run_send(args) -> int:
+    from delayserver.client import Producer
+
+    try:
+        if args.body_file is not None:
+            body = sys.stdin.buffer.read() if str(args.body_file) == "-" else args.body_file.read_bytes()
+        else:
+            body = args.body.encode("utf-8")
+        headers = dict(h.split("=", 1) for h in args.header)
+        kw = {"delay": parse_duration(args.delay, "--delay")} if args.delay else (
+            {"deliver_at": parse_at(args.at)} if args.at else {"delay_level": args.level})
+    except (ValueError, ConfigError, OSError) as e:
+        return _fail(str(e))
+    try:
+        with Producer(args.server) as producer:
+            handle = producer.send(args.subject, body, message_id=args.id, headers=headers, **kw)
+    except DelayServerError as e:
+        return _fail(f"{e.code.name}: {e}")
+    except (ConnectionError, TimeoutError) as e:
+        return _fail(str(e))
+    print(handle)
+    return 0
+
+
+def _handle(text: str) -> Handle:
+    return Handle.parse(text)
+
+
+def run_cancel(args) -> int:
+    from delayserver.client import Producer
+
+    try:
+        handle = _handle(args.handle)
+        with Producer(args.server) as producer:
+            outcome = producer.cancel(handle)
+    except ValueError as e:
+        return _fail(f"bad handle: {e}")
+    except DelayServerError as e:
+        return _fail(f"{e.code.name}: {e}")
+    except (ConnectionError, TimeoutError) as e:
+        return _fail(str(e))
+    name = outcome.name.lower()
+    print(json.dumps({"handle": str(handle), "outcome": name}) if args.json else name)
+    return 0 if name in ("cancelled", "already_cancelled") else 1
+
+
+def run_status(args) -> int:
+    from delayserver.client import Producer
+
+    try:
+        handle = _handle(args.handle)
+        with Producer(args.server) as producer:
+            status = producer.status(handle)
+    except ValueError as e:
+        return _fail(f"bad handle: {e}")
+    except DelayServerError as e:
+        return _fail(f"{e.code.name}: {e}")
+    except (ConnectionError, TimeoutError) as e:
+        return _fail(str(e))
+    state = status.state.name.lower()
+    if args.json:
+        print(json.dumps({"handle": str(handle), "state": state, "dispatch_time": status.dispatch_time or None,
+                          "broker_group": status.broker_group or None}))
+    elif status.dispatch_time:
+        when = dt.datetime.fromtimestamp(status.dispatch_time / 1000, dt.timezone.utc).isoformat(timespec="milliseconds")
+        print(f"{state} at {when} to {status.broker_group}")
+    else:
+        print(state)
+    return 0
