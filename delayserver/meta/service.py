@@ -249,7 +249,8 @@ class MetaService:
 
         group = await self._call(set_read_only)
         log.info("delay group %s read_only=%s", name, read_only)
-        return {"group": {"name": group.name, "read_only": group.read_only, "master_epoch": group.master_epoch}}
+        state = "read-only" if read_only else "writable"
+        return {"message": f"delay group {name!r} is {state}", "group": {"name": group.name, "read_only": group.read_only, "master_epoch": group.master_epoch}}
 
     async def op_live_delay_groups(self, args: _Args) -> dict:
         """live_delay_groups() -> delay_groups: [{group, node_id, address, epoch}]: the groups that
@@ -292,7 +293,7 @@ class MetaService:
 
         await self._call(add)
         log.info("broker group added: %s", spec.to_json())
-        return {"broker_group": spec.to_json()}
+        return {"message": f"broker group {spec.name!r} added", "broker_group": spec.to_json()}
 
     async def op_update_broker_group(self, args: _Args) -> dict:
         """update_broker_group(name, transport?, address?, weight?, read_only?, options?)
@@ -321,7 +322,7 @@ class MetaService:
 
         spec = await self._call(update)
         log.info("broker group updated: %s", spec.to_json())
-        return {"broker_group": spec.to_json()}
+        return {"message": f"broker group {name!r} updated", "broker_group": spec.to_json()}
 
     async def op_remove_broker_group(self, args: _Args) -> dict:
         """remove_broker_group(name). BAD_REQUEST while a route names it."""
