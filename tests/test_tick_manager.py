@@ -11,6 +11,7 @@ import pytest
 
 from delayserver.storage.record import HEADER_SIZE
 from delayserver.storage.segment import CorruptSegment
+from delayserver.storage.store import bucket_stats
 from tests.pipeline_node import SCALE_MS, START_MS, Node, run_until_idle
 
 TICK_MS = 10
@@ -267,9 +268,7 @@ def test_cancel_after_firing_does_not_undeliver_and_nothing_fires_again_after_a_
     node.crash()
     again = Node(tmp_path, node.now)
     assert run_until_idle(again) == []
-    bucket = bucket_of(START_MS)
-    from delayserver.storage.store import bucket_stats
-    stats = bucket_stats(again.store.schedule_log, again.store.dispatch_log, bucket)
+    stats = bucket_stats(again.store.schedule_log, again.store.dispatch_log, bucket_of(START_MS))
     assert (stats.dispatched, stats.cancelled, stats.pending) == (1, 0, 0)
     again.crash()
 
