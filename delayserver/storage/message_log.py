@@ -56,7 +56,7 @@ class MessageLog:
             self._start_segment(0)
         else:
             self.active_base = last
-            self.active = Segment.open(self._path(last))
+            self.active = Segment.open(self.path(last))
             self.segments[last] = self.active.size
         return self
 
@@ -67,13 +67,14 @@ class MessageLog:
             if base + size != nxt:
                 reason = f"segment ends at offset {base + size} but the next one starts at {nxt}"
                 self.quarantined[base] = (min(size, nxt - base), reason)
-                log.error("%s: corrupt sealed segment, quarantined: %s", self._path(base), reason)
+                log.error("%s: corrupt sealed segment, quarantined: %s", self.path(base), reason)
 
-    def _path(self, base: int) -> Path:
+    def path(self, base: int) -> Path:
+        """The file of the segment starting at offset `base`."""
         return self.directory / segment_name(base)
 
     def _start_segment(self, base: int) -> None:
-        self.active = Segment.open(self._path(base), recover=False)
+        self.active = Segment.open(self.path(base), recover=False)
         self.active_base = base
         self.segments[base] = 0
         fsync_dir(self.directory)
@@ -113,12 +114,12 @@ class MessageLog:
         unlinked = False
         while self.active_base > offset:
             self.active.close()
-            self._path(self.active_base).unlink()
+            self.path(self.active_base).unlink()
             self.segments.pop(self.active_base)
             unlinked = True
             base = self.segments.last()
             self.active_base = base
-            self.active = Segment.open(self._path(base), recover=False)
+            self.active = Segment.open(self.path(base), recover=False)
         if unlinked:
             # Else a crash could bring the dropped segments back as the log's end.
             fsync_dir(self.directory)
@@ -156,7 +157,7 @@ class MessageLog:
         except RecordError as e:
             # The whole records before the damage are returned; the next read raises.
             if not e.offset:
-                raise CorruptSegment(self._path(base), pos, e.reason) from None
+                raise CorruptSegment(self.path(base), pos, e.reason) from None
             end = e.offset
         if end:
             return chunk[:end], offset
@@ -164,12 +165,12 @@ class MessageLog:
 
     def _check_not_quarantined(self, base: int) -> None:
         if base in self.quarantined:
-            raise CorruptSegment(self._path(base), *self.quarantined[base])
+            raise CorruptSegment(self.path(base), *self.quarantined[base])
 
     def _read(self, base: int, start: int, end: int) -> bytes:
         if base == self.active_base:
             return self.active.read(start, end)
-        return read_file(self._path(base), start, end)
+        return read_file(self.path(base), start, end)
 
     def _read_one(self, base: int, pos: int, size: int) -> bytes:
         """The one whole record at `pos` (one larger than a read's max_bytes), or CorruptSegment."""
@@ -181,8 +182,8 @@ class MessageLog:
                 if parse_record(record, 0) is not None:
                     return record
             except RecordError as e:
-                raise CorruptSegment(self._path(base), pos, e.reason) from None
-        raise CorruptSegment(self._path(base), pos, "incomplete record at the end of a sealed segment")
+                raise CorruptSegment(self.path(base), pos, e.reason) from None
+        raise CorruptSegment(self.path(base), pos, "incomplete record at the end of a sealed segment")
 
     def iter_from(self, offset: int):
         """Yield ``(offset, rtype, payload)`` for every record from `offset` to the end."""
@@ -200,7 +201,7 @@ class MessageLog:
         for base in self.segments.keys():
             if base == self.active_base or base + self.segments[base] > offset:
                 break
-            self._path(base).unlink()
+            self.path(base).unlink()
             self.segments.pop(base)
             self.quarantined.pop(base, None)
             deleted.append(base)
