@@ -1,0 +1,94 @@
+"""serve_ticks under trio's MockClock: hours pass in milliseconds, nothing sleeps for real."""
+from __future__ import annotations
+
+import logging
+import random
+
+import trio
+
+from delayserver.clock import TrioClock
+from delayserver.wakeup import Wakeup
+from delayserver.wheel.service import serve_ticks
+from tests.pipeline_node import START_MS, Node
+
+HOUR_MS = 3600_000
+TICK_MS = 10
+
+
+def clock_at(epoch_ms: int) -> TrioClock:
+    return TrioClock(epoch_ms - int(trio.current_time() * 1000))
+
+
+async def consume(node: Node, clock: TrioClock, ready: Wakeup, expected: int, fired: list) -> None:
+    """The sender's part: take what is due, note when, record it in dispatch_log."""
+    while len(fired) < expected:
+        await ready.wait()
+        node.now = clock.now_ms()
+        batch = node.take()
+        fired += batch
+        node.dispatch(batch)
+
+
+async def test_hundreds_of_messages_with_delays_up_to_hours_fire_within_a_tick(tmp_path, autojump_clock):
+    rng = random.Random(11)
+    clock = clock_at(START_MS)
+    node = Node(tmp_path, clock.now_ms(), scale_ms=HOUR_MS, tick_ms=TICK_MS, slots=4096)
+    early = [(f"early{i}", START_MS + rng.randrange(-HOUR_MS, 5 * HOUR_MS)) for i in range(300)]
+    node.send(early)
+    node.replay_all()
+    late = [(f"late{i}", rng.randrange(1, 3 * HOUR_MS)) for i in range(200)]
+    ready = Wakeup()
+    fired: list = []
+
+    async def produce():
+        """Messages arrive while the wheel runs; each wakes the tick task if it is due sooner."""
+        for mid, delay in late:
+            await trio.sleep(rng.randrange(0, 60_000) / 1000)
+            node.now = clock.now_ms()
+            node.send([(mid, node.now + delay)])
+            node.replay()
+
+    with trio.fail_after(12 * HOUR_MS / 1000):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_ticks, node.ticks, clock, ready)
+            overdue = sum(1 for _, t in early if t <= START_MS)
+            assert len(node.ticks.ready) == overdue, "recovery ran before the task reported started"
+            nursery.start_soon(produce)
+            await consume(node, clock, ready, len(early) + len(late), fired)
+            nursery.cancel_scope.cancel()
+
+    assert sorted(f.message.message_id for f in fired) == sorted(mid for mid, _ in early + late)
+    for f in fired:
+        assert 0 <= f.at - max(f.message.schedule_time, START_MS) <= TICK_MS, f
+    node.crash()
+
+
+async def test_a_clock_step_under_serve_ticks_fires_nothing_early_and_what_became_due_once(
+        tmp_path, autojump_clock, caplog):
+    caplog.set_level(logging.WARNING, logger="delayserver.wheel")
+    clock = clock_at(START_MS)
+    node = Node(tmp_path, clock.now_ms(), scale_ms=HOUR_MS, tick_ms=TICK_MS, slots=4096)
+    times = [START_MS + k * 60_000 for k in range(1, 121)]
+    node.send([(f"m{k}", t) for k, t in enumerate(times)])
+    node.replay_all()
+    ready = Wakeup()
+    fired: list = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_ticks, node.ticks, clock, ready)
+        nursery.start_soon(consume, node, clock, ready, len(times), fired)
+        await trio.sleep(30 * 60 + 1)
+        assert len(fired) == 30
+        clock.step(-HOUR_MS)
+        await trio.sleep(15 * 60)
+        assert len(fired) == 30, "a step back fired something early"
+        clock.step(2 * HOUR_MS)
+        due_at_step = sum(1 for t in times if t <= clock.now_ms())
+        await trio.sleep(1.5)  # serve_ticks looks at the clock at least every max_sleep_ms
+        assert len(fired) == due_at_step == 105
+        await trio.sleep(15 * 60)
+        assert len(fired) == 120
+        nursery.cancel_scope.cancel()
+    assert sorted(f.message.message_id for f in fired) == sorted(f"m{k}" for k in range(len(times)))
+    assert all(f.message.schedule_time <= f.at for f in fired)
+    assert "clock stepped back" in caplog.text and "clock stepped forward" in caplog.text
+    node.crash()
