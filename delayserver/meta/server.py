@@ -171,30 +171,32 @@ def main_meta(argv: list[str]) -> int:
         log.error("cannot open the meta store: %s", exc)
         return 1
     try:
-        trio.run(_run, store, host, port, args)
-    except OSError as exc:
-        log.error("cannot serve on %s: %s", args.listen, exc)
-        return 1
+        return trio.run(_run, store, host, port, args)
     except KeyboardInterrupt:
         log.info("interrupted before the signal handler was installed: stopped")
+        return 0
     finally:
         store.close()
-    return 0
 
 
-async def _run(store: MetaStore, host: str, port: int, args: argparse.Namespace) -> None:
+async def _run(store: MetaStore, host: str, port: int, args: argparse.Namespace) -> int:
     # Epoch milliseconds that follow trio's monotonic clock: a step of the wall clock must not
     # mark every node down at once (or extend a lease).
     clock = TrioClock(WallClock().now_ms() - int(trio.current_time() * 1000))
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(
-                lambda task_status: serve_meta(
-                    store, host, port, clock=clock, heartbeat_interval_ms=args.heartbeat_interval_ms,
-                    missed_heartbeats=args.missed_heartbeats, task_status=task_status,
+            try:
+                await nursery.start(
+                    lambda task_status: serve_meta(
+                        store, host, port, clock=clock, heartbeat_interval_ms=args.heartbeat_interval_ms,
+                        missed_heartbeats=args.missed_heartbeats, task_status=task_status,
+                    )
                 )
-            )
+            except OSError as exc:
+                log.error("cannot serve on %s: %s", args.listen, exc)
+                return 1
             async for signum in signals:
                 log.info("%s: stopping the meta server", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
+    return 0
