@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import attrs
@@ -197,7 +196,8 @@ def test_the_store_survives_kill_9(meta):
     meta.kill()  # SIGKILL: no chance to close anything
     port = meta.port
     meta.start(port)
-    assert json_lines(delayctl(meta, "routes", "--json").stdout) == [{"pattern": "orders.*", "broker_groups": ["local"]}]
+    routes = json_lines(delayctl(meta, "routes", "--json").stdout)
+    assert routes == [{"pattern": "orders.*", "broker_groups": ["local"]}]
     assert [g["name"] for g in json_lines(delayctl(meta, "broker-groups", "--json").stdout)] == ["local"]
     # The node's registration and the group's epoch are there too: its session still heartbeats,
     # and the next grant is epoch 2, never 1 again.

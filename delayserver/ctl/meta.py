@@ -30,7 +30,8 @@ from delayserver.meta.wire import DEFAULT_META_PORT, parse_address
 
 LISTINGS = {
     # listing: (op, result key, columns)
-    "groups": ("list_groups", "groups", ("name", "read_only", "master_epoch", "master", "master_address", "master_state")),
+    "groups": ("list_groups", "groups",
+               ("name", "read_only", "master_epoch", "master", "master_address", "master_state")),
     "nodes": ("list_nodes", "nodes", ("group", "node_id", "role", "state", "address", "epoch", "want_role",
                                       "last_heartbeat")),
     "broker-groups": ("list_broker_groups", "broker_groups", ("name", "transport", "address", "weight", "read_only",

@@ -143,14 +143,15 @@ class MetaService:
 
         def register():
             group, nodes = self.store.load_group(name)
-            group, nodes = roles.register(
+            new_group, new_nodes = roles.register(
                 group, nodes, name=name, node_id=node_id, address=address,
                 eligible=want == Role.MASTER.value, session=session, now_ms=now,
             )
-            self.store.save_group(group, nodes)
-            return group, nodes
+            self.store.save_group(new_group, new_nodes)
+            return nodes, new_group, new_nodes
 
-        group, nodes = await self._call(register)
+        old_nodes, group, nodes = await self._call(register)
+        _log_changes(old_nodes, group, nodes)
         reply = self._node_reply(group, nodes, node_id)
         log.info("registered node=%s group=%s address=%s role=%s epoch=%d",
                  node_id, name, address, reply["role"], reply["epoch"])
@@ -250,7 +251,8 @@ class MetaService:
         group = await self._call(set_read_only)
         log.info("delay group %s read_only=%s", name, read_only)
         state = "read-only" if read_only else "writable"
-        return {"message": f"delay group {name!r} is {state}", "group": {"name": group.name, "read_only": group.read_only, "master_epoch": group.master_epoch}}
+        return {"message": f"delay group {name!r} is {state}",
+                "group": {"name": group.name, "read_only": group.read_only, "master_epoch": group.master_epoch}}
 
     async def op_live_delay_groups(self, args: _Args) -> dict:
         """live_delay_groups() -> delay_groups: [{group, node_id, address, epoch}]: the groups that
