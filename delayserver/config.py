@@ -104,6 +104,7 @@ class Config:
     idle_timeout_ms: int = 300_000
     frame_timeout_ms: int = 10_000
     max_queued_messages: int = 100_000
+    reserve_bytes: int = 16 << 20
     retention_ms: int = 3_600_000
     cleaner_interval_ms: int = 60_000
     meta: str | None = None
@@ -150,6 +151,9 @@ class Config:
                      "frame_timeout_ms", "retention_ms", "cleaner_interval_ms"):
             if name in raw:
                 kw[name] = parse_duration(raw[name], name)
+        if "reserve_bytes" in raw:
+            v = raw["reserve_bytes"]
+            kw["reserve_bytes"] = 0 if v == 0 else parse_size(v, "reserve_bytes")
         for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes"):
             if name in raw:
                 kw[name] = parse_size(raw[name], name)

@@ -49,6 +49,8 @@ class DelayServer:
         c.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
                                 message_log_segment_bytes=c.message_log_segment_bytes)
+        if not self.store.ensure_reserve(c.reserve_bytes):
+            log.warning("no room for the %d-byte disk reserve in %s", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
         scale = c.segment_scale_ms
         self.ticks = TickManager(

@@ -9,6 +9,7 @@ Layout::
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import attrs
@@ -56,6 +57,43 @@ class Store:
                 d = decode_dispatch(payload)
                 out.setdefault(d.schedule_offset, d)
         return out
+
+    # --- the disk-space reserve ---------------------------------------------------------------
+    # A ballast file set aside at start. When an append finds the disk full, the receiver releases
+    # it, so that the records that keep due messages flowing (schedule appends, dispatch_log,
+    # checkpoints) still have room while new messages are refused with DISK_FULL.
+
+    @property
+    def reserve_path(self) -> Path:
+        return self.root / "reserve"
+
+    def ensure_reserve(self, size: int) -> bool:
+        """Create the reserve file of `size` bytes if missing; False when there is no room for it."""
+        path = self.reserve_path
+        if size <= 0 or (path.exists() and path.stat().st_size >= size):
+            return True
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            return False
+        os.close(fd)
+        return True
+
+    def release_reserve(self) -> bool:
+        """Delete the reserve file; True if there was one to free."""
+        try:
+            self.reserve_path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
 
     def close(self) -> None:
         self.message_log.close()
