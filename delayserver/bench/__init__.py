@@ -8,4 +8,5 @@ from __future__ import annotations
 BENCHMARKS = {
     "storage": "delayserver.bench.storage",
     "ingest": "delayserver.bench.ingest",
+    "wheel": "delayserver.bench.wheel",
 }
