@@ -12,7 +12,7 @@ from delayserver.storage.buckets import DEFAULT_SCALE_MS, bucket_name, bucket_st
 from delayserver.storage.record import (
     DEFAULT_MAX_BODY_BYTES, HEADER_SIZE, MAX_HEADERS_BYTES, MAX_ID_BYTES, MAX_PAYLOAD_BYTES, MAX_TIME_MS,
     Cancel, Dispatch, Message, RecordError, RecordType, decode_cancel, decode_delivered, decode_dispatch,
-    decode_message, decode_parked, decode_payload, decode_scheduled, decode_scheduled_cancel,
+    decode_headers, decode_message, decode_parked, decode_payload, decode_scheduled, decode_scheduled_cancel,
     encode_cancel, encode_delivered, encode_dispatch, encode_headers, encode_message, encode_parked,
     encode_record, encode_scheduled, iter_records, parse_record, scheduled_key,
 )
@@ -210,3 +210,10 @@ def test_payload_that_does_not_add_up_is_a_value_error():
         decode_message(payload[:-1])
     with pytest.raises(ValueError):
         decode_dispatch(encode_dispatch(Dispatch(1, T, "g")) + b"x")
+
+
+@pytest.mark.parametrize("raw", [b"\x00", b"\x00\x01a", b"\x00\x01a\x00", b"\x00\x01a\x00\x02b",
+                                 b"\x00\x05ab", b"\x00\x01\xff\x00\x00"])
+def test_malformed_headers_block_is_a_value_error(raw):
+    with pytest.raises(ValueError):
+        decode_headers(raw)
