@@ -269,6 +269,8 @@ def test_verify_of_corruption_inside_a_schedule_segment_exits_1(data_dir):
     ({"message_log_offset": 5}, "not at a record boundary"),
     ({"schedule_sizes": {"202611221600": 10**6}}, "past its"),
     ({"schedule_sizes": {"202611221600": 7}}, "not at a record boundary"),
+    ({"message_log_offset": "12"}, "not a replay checkpoint"),
+    ({"schedule_sizes": {"202611221600": -1}}, "not a replay checkpoint"),
 ])
 def test_verify_of_a_checkpoint_pointing_outside_the_logs_exits_1(data_dir, change, expected):
     path = data_dir / "checkpoint" / "replay.json"

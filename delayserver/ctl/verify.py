@@ -115,7 +115,20 @@ def check_checkpoints(v: Verification) -> None:
             v.problems.append(str(e))
             continue
         if path.name == CHECKPOINT_NAME:
-            v.replay = data
+            if well_formed_replay(data):
+                v.replay = data
+            else:
+                v.problems.append(f"{path}: not a replay checkpoint: {data}")
+
+
+def well_formed_replay(data: dict) -> bool:
+    """Whether the cursors verify compares against the logs have the types the replayer writes."""
+    offset = data.get("message_log_offset", 0)
+    sizes = data.get("schedule_sizes", {})
+    return (
+        type(offset) is int and offset >= 0 and isinstance(sizes, dict)
+        and all(type(size) is int and size >= 0 for size in sizes.values())
+    )
 
 
 def check_message_log(v: Verification, progress: Progress) -> None:
