@@ -35,17 +35,19 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     path: Path = args.path
-    try:
-        head = path.read_bytes()[:1] if path.suffix != ".json" else b""
-    except OSError as e:
-        print(f"error: {path}: {e.strerror}", file=sys.stderr)
+    if not path.is_file():
+        print(f"error: {path}: not a file", file=sys.stderr)
         return 1
-    if path.suffix == ".json" or (head == b"{" and _is_json(path)):
+    if path.suffix == ".json" or _is_json(path):
         return inspect_checkpoint(path, as_json=args.json)
     return inspect_segment(path, as_json=args.json, bodies=args.bodies)
 
 
 def _is_json(path: Path) -> bool:
+    """A checkpoint under another name (a record's first byte is rarely `{`, and then not JSON)."""
+    with open(path, "rb") as f:
+        if f.read(1) != b"{":
+            return False
     try:
         json.loads(path.read_bytes())
     except ValueError:
