@@ -20,7 +20,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--flush", choices=["sync", "async"], help="fsync before ack (sync) or on a timer (async)")
     ap.add_argument("--meta", help="meta server HOST:PORT (default: none, embedded routing)")
     ap.add_argument("--group", help="delay group this node belongs to (with --meta)")
-    ap.add_argument("--node-id", help="this node's id in its group (with --meta)")
+    ap.add_argument("--node-id", help="this node's id in its group (with --meta; default: its address)")
+    ap.add_argument("--advertised-address", help="HOST:PORT others reach this node at (default: --listen)")
     ap.add_argument("--log-level", default="INFO")
     return ap
 
@@ -43,7 +44,8 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {"data_dir": args.data_dir, "listen": args.listen, "metrics_listen": args.metrics_listen,
-                 "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id}
+                 "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id,
+                 "advertised_address": args.advertised_address}
     try:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:

@@ -247,8 +247,12 @@ class Producer:
     Safe to share between threads; each call blocks until its answer (or `timeout`).
     """
 
-    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT):
-        self._address, self._timeout = address, timeout
+    def __init__(self, address: str | None = None, *, meta: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+        """Connect to one delay server (`address`), or to the delay groups a meta server lists
+        (`meta`: sends are spread over them and a dead group is skipped)."""
+        if (address is None) == (meta is None):
+            raise ValueError("give either address or meta")
+        self._address, self._meta, self._timeout = address, meta, timeout
         self._ready = threading.Event()
         self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True, name="delayserver-producer")
         self._thread.start()
@@ -257,7 +261,12 @@ class Producer:
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
-        async with AsyncProducer(self._address, timeout=self._timeout) as producer:
+        if self._meta is not None:
+            from delayserver.group_producer import AsyncGroupProducer
+            session = AsyncGroupProducer(self._meta, timeout=self._timeout)
+        else:
+            session = AsyncProducer(self._address, timeout=self._timeout)
+        async with session as producer:
             self._producer = producer
             self._ready.set()
             await self._stop.wait()

@@ -110,6 +110,8 @@ class Config:
     meta: str | None = None
     group: str = "default"
     node_id: str = ""
+    advertised_address: str = ""
+    deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupConfig, ...] = (BrokerGroupConfig("spool"),)
 
     @classmethod
@@ -179,7 +181,15 @@ class Config:
             kw["load_ahead_ms"] = parse_duration(ahead, "load_ahead")
         if "delay_levels" in raw:
             kw["delay_levels"] = parse_delay_levels(raw["delay_levels"])
-        for name in ("meta", "group", "node_id"):
+        if "deliver_through_meta_outage" in raw:
+            if not isinstance(raw["deliver_through_meta_outage"], bool):
+                raise ConfigError("deliver_through_meta_outage: expected true or false")
+            kw["deliver_through_meta_outage"] = raw["deliver_through_meta_outage"]
+        if raw.get("advertised_address"):
+            parse_address(raw["advertised_address"], "advertised_address")
+        if raw.get("meta"):
+            parse_address(raw["meta"], "meta", 20800)
+        for name in ("meta", "group", "node_id", "advertised_address"):
             if name in raw:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")

@@ -15,11 +15,12 @@ from delayserver.clock import WallClock
 from delayserver.config import Config
 from delayserver.errors import DelayServerError, ResultCode
 from delayserver.lookup import lookup
+from delayserver.membership import local_groups, start_meta_agent
+from delayserver.meta.store import Role
 from delayserver.receiver import Receiver
 from delayserver.replayer import Replayer
 from delayserver.sender.parked import ParkedLog, parked_offsets
-from delayserver.sender.sender import BrokerGroup, Sender
-from delayserver.sender.transport import make_transport
+from delayserver.sender.sender import Sender
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.segment import StorageError
 from delayserver.storage.store import Store
@@ -62,20 +63,25 @@ class DelayServer:
         self.durable = Wakeup()
         self.receiver = Receiver(self.store, self.clock, c, next_sequence=self.replayer.max_sequence + 1,
                                  on_durable=self.durable)
-        groups = [
-            BrokerGroup(g.name, make_transport(g.transport, g.address, g.options, c.data_dir), g.weight,
-                        frozenset(g.subjects) if g.subjects is not None else None)
-            for g in c.broker_groups
-        ]
-        self.sender = Sender(self.ticks, self.store, groups, self.clock, send_batch_size=c.send_batch_size,
+        self.sender = Sender(self.ticks, self.store, local_groups(self), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight, parked=self.parked,
                              may_deliver=self._may_deliver)
 
     def _may_deliver(self) -> bool:
-        return self.meta_agent is None or self.meta_agent.may_deliver()
+        if not self.config.meta:
+            return True
+        return self.meta_agent is not None and self.meta_agent.may_deliver()
 
-    def _is_master(self) -> bool:
-        return self.meta_agent is None or self.meta_agent.role == "master"
+    def _write_refusal(self) -> ResultCode | None:
+        """NOT_MASTER or READ_ONLY when the meta server says this node must not take writes."""
+        if not self.config.meta:
+            return None
+        agent = self.meta_agent
+        if agent is None or agent.role is not Role.MASTER:
+            return ResultCode.NOT_MASTER
+        if agent.read_only:
+            return ResultCode.READ_ONLY
+        return None
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, start every service, listen; `task_status.started(port)` once serving."""
@@ -94,11 +100,10 @@ class DelayServer:
                     from delayserver.metrics import serve_metrics
                     listeners = await nursery.start(serve_metrics, self, *self.config.metrics_listen)
                     self.metrics_port = listeners[0].socket.getsockname()[1]
-                if self.config.meta:
-                    from delayserver.meta_wiring import start_meta_agent
-                    await start_meta_agent(self, nursery)
                 listeners = await nursery.start(self._listen)
                 self.port = listeners[0].socket.getsockname()[1]
+                if self.config.meta:
+                    await start_meta_agent(self, nursery)
                 log.info("serving on %s:%d, data in %s", self.config.listen[0], self.port, self.config.data_dir)
                 task_status.started(self.port)
         finally:
@@ -218,10 +223,10 @@ class DelayServer:
             return frame.payload
         if cmd == p.Command.SEND:
             items = p.decode_send_request(frame.payload)
-            if not self._is_master():
+            refusal = self._write_refusal()
+            if refusal is not None:
                 return p.encode_send_response([
-                    p.SendResult(ResultCode.NOT_MASTER, ResultCode.NOT_MASTER.description, 0, i.message_id)
-                    for i in items])
+                    p.SendResult(refusal, refusal.description, 0, i.message_id) for i in items])
             return p.encode_send_response(await self.receiver.send(items))
         if cmd == p.Command.CANCEL:
             return p.encode_cancel_response(await self.cancel(p.decode_handle(frame.payload)))
@@ -243,8 +248,9 @@ class DelayServer:
                               found.broker_group)
 
     async def cancel(self, handle: p.Handle) -> p.CancelResult:
-        if not self._is_master():
-            return p.CancelResult(ResultCode.NOT_MASTER, ResultCode.NOT_MASTER.description, p.CancelOutcome.UNKNOWN)
+        refusal = self._write_refusal()
+        if refusal is not None:
+            return p.CancelResult(refusal, refusal.description, p.CancelOutcome.UNKNOWN)
         await self._replayed_past(self.receiver.durable_offset)
         found = lookup(self.store, handle.schedule_time, handle.message_id)
         outcome = {p.MessageState.DELIVERED: p.CancelOutcome.ALREADY_DELIVERED,

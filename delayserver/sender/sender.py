@@ -55,6 +55,8 @@ class BrokerGroup:
     wakeup: Wakeup = attrs.field(factory=Wakeup)
     sent: int = 0
     failed_batches: int = 0
+    scope: trio.CancelScope | None = None
+    spec: object = None  # what the group was built from (a meta server's broker group), if anything
 
     def serves(self, subject: str) -> bool:
         return self.subjects is None or subject in self.subjects
@@ -127,11 +129,49 @@ class Sender:
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for group in self.groups.values():
-                nursery.start_soon(self._group_task, group)
+                self._start_group(group)
             nursery.start_soon(self._retry_task)
             task_status.started()
             await self._dispatch_task()
+
+    def _start_group(self, group: BrokerGroup) -> None:
+        group.scope = trio.CancelScope()
+        self._nursery.start_soon(self._run_group, group)
+
+    async def _run_group(self, group: BrokerGroup) -> None:
+        with group.scope:
+            await self._group_task(group)
+
+    async def replace_groups(self, groups: list[BrokerGroup]) -> None:
+        """Swap in a new set of broker groups (the meta server changed them).
+
+        A group whose name stays keeps its task and queue when its transport is unchanged; a
+        removed or rebuilt group's queued messages go back to routing. Nothing is dropped; a batch
+        already handed to a removed group's transport finishes first.
+        """
+        now = self.clock.now_ms()
+        old, new = self.groups, {g.name: g for g in groups}
+        orphans: list[Delivery] = []
+        for name, group in old.items():
+            keep = new.get(name)
+            if keep is not None and keep.spec == group.spec:
+                group.weight, group.subjects = keep.weight, keep.subjects
+                new[name] = group
+                await keep.transport.aclose()
+                continue
+            orphans.extend(group.queue)
+            group.queue.clear()
+            if group.scope is not None:
+                group.scope.cancel()
+            await group.transport.aclose()
+        self.groups = new
+        for group in new.values():
+            if group.scope is None:
+                self._start_group(group)
+        for d in orphans:
+            self.route(d, now)
 
     async def _dispatch_task(self) -> None:
         while True:
@@ -170,7 +210,10 @@ class Sender:
             if len(group.queue) < self.batch_size and self.wait_ms:
                 await trio.sleep(self.wait_ms / 1000)
             batch = [group.queue.popleft() for _ in range(min(self.batch_size, len(group.queue)))]
-            await self._send(group, batch)
+            # Once handed to the transport a batch must finish (acked or requeued), even if the
+            # group is being removed: shield it from that cancellation.
+            with trio.CancelScope(shield=True):
+                await self._send(group, batch)
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
         if not self.may_deliver():

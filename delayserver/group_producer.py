@@ -1,0 +1,154 @@
+"""A producer that finds its delay groups through the meta server and spreads sends over them.
+
+    async with AsyncGroupProducer(meta="127.0.0.1:20800") as producer:
+        handle = await producer.send("orders.expire", b"...", delay=30_000)
+
+Sends go round-robin to the masters of the live, writable delay groups. A group that fails a
+request (connection lost, timeout, NOT_MASTER, READ_ONLY, DISK_FULL, BUSY) is skipped for a
+cool-down and the request goes to the next one, so a dead delay group only costs a retry; the
+group list is refreshed from the meta server periodically and after a failure. A message sent to a
+group whose answer was lost may be stored twice (at least once; the id travels with it).
+`cancel` and `status` ask every live group, since a handle does not name its group.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Mapping
+
+import trio
+
+from delayserver.client import AsyncProducer, Message, Status
+from delayserver.errors import DelayServerError, ResultCode
+from delayserver.meta.client import MetaError, MetaUnavailable, discover_delay_groups
+from delayserver.protocol import CancelOutcome, Handle, MessageState
+
+COOL_DOWN_S = 5.0
+REFRESH_S = 10.0
+#: Codes that say "not this group now": try another.
+_GROUP_FAILURES = {ResultCode.NOT_MASTER, ResultCode.READ_ONLY, ResultCode.DISK_FULL, ResultCode.BUSY}
+
+
+class NoDelayGroup(ConnectionError):
+    """No live delay group could take the request."""
+
+
+class AsyncGroupProducer:
+    def __init__(self, meta: str, *, timeout: float = 10.0):
+        self.meta = meta
+        self.timeout = timeout
+        self._members: dict[str, AsyncProducer] = {}
+        self._groups: list[tuple[str, str]] = []
+        self._down_until: dict[str, float] = {}
+        self._next = 0
+        self._refreshed_at = float("-inf")
+
+    async def __aenter__(self) -> "AsyncGroupProducer":
+        self._session = self._running()
+        return await self._session.__aenter__()
+
+    async def __aexit__(self, *exc):
+        return await self._session.__aexit__(*exc)
+
+    @contextlib.asynccontextmanager
+    async def _running(self):
+        # Each group's producer lives in a task of this nursery, for as long as this producer.
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _hold(self, address: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with AsyncProducer(address, timeout=self.timeout) as member:
+            task_status.started(member)
+            await trio.sleep_forever()
+
+    async def _refresh(self, force: bool = False) -> None:
+        now = trio.current_time()
+        if not force and now - self._refreshed_at < REFRESH_S and self._groups:
+            return
+        try:
+            self._groups = await discover_delay_groups(self.meta, timeout_s=self.timeout)
+            self._refreshed_at = now
+        except (MetaUnavailable, MetaError):
+            if not self._groups:
+                raise NoDelayGroup(f"meta server {self.meta} is unreachable and no delay group is known") from None
+
+    async def _member(self, address: str) -> AsyncProducer:
+        member = self._members.get(address)
+        if member is None:
+            member = await self._nursery.start(self._hold, address)
+            self._members[address] = member
+        return member
+
+    def _candidates(self) -> list[str]:
+        now = trio.current_time()
+        live = [addr for _, addr in self._groups if self._down_until.get(addr, 0) <= now]
+        if not live:
+            return []
+        start = self._next % len(live)
+        self._next += 1
+        return live[start:] + live[:start]
+
+    def _mark_down(self, address: str) -> None:
+        self._down_until[address] = trio.current_time() + COOL_DOWN_S
+        self._refreshed_at = float("-inf")
+
+    async def _each_group(self, call):
+        """Run `call(member)` on the groups in turn until one takes it; raise if none does."""
+        await self._refresh()
+        last: Exception | None = None
+        for attempt in range(2):
+            for address in self._candidates():
+                try:
+                    return await call(await self._member(address))
+                except (ConnectionError, TimeoutError) as e:
+                    last = e
+                except DelayServerError as e:
+                    if e.code not in _GROUP_FAILURES:
+                        raise
+                    last = e
+                self._mark_down(address)
+            await self._refresh(force=True)
+        raise NoDelayGroup(f"no delay group took the request (last error: {last})")
+
+    async def send(self, subject: str, body: bytes, **kw) -> Handle:
+        return await self._each_group(lambda m: m.send(subject, body, **kw))
+
+    async def send_many(self, messages: Iterable[Message], *, batch: int = 256) -> list:
+        messages = list(messages)
+        out: list = []
+        for start in range(0, len(messages), batch):
+            chunk = messages[start : start + batch]
+
+            async def one(member, chunk=chunk):
+                results = await member.send_many(chunk, batch=batch)
+                failed = [r for r in results if isinstance(r, (ConnectionError, TimeoutError))
+                          or (isinstance(r, DelayServerError) and r.code in _GROUP_FAILURES)]
+                if failed and len(failed) == len(results):
+                    raise failed[0]
+                return results
+
+            out.extend(await self._each_group(one))
+        return out
+
+    async def _ask_all(self, call):
+        await self._refresh()
+        answers = []
+        for _, address in self._groups:
+            try:
+                answers.append(await call(await self._member(address)))
+            except (ConnectionError, TimeoutError, DelayServerError):
+                self._mark_down(address)
+        return answers
+
+    async def cancel(self, handle: Handle | str) -> CancelOutcome:
+        answers = await self._ask_all(lambda m: m.cancel(handle))
+        known = [a for a in answers if a != CancelOutcome.UNKNOWN]
+        return known[0] if known else CancelOutcome.UNKNOWN
+
+    async def status(self, handle: Handle | str) -> Status:
+        answers = await self._ask_all(lambda m: m.status(handle))
+        known = [a for a in answers if a.state != MessageState.UNKNOWN]
+        return known[0] if known else Status(MessageState.UNKNOWN)
