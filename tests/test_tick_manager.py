@@ -211,6 +211,18 @@ def test_cancel_before_the_bucket_loads_keeps_the_message_from_firing(node):
     assert fire_ids(run_until_idle(node)) == ["keep"]
 
 
+def test_cancels_for_buckets_not_loaded_yet_are_left_to_the_loader(node):
+    far = START_MS + 365 * DAY_MS
+    node.send([("m", far), ("n", far)])
+    node.cancel("m", far)
+    node.replay_all()
+    node.load_all()
+    assert node.ticks.cancels == {}, "memory holds the cancels of the loaded window only"
+    node.now = far - 1000
+    node.tick()
+    assert fire_ids(run_until_idle(node)) == ["n"]
+
+
 def test_cancel_replayed_while_the_bucket_loads_keeps_the_message_from_firing(node):
     b = node.ticks.load_target(START_MS)
     node.send([(f"m{i}", b + 1000 + i) for i in range(10)])

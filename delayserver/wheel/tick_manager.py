@@ -23,8 +23,9 @@ yet, and the held messages then come out together in schedule-time order, howeve
 bucket took (tests/test_tick_manager.py::test_cancel_loaded_from_a_later_chunk_than_its_message_still_wins).
 
 Memory: a loaded message is one (due, ref) pair in the wheel's arrays, where
-ref = bucket_id << 40 | schedule_offset. Cancels are kept per bucket until the loading cursor has
-passed the bucket and none of its messages is left in memory.
+ref = bucket_id << 40 | schedule_offset. Cancels are kept only for the loaded window (the loader
+reads the others from their segments), and dropped once the loading cursor has passed their bucket
+and none of its messages is left in memory.
 """
 from __future__ import annotations
 
@@ -125,7 +126,13 @@ class TickManager:
         return False
 
     def on_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:
-        """A SCHEDULED_CANCEL at `offset`: every earlier record of that key is dropped at fire."""
+        """A SCHEDULED_CANCEL was appended at `offset`: every earlier record of that key is dropped
+        at fire. One the loader is still to read is left to it, so that memory holds the cancels
+        of the loaded window only, however far ahead cancelled messages were due."""
+        if self.can_add(bucket, offset):
+            self._note_cancel(bucket, offset, schedule_time, message_id)
+
+    def _note_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:
         keyed = self.cancels.setdefault(bucket, {})
         key = (schedule_time, message_id)
         # The loader reads a bucket's cancels after the replayer may have reported later ones:
@@ -134,6 +141,8 @@ class TickManager:
             keyed[key] = offset
 
     def is_cancelled(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> bool:
+        """Whether a cancel of this (schedule_time, id) follows `offset` in the bucket's segment;
+        exact for every message in memory (its bucket's cancels are all loaded or replayed)."""
         return self.cancels.get(bucket, {}).get((schedule_time, message_id), -1) > offset
 
     # --- loading ------------------------------------------------------------------------------
@@ -207,7 +216,7 @@ class TickManager:
                             held.append((sched, ref))
                 elif rtype == RecordType.SCHEDULED_CANCEL:
                     sched, mid = cancel_key(memoryview(data)[s:e])
-                    self.on_cancel(bucket, start + pos, sched, mid)
+                    self._note_cancel(bucket, start + pos, sched, mid)
                 consumed = e
         except RecordError as err:
             # The records before the bad one are in memory: a retry must not add them again.
