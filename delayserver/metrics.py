@@ -46,11 +46,13 @@ def collect(server) -> dict[str, float]:
 
 
 def render(values: dict[str, float]) -> str:
-    lines = []
+    lines, typed = [], set()
     for name, value in values.items():
         base = name.split("{", 1)[0]
-        kind = "counter" if base.endswith("_total") else ("summary" if "quantile" in name else "gauge")
-        lines.append(f"# TYPE {base} {kind}")
+        if base not in typed:
+            typed.add(base)
+            kind = "counter" if base.endswith("_total") else ("summary" if "quantile" in name else "gauge")
+            lines.append(f"# TYPE {base} {kind}")
         lines.append(f"{name} {value}")
     return "\n".join(lines) + "\n"
 
