@@ -9,4 +9,6 @@ BENCHMARKS = {
     "storage": "delayserver.bench.storage",
     "ingest": "delayserver.bench.ingest",
     "wheel": "delayserver.bench.wheel",
+    "deliver": "delayserver.bench.deliver",
+    "compare": "delayserver.bench.compare",
 }

@@ -1,0 +1,191 @@
+"""`ops/bench deliver [--quick]`: end-to-end delivery of messages falling due at a steady rate.
+
+The real server runs as its own process on a temp data directory, delivering to the spool (first
+run) or to Redis Streams on a redis-server the benchmark starts on a free port (second run). A load
+generator process sends the workload (see `workload.py`: by default 100,000 messages of 256 B due
+uniformly over 10 s, that is 10,000 msg/s falling due) and every send is acknowledged before the
+first message falls due, so the figures are delivery alone. Once the window has passed and
+everything has arrived, the benchmark reads what was delivered (the spool files, or XRANGE over
+the stream) and prints:
+
+- delivered/s: messages over the time from the window's start to the last dispatch, and the
+  slowest whole second of the window (delivered in it, against what fell due in it): sustained
+  delivery keeps up in every second, not just on average;
+- lateness, dispatch time minus schedule time, at P50, P90, P99, P999 and max, where the dispatch
+  time is the one the sender stamps on the message as it hands its batch to the broker; for Redis
+  also arrival time minus schedule time, the arrival being the millisecond part of the stream
+  entry id (Redis's clock, when it took the entry);
+- early deliveries (must be 0), duplicates and missing messages;
+- the server's peak RSS (sampled every 50 ms).
+
+Targets on this machine: 10,000 msg/s falling due, sustained, with lateness P99 <= 50 ms and
+P999 <= 200 ms.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from delayserver.bench.harness import (
+    DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, mib, now_ms,
+    pids_of, run_child,
+)
+from delayserver.bench.workload import SUBJECT, Delivered, Workload, read_stream
+from delayserver.sender.spool import iter_spool
+
+FULL = Workload(n=100_000, window_ms=10_000)
+QUICK = Workload(n=30_000, window_ms=3_000)
+TARGET_P99_MS = 50
+TARGET_P999_MS = 200
+#: How long after the window closes the benchmark waits for stragglers before counting them missing.
+GRACE_MS = 30_000
+
+
+def send_workload(address: str, w: Workload, t0: int, kind: str = "ours", zset_key: str = "") -> dict:
+    """Run the load generator process; its JSON result (acked, unacked, seconds, ended_ms)."""
+    args = ["-m", "delayserver.bench.workload", "send", kind, address, w.to_json(), str(t0)]
+    return json.loads(run_child(args + ([zset_key] if zset_key else []), timeout=w.lead_ms / 1000 + 120))
+
+
+def _spool_reader(data_dir: Path):
+    """A function returning the spool's new deliveries on each call (reads only what was appended)."""
+    cursor_offset = 0
+
+    def more() -> list[Delivered]:
+        nonlocal cursor_offset
+        cursor = iter_spool(data_dir, SUBJECT, cursor_offset)
+        out = [Delivered(m.message_id, m.schedule_time, t) for _, t, _, m in cursor]
+        cursor_offset = cursor.next_offset
+        return out
+
+    return more
+
+
+def _stream_reader(broker: RedisProcess, stack: contextlib.ExitStack):
+    """A function returning the stream's new deliveries on each call."""
+    client = broker.client()
+    stack.callback(client.close)
+    last = b"0-0"
+
+    def more() -> list[Delivered]:
+        nonlocal last
+        out, last = read_stream(client, SUBJECT, last)
+        return out
+
+    return more
+
+
+def _wait_delivered(count_new, expected: int, until_ms: int) -> list[Delivered]:
+    """Sleep through the window (reading would take CPU from the server), then collect until
+    `expected` distinct ids have arrived or `until_ms` passes."""
+    time.sleep(max(0, until_ms - GRACE_MS - now_ms()) / 1000)
+    delivered: list[Delivered] = []
+    ids: set[str] = set()
+    while True:
+        new = count_new()
+        delivered.extend(new)
+        ids.update(d.message_id for d in new)
+        if len(ids) >= expected or now_ms() > until_ms:
+            return delivered
+        time.sleep(0.2)
+
+
+def sustained(delivered: list[Delivered], schedule: list[int], t0: int, window_ms: int) -> tuple[int, int]:
+    """(delivered, fell due) in the whole second of the window where the fewest were delivered."""
+    by_second_out = collections.Counter((d.dispatch_time - t0) // 1000 for d in delivered)
+    by_second_due = collections.Counter((t - t0) // 1000 for t in schedule)
+    seconds = range(max(1, window_ms // 1000))
+    slowest = min(seconds, key=lambda s: by_second_out[s])
+    return by_second_out[slowest], by_second_due[slowest]
+
+
+def run_deliver(transport: str, w: Workload) -> dict:
+    """One run, delivering to `transport` ("spool" or "redis"); the measured figures as a dict."""
+    with tempfile.TemporaryDirectory(prefix="bench-deliver-") as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        config = None
+        if transport == "redis":
+            broker = RedisProcess(tmp / "broker").start()
+            stack.callback(broker.stop)
+            config = tmp / "server.toml"
+            config.write_text(f'[[broker_group]]\nname = "redis"\ntransport = "redis"\naddress = "{broker.address}"\n')
+        server = DelayServerProcess(tmp / "data", config)
+        stack.callback(server.stop)
+        server.start()
+        t0 = now_ms() + w.lead_ms
+        until = t0 + w.window_ms + GRACE_MS
+        with PeakRss(lambda: pids_of(server)) as rss:
+            load = send_workload(server.address, w, t0)
+            if transport == "redis":
+                new = _stream_reader(broker, stack)
+            else:
+                new = _spool_reader(tmp / "data")
+            time.sleep(max(0, t0 - now_ms()) / 1000)
+            cpu_at_t0 = cpu_seconds(server.process)
+            delivered = _wait_delivered(new, load["acked"], until)
+            cpu = cpu_seconds(server.process) - cpu_at_t0
+        return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport == "redis"), "cpu_seconds": cpu}
+
+
+def _figures(w: Workload, t0: int, load: dict, delivered: list[Delivered], peak_rss: int, *, with_arrival: bool) -> dict:
+    schedule = w.schedule(t0)
+    ids = {d.message_id for d in delivered}
+    acked = load["acked"]
+    last = max((d.dispatch_time for d in delivered), default=t0)
+    out_n, due_n = sustained(delivered, schedule, t0, w.window_ms)
+    return {
+        "acked": acked,
+        "send_seconds": load["seconds"],
+        "lead_after_sends_ms": t0 - load["ended_ms"],
+        "delivered": len(ids),
+        "duplicates": len(delivered) - len(ids),
+        "missing": acked - len(ids),
+        "delivered_per_s": len(ids) / max(0.001, (last - t0) / 1000),
+        "slowest_second": out_n,
+        "slowest_second_due": due_n,
+        "dispatch": lateness_figures([d.dispatch_time - d.schedule_time for d in delivered]),
+        "arrival": (lateness_figures([d.arrival_time - d.schedule_time for d in delivered])
+                    if with_arrival else None),
+        "peak_rss": peak_rss,
+    }
+
+
+def report(transport: str, w: Workload, r: dict) -> str:
+    lines = [
+        f"deliver {transport}: {w.describe()}",
+        f"  sends: {r['acked']:,} acknowledged in {r['send_seconds']:.1f} s; the window opened "
+        f"{r['lead_after_sends_ms'] / 1000:.1f} s after the last acknowledgement"
+        + ("" if r["lead_after_sends_ms"] >= 0 else " (OVERLAP: some messages fell due while sending)"),
+        f"  delivered {r['delivered']:,} (missing {r['missing']}, duplicates {r['duplicates']}): "
+        f"{r['delivered_per_s']:,.0f} msg/s from window start to last dispatch; slowest second "
+        f"{r['slowest_second']:,} delivered, {r['slowest_second_due']:,} fell due",
+        f"  lateness, dispatch - schedule: {format_lateness(r['dispatch'])}",
+    ]
+    if r["arrival"] is not None:
+        lines.append(f"  lateness, arrival in Redis - schedule: {format_lateness(r['arrival'])}")
+    lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
+                 f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message)")
+    late = r["dispatch"]
+    misses = []
+    if r["slowest_second"] < 0.95 * r["slowest_second_due"] or r["missing"]:
+        misses.append("throughput")
+    if late["p99"] > TARGET_P99_MS:
+        misses.append(f"P99 {late['p99']} > {TARGET_P99_MS} ms")
+    if late["p999"] > TARGET_P999_MS:
+        misses.append(f"P999 {late['p999']} > {TARGET_P999_MS} ms")
+    if late["early"]:
+        misses.append(f"{late['early']} early")
+    lines.append(f"  targets (sustained, P99 <= {TARGET_P99_MS} ms, P999 <= {TARGET_P999_MS} ms, none early): "
+                 + ("met" if not misses else "MISSED: " + ", ".join(misses)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    w = QUICK if argv[:1] == ["--quick"] else FULL
+    print(f"deliver benchmark on {environment_note()}; flush=sync", flush=True)
+    for transport in ("spool", "redis"):
+        print(report(transport, w, run_deliver(transport, w)), flush=True)

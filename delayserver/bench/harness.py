@@ -1,0 +1,235 @@
+"""Processes and figures shared by the end-to-end benchmarks (`deliver`, `compare`).
+
+Every process a benchmark starts binds 127.0.0.1 only, lives in a temp directory, and is stopped
+by the benchmark on the way out, also on an error or Ctrl-C (callers hold them in an ExitStack).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import psutil
+import redis
+
+from delayserver.metrics import percentile
+
+LOCALHOST = "127.0.0.1"
+_SERVING = re.compile(rb"serving on ([\d.]+):(\d+)")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOCALHOST, 0))
+        return s.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+@attrs.define(eq=False)
+class RedisProcess:
+    """A redis-server on 127.0.0.1:`port` with its files in `directory`.
+
+    Without `appendonly` it keeps nothing on disk (no RDB snapshots either), as delay queues on
+    Redis are often run; with it, the AOF is fsynced every second (`appendfsync everysec`).
+    """
+
+    directory: Path
+    port: int = attrs.field(factory=free_port)
+    appendonly: bool = False
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOCALHOST}:{self.port}"
+
+    def client(self, **kw) -> redis.Redis:
+        return redis.Redis(host=LOCALHOST, port=self.port, **kw)
+
+    def start(self, timeout: float = 10.0) -> "RedisProcess":
+        executable = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(executable).exists():
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "redis.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [executable, "--port", str(self.port), "--bind", LOCALHOST, "--dir", str(self.directory),
+                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec"],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        client = self.client(socket_timeout=1)
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.RedisError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.01)
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        """kill -9: whatever only memory held is gone."""
+        if self.process is not None:
+            _kill(self.process)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process, 5)
+
+
+@attrs.define(eq=False)
+class DelayServerProcess:
+    """`delayserver serve` on a free port of 127.0.0.1, its log in `<data_dir>.log`."""
+
+    data_dir: Path
+    config_path: Path | None = None
+    flush: str = "sync"
+    process: subprocess.Popen | None = None
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{LOCALHOST}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.with_name(self.data_dir.name + ".log")
+
+    def start(self, timeout: float = 60.0) -> "DelayServerProcess":
+        """Start the server and return once it prints its "serving on" line (after recovery)."""
+        args = [sys.executable, "-m", "delayserver", "serve", "--data-dir", str(self.data_dir),
+                "--listen", f"{LOCALHOST}:0", "--flush", self.flush, "--log-level", "WARNING"]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log)
+        timer = threading.Timer(timeout, self.process.kill)
+        timer.start()
+        try:
+            line = self.process.stdout.readline()
+        finally:
+            timer.cancel()
+        m = _SERVING.search(line)
+        if m is None:
+            self.stop()
+            raise RuntimeError(f"delay server did not start; its log:\n{self.log_path.read_text()[-3000:]}")
+        self.port = int(m.group(2))
+        return self
+
+    def kill(self) -> None:
+        if self.process is not None:
+            _kill(self.process)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process, 30)
+
+
+class PeakRss:
+    """Samples, every `interval` seconds in a thread, the summed RSS of the processes `pids()`
+    names, and keeps the peak (bytes). A process that is gone counts as 0."""
+
+    def __init__(self, pids, interval: float = 0.05):
+        self._pids = pids
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="peak-rss")
+        self.peak = 0
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            total = 0
+            for pid in self._pids():
+                try:
+                    total += psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stopped.wait(self._interval)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
+def run_child(args: list[str], timeout: float) -> bytes:
+    """Run a Python child to completion and return its stdout; it is killed on timeout or Ctrl-C.
+
+    Raises RuntimeError with its stderr when it fails.
+    """
+    done = subprocess.run([sys.executable, *args], capture_output=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:3])} failed:\n{done.stderr.decode(errors='replace')[-3000:]}")
+    return done.stdout
+
+
+def lateness_figures(lateness_ms: list[int]) -> dict[str, int]:
+    """P50, P90, P99, P999 and max of lateness values (ms), and how many are negative (early)."""
+    values = sorted(lateness_ms)
+    out = {name: percentile(values, q) for name, q in
+           (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))}
+    out["max"] = values[-1] if values else 0
+    out["early"] = sum(1 for v in values if v < 0)
+    return out
+
+
+def format_lateness(f: dict[str, int]) -> str:
+    return (f"P50 {f['p50']} ms, P90 {f['p90']} ms, P99 {f['p99']} ms, P999 {f['p999']} ms, "
+            f"max {f['max']} ms; early {f['early']}")
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 20):.0f} MiB"
+
+
+def pids_of(*processes) -> list[int]:
+    """The pids of those of `processes` (objects with a `.process` Popen) that are running."""
+    return [p.process.pid for p in processes if p.process is not None and p.process.poll() is None]
+
+
+def environment_note() -> str:
+    """Cores, Python, and the load average: other work on the machine skews every figure."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load average {load}"
+
+
+def cpu_seconds(process: subprocess.Popen) -> float:
+    """User plus system CPU time the process (with its threads) has used so far."""
+    t = psutil.Process(process.pid).cpu_times()
+    return t.user + t.system
