@@ -77,6 +77,8 @@ class RecordType(enum.IntEnum):
 
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
 VALID_TYPES = frozenset(int(t) for t in RecordType)
+#: The crc seed of each type byte (None: not a record type), indexed faster than a dict is looked up.
+_SEED_BY_TYPE = tuple(_TYPE_CRC.get(t) for t in range(256))
 
 
 def checksum(rtype: int, payload) -> int:
@@ -137,15 +139,16 @@ def iter_records(buf, pos: int = 0, end: int | None = None) -> Iterator[tuple[in
     end = len(buf) if end is None else end
     # parse_record, inlined with its globals bound locally: this loop is every reader's hot path.
     view = memoryview(buf)
-    unpack, crc32c, type_crc = HEADER.unpack_from, _crc32c.crc32c, _TYPE_CRC
-    while pos + HEADER_SIZE <= end:
+    unpack, crc32c, seeds = HEADER.unpack_from, _crc32c.crc32c, _SEED_BY_TYPE
+    header_size, cap = HEADER_SIZE, MAX_PAYLOAD_BYTES
+    while pos + header_size <= end:
         crc, length, rtype = unpack(buf, pos)
-        seed = type_crc.get(rtype)
+        seed = seeds[rtype]
         if seed is None:
             raise RecordError(pos, f"unknown record type {rtype}")
-        if length > MAX_PAYLOAD_BYTES:
+        if length > cap:
             raise RecordError(pos, f"declared length {length} over the cap")
-        start = pos + HEADER_SIZE
+        start = pos + header_size
         stop = start + length
         if stop > end:
             return
