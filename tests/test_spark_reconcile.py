@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from delayserver import ctl
+from delayserver.spark import cli
 from delayserver.spark.reconcile import reconcile
 from delayserver.spark.report import Figures
 from delayserver.spark.segments import CORRUPT, DISPATCH_LOG, SCHEDULE_LOG, TORN_TAIL
@@ -235,24 +236,26 @@ def test_delayctl_reconcile_of_an_empty_data_directory_exits_0_and_writes_empty_
     assert read_ids(tmp_path / "out", "duplicated", nodes) == ([], [])
 
 
-def test_a_damaged_segment_is_reported_with_file_and_offset_and_what_precedes_it_is_counted(spark, damaged):
-    report = reconcile(spark, [damaged["dir"]], AS_OF)
-    [damage] = report.damage
-    assert (damage.file, damage.offset, damage.kind) == (damaged["schedule"], damaged["corrupt_at"], CORRUPT)
-    assert f"corrupt record at offset {damaged['corrupt_at']}" in damage.error
-    [torn] = report.torn_tails
-    assert (torn.file, torn.offset, torn.kind) == (damaged["dispatch"], damaged["torn_at"], TORN_TAIL)
-    node = damaged["dir"]
+def test_a_damaged_segment_is_reported_with_file_and_offset_and_what_precedes_it_is_counted(spark, damaged,
+                                                                                          capsys):
+    assert cli.main([damaged["dir"], "--as-of", str(AS_OF), "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    [damage] = report["damage"]
+    assert damage["file"] == damaged["schedule"] and damage["offset"] == damaged["corrupt_at"]
+    assert damage["kind"] == CORRUPT
+    message = f"{damaged['schedule']}: corrupt record at offset {damaged['corrupt_at']}"
+    assert message in damage["error"] and f"error: {message}" in captured.err
+    [torn] = report["torn_tails"]
+    assert (torn["file"], torn["offset"], torn["kind"]) == (damaged["dispatch"], damaged["torn_at"], TORN_TAIL)
+    buckets = {b.pop("bucket"): Figures(**{k: v for k, v in b.items() if k != "node"}) for b in report["buckets"]}
     # The records after the damage are not read: their dispatches name nothing readable.
-    assert report.buckets[(node, bucket(B1))] == Figures(scheduled=2, dispatched=2, orphan_dispatches=4,
-                                                         lateness_ms=late(10, 10, 10, 10, 10))
+    assert buckets[bucket(B1)] == Figures(scheduled=2, dispatched=2, orphan_dispatches=4,
+                                          lateness_ms=late(10, 10, 10, 10, 10))
     # The torn dispatch record is not counted: that message shows as missing.
-    assert report.buckets[(node, bucket(B2))] == Figures(scheduled=3, dispatched=2, missing=1,
-                                                         lateness_ms=late(10, 10, 10, 10, 10))
-    assert report.exit_status == 1
-    text = report.render()
-    assert f"DAMAGED: {damaged['schedule']}: corrupt record at offset {damaged['corrupt_at']}" in text
-    assert f"warning: {damaged['dispatch']}: torn tail at offset {damaged['torn_at']}" in text
+    assert buckets[bucket(B2)] == Figures(scheduled=3, dispatched=2, missing=1,
+                                          lateness_ms=late(10, 10, 10, 10, 10))
+    assert report["exit_status"] == 1
 
 
 @attrs.frozen

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         if owned:
             spark.stop()
     sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n" if args.json else report.render())
+    # Said on stderr as well, so that a script reading the JSON cannot miss it.
+    for damage in report.damage:
+        print(f"error: {damage.error}", file=sys.stderr)
     return report.exit_status
 
 

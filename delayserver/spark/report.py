@@ -24,6 +24,7 @@ PERCENTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
 COUNTS = ("scheduled", "cancelled", "dispatched", "duplicated", "missing", "not_yet_due", "orphan_dispatches",
           "early")
 LATENESS = tuple(name for name, _ in PERCENTILES) + ("max",)
+_LATENESS_LABELS = {"p50": "P50", "p90": "P90", "p99": "P99", "p999": "P99.9", "max": "max"}
 
 
 @attrs.frozen
@@ -128,7 +129,7 @@ def _summary(report: Report) -> list[str]:
              f"({t.duplicated} more than once), {t.missing} missing, {t.not_yet_due} not yet due"]
     if t.lateness_ms:
         lines.append("lateness (first dispatch - schedule time): "
-                     + ", ".join(f"{name} {t.lateness_ms[name]} ms" for name in LATENESS))
+                     + ", ".join(f"{_LATENESS_LABELS[name]} {t.lateness_ms[name]} ms" for name in LATENESS))
     if t.early:
         lines.append(f"EARLY: {t.early} messages were dispatched before their schedule time")
     if t.orphan_dispatches:
@@ -142,7 +143,7 @@ def _summary(report: Report) -> list[str]:
     if report.damage:
         lines.append(f"RESULT: {len(report.damage)} damaged segment(s), {t.missing} missing")
     elif t.missing:
-        lines.append(f"RESULT: {t.missing} missing")
+        lines.append(f"RESULT: {t.missing} messages missing")
     else:
         lines.append("RESULT: nothing missing")
     return lines
