@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,11 @@ from delayserver.storage.record import (
 from tests.damage import flip_bit, record_offsets, truncate
 from tests.pipeline_node import GROUP, SCALE_MS, START_MS, Node
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("java") is None and "JAVA_HOME" not in os.environ,
+                       reason="Spark needs Java 17 or newer (no java on PATH, no JAVA_HOME)"),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 AS_OF = START_MS + 10 * 60_000
