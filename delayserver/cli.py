@@ -21,6 +21,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--meta", help="meta server HOST:PORT (default: none, embedded routing)")
     ap.add_argument("--group", help="delay group this node belongs to (with --meta)")
     ap.add_argument("--node-id", help="this node's id in its group (with --meta; default: its address)")
+    ap.add_argument("--replicate-from", help="run as a slave of the master at HOST:PORT (without --meta)")
     ap.add_argument("--advertised-address", help="HOST:PORT others reach this node at (default: --listen)")
     ap.add_argument("--log-level", default="INFO")
     return ap
@@ -45,7 +46,7 @@ def serve_main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {"data_dir": args.data_dir, "listen": args.listen, "metrics_listen": args.metrics_listen,
                  "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id,
-                 "advertised_address": args.advertised_address}
+                 "advertised_address": args.advertised_address, "replicate_from": args.replicate_from}
     try:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:

@@ -92,14 +92,21 @@ class AsyncProducer:
     @contextlib.asynccontextmanager
     async def _running(self):
         # The reader task of each connection lives in this nursery, for as long as the producer.
+        error = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
                 yield self
+            except Exception as e:
+                # Re-raised below, outside the nursery, so the caller sees it as raised, not
+                # wrapped in an ExceptionGroup.
+                error = e
             finally:
                 with trio.CancelScope(shield=True):
                     await self.aclose()
                 nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
     async def aclose(self) -> None:
         if self._stream is not None:
@@ -181,6 +188,10 @@ class AsyncProducer:
             err = p.decode_error(result.payload)
             raise error_for(err.code, err.message)
         return result.payload
+
+    async def request(self, command: p.Command, payload: bytes) -> bytes:
+        """One raw request (tools and replication); an ERROR answer raises its exception."""
+        return await self._call(command, payload)
 
     async def ping(self, token: bytes = b"") -> bytes:
         return await self._call(p.Command.PING, token)

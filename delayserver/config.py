@@ -111,6 +111,7 @@ class Config:
     group: str = "default"
     node_id: str = ""
     advertised_address: str = ""
+    replicate_from: str = ""
     deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupConfig, ...] = (BrokerGroupConfig("spool"),)
 
@@ -189,7 +190,9 @@ class Config:
             parse_address(raw["advertised_address"], "advertised_address")
         if raw.get("meta"):
             parse_address(raw["meta"], "meta", 20800)
-        for name in ("meta", "group", "node_id", "advertised_address"):
+        if raw.get("replicate_from"):
+            parse_address(raw["replicate_from"], "replicate_from")
+        for name in ("meta", "group", "node_id", "advertised_address", "replicate_from"):
             if name in raw:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")

@@ -52,12 +52,17 @@ class AsyncGroupProducer:
     @contextlib.asynccontextmanager
     async def _running(self):
         # Each group's producer lives in a task of this nursery, for as long as this producer.
+        error = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
                 yield self
+            except Exception as e:
+                error = e  # re-raised outside the nursery: the caller sees it unwrapped
             finally:
                 nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
     async def _hold(self, address: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncProducer(address, timeout=self.timeout) as member:

@@ -57,6 +57,10 @@ class Receiver:
         self.next_sequence = next_sequence
         self.on_durable = on_durable
         self.durable_offset = store.message_log.end_offset
+        # Set and replaced at each advance of durable_offset (replication long polls wait on it).
+        self.durable_changed = trio.Event()
+        # The replayed log's top sequence: after a promotion, sequences go on above it.
+        self.sequence_floor = lambda: 0
         self.read_only_reason = ""
         self.disk_full = False
         self.accepting = True
@@ -199,7 +203,7 @@ class Receiver:
     async def _write_batch(self, batch: list[_Pending]) -> None:
         if self.read_only_reason:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
-        parts, seq = [], self.next_sequence
+        parts, seq = [], max(self.next_sequence, self.sequence_floor())
         sizes = []
         for p in batch:
             size = 0
@@ -232,7 +236,7 @@ class Receiver:
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
-            self._set_durable(end)
+            self.set_durable(end)
         self.appended += len(parts)
         self.batches += 1
         self._finish(batch, ResultCode.OK, "")
@@ -243,10 +247,13 @@ class Receiver:
         # (tests/faults/test_failpoints.py).
         failpoints.hit("after-ack-before-replay")
 
-    def _set_durable(self, offset: int) -> None:
+    def set_durable(self, offset: int) -> None:
+        """message_log is fsynced up to `offset` (by the commit task, or by replication)."""
         if offset > self.durable_offset:
             self.durable_offset = offset
             self.on_durable.set()
+            self.durable_changed.set()
+            self.durable_changed = trio.Event()
 
     async def _flush_timer(self) -> None:
         while True:
@@ -258,7 +265,7 @@ class Receiver:
                 except FsyncFailed as e:
                     self._go_read_only(str(e))
                     continue
-                self._set_durable(end)
+                self.set_durable(end)
 
     def _finish(self, batch: list[_Pending], code: ResultCode, error: str) -> None:
         for p in batch:
@@ -277,4 +284,4 @@ class Receiver:
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
             await trio.to_thread.run_sync(self.store.message_log.sync)
-            self._set_durable(self.store.message_log.end_offset)
+            self.set_durable(self.store.message_log.end_offset)

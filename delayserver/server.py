@@ -6,6 +6,7 @@ path: stop accepting, finish the batch, flush, replay, checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import trio
@@ -18,6 +19,8 @@ from delayserver.lookup import lookup
 from delayserver.membership import local_groups, start_meta_agent
 from delayserver.meta.store import Role
 from delayserver.receiver import Receiver
+from delayserver.replication import Master, Slave
+from delayserver.storage.cleaner import clean
 from delayserver.replayer import Replayer
 from delayserver.sender.parked import ParkedLog, parked_offsets
 from delayserver.sender.sender import Sender
@@ -63,17 +66,43 @@ class DelayServer:
         self.durable = Wakeup()
         self.receiver = Receiver(self.store, self.clock, c, next_sequence=self.replayer.max_sequence + 1,
                                  on_durable=self.durable)
+        self.receiver.sequence_floor = lambda: self.replayer.max_sequence + 1
+        self.master = Master(self)
+        self.slave = None
         self.sender = Sender(self.ticks, self.store, local_groups(self), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight, parked=self.parked,
                              may_deliver=self._may_deliver)
 
     def _may_deliver(self) -> bool:
+        if self.config.replicate_from:
+            return False
         if not self.config.meta:
             return True
         return self.meta_agent is not None and self.meta_agent.may_deliver()
 
+    def _is_master(self) -> bool:
+        """Master by configuration or by the meta server's word (delivery also needs its lease)."""
+        if self.config.replicate_from:
+            return False
+        if not self.config.meta:
+            return True
+        return self.meta_agent is not None and self.meta_agent.role is Role.MASTER
+
+    def _is_slave(self) -> bool:
+        if self.config.replicate_from:
+            return True
+        return self.meta_agent is not None and self.meta_agent.role is Role.SLAVE
+
+    def _master_address(self) -> str | None:
+        if self.config.replicate_from:
+            return self.config.replicate_from
+        return self.meta_agent.master_address if self.meta_agent is not None else None
+
     def _write_refusal(self) -> ResultCode | None:
-        """NOT_MASTER or READ_ONLY when the meta server says this node must not take writes."""
+        """NOT_MASTER or READ_ONLY when this node must not take writes (a slave, or the meta
+        server says another node is master or the group is read-only)."""
+        if self.config.replicate_from:
+            return ResultCode.NOT_MASTER
         if not self.config.meta:
             return None
         agent = self.meta_agent
@@ -94,7 +123,8 @@ class DelayServer:
                 await nursery.start(self.receiver.serve)
                 await nursery.start(self.replayer.serve, self.clock, lambda: self.receiver.durable_offset,
                                     self.durable)
-                await nursery.start(serve_ticks, self.ticks, self.clock, self.sender.ready)
+                await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
+                                                      active=self._is_master))
                 await nursery.start(self.sender.serve)
                 if self.config.metrics_listen is not None:
                     from delayserver.metrics import serve_metrics
@@ -104,6 +134,11 @@ class DelayServer:
                 self.port = listeners[0].socket.getsockname()[1]
                 if self.config.meta:
                     await start_meta_agent(self, nursery)
+                if self.config.meta or self.config.replicate_from:
+                    node_id = self.config.node_id or f"{self.config.listen[0]}:{self.port}"
+                    self.slave = Slave(self, node_id, self._master_address, self._is_slave)
+                    await nursery.start(self.slave.run)
+                nursery.start_soon(self._clean_periodically)
                 log.info("serving on %s:%d, data in %s", self.config.listen[0], self.port, self.config.data_dir)
                 task_status.started(self.port)
         finally:
@@ -128,6 +163,21 @@ class DelayServer:
             while self.ticks.inflight:
                 await trio.sleep(0.01)
         self._nursery.cancel_scope.cancel()
+
+    async def _clean_periodically(self) -> None:
+        """The cleaner: delete what replay, replication and retention no longer need."""
+        c = self.config
+        while True:
+            await trio.sleep(c.cleaner_interval_ms / 1000)
+            try:
+                cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
+                                now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
+                                sync_offsets=list(self.master.message_log_offsets.values()),
+                                dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
+                if cleaned.buckets:
+                    await self.replayer.checkpoint_async()
+            except StorageError as e:
+                log.error("cleaner pass failed: %s", e)
 
     # --- connections --------------------------------------------------------------------------
 
@@ -232,6 +282,10 @@ class DelayServer:
             return p.encode_cancel_response(await self.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await self.status(p.decode_handle(frame.payload)))
+        if cmd == p.Command.SYNC_MESSAGE_LOG:
+            return await self.master.message_log(frame.payload)
+        if cmd == p.Command.SYNC_DISPATCH_LOG:
+            return await self.master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 
     # --- cancel and status --------------------------------------------------------------------

@@ -257,3 +257,9 @@ async def test_metrics_are_served_in_prometheus_text_format(tmp_path, nursery):
     assert "\ndelayserver_received_total 1\n" in text
     assert "# TYPE delayserver_wheel_entries gauge" in text
     assert 'delayserver_lateness_ms{quantile="0.99"}' in text
+
+
+async def test_an_error_inside_the_producer_block_reaches_the_caller_unwrapped(node):
+    with pytest.raises(BadSubject):
+        async with AsyncProducer(f"127.0.0.1:{node.port}") as prod:
+            await prod.send("not a subject", b"x")

@@ -42,6 +42,7 @@ class Delivery:
     message: Message
     attempt: int = 1
     tried: set = attrs.field(factory=set)
+    generation: int = 0
 
 
 @attrs.define(eq=False)
@@ -112,6 +113,8 @@ class Sender:
         return random.choices(fresh, weights=[max(g.weight, 0) or 1 for g in fresh])[0]
 
     def route(self, d: Delivery, now: int) -> None:
+        if d.generation != self.ticks.generation:
+            return  # the tick manager was reset (a change of role): the reload owns it now
         group = self.pick(d, now)
         if group is None:
             if not self._candidates(d.message.subject):
@@ -190,7 +193,7 @@ class Sender:
                 if self.ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
                     self.ticks.drop_cancelled(ref)
                     continue
-                self.route(Delivery(ref, bucket, offset, message), now)
+                self.route(Delivery(ref, bucket, offset, message, generation=self.ticks.generation), now)
             await trio.lowlevel.checkpoint()
 
     async def _retry_task(self) -> None:
@@ -216,6 +219,9 @@ class Sender:
                 await self._send(group, batch)
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
+        batch = [d for d in batch if d.generation == self.ticks.generation]
+        if not batch:
+            return
         if not self.may_deliver():
             # Fenced (a newer master epoch exists): hand the messages back, deliver nothing.
             now = self.clock.now_ms()

@@ -17,9 +17,14 @@ log = logging.getLogger("delayserver.wheel")
 
 
 async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms: int = 1000,
-                      task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Recover (load every bucket up to the load target) before reporting started, then tick."""
-    while ticks.load_step(clock.now_ms()):
+                      active=lambda: True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Recover (load every bucket up to the load target) before reporting started, then tick.
+
+    While `active()` is false (a slave, or a master fenced off by a newer epoch) nothing is loaded
+    and memory is emptied: on becoming active again the load starts over from disk, so it skips
+    whatever dispatch_log says was delivered meanwhile.
+    """
+    while active() and ticks.load_step(clock.now_ms()):
         if ticks.ready:
             ready.set()
         await trio.lowlevel.checkpoint()
@@ -27,6 +32,13 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
     task_status.started()
     while True:
         now = clock.now_ms()
+        if not active():
+            if ticks.loading_bucket is not None or ticks.loaded:
+                log.warning("not delivering: dropping the loaded window (%d messages)", ticks.loaded)
+                ticks.reset(now)
+            with trio.move_on_after(max_sleep_ms / 1000):
+                await ticks.changed.wait()
+            continue
         ticks.advance(now)
         while ticks.load_step(now):
             await trio.lowlevel.checkpoint()

@@ -86,6 +86,25 @@ class TickManager:
         self.changed = Wakeup()
         self.fired = 0
         self.cancelled_drops = 0
+        # Bumped by `reset`: what the sender holds from an older generation is no longer owed.
+        self.generation = 0
+
+    def reset(self, now: int) -> None:
+        """Forget everything in memory (the node stopped or started being its group's master):
+        the next `load_step` loads from disk again, skipping what dispatch_log records by then.
+        Refs handed out before are ignored when they settle."""
+        self.wheel = TimingWheel(tick_ms=self.wheel.tick_ms, slots=self.wheel.slots, start_ms=now)
+        self.loading_bucket = None
+        self.loading_end = self.loaded_offset = 0
+        self._skip_in_load = set()
+        self._held = []
+        self.outstanding.clear()
+        self.cancels.clear()
+        self.ready.clear()
+        self.inflight.clear()
+        self.last_now = now
+        self.generation += 1
+        self.changed.set()
 
     # --- refs -------------------------------------------------------------------------------
 
@@ -284,7 +303,9 @@ class TickManager:
         self._settle(ref)
 
     def _settle(self, ref: int) -> None:
-        self.inflight.discard(ref)
+        if ref not in self.inflight:
+            return  # handed out before a reset: nothing of it is counted any more
+        self.inflight.remove(ref)
         bucket = self._buckets[ref >> OFFSET_BITS]
         self.outstanding[bucket] -= 1
         if self.outstanding[bucket] <= 0:
