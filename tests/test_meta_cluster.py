@@ -87,3 +87,26 @@ def test_an_old_master_that_returns_after_a_newer_epoch_never_delivers(tmp_path,
         with pytest.raises(Exception) as err:
             producer.send("fence.q", b"refused", delay=0)
         assert "NOT_MASTER" in repr(err.value.code) or "master" in str(err.value)
+
+
+def log_bytes(node: ServerProcess) -> int:
+    return sum(p.stat().st_size for p in (node.data_dir / "message_log").glob("*.log"))
+
+
+def test_when_the_master_dies_its_slave_is_promoted_and_delivers_its_messages(tmp_path, meta, nodes):
+    master = start_node(nodes, tmp_path, meta, "n1", "g")
+    assert wait_for(lambda: live_groups(meta) == {"g"}, 15)
+    slave = start_node(nodes, tmp_path, meta, "n2", "g")
+    with Producer(master.address) as producer:
+        delivered_before = [producer.send("failover.q", b"early", delay=0) for _ in range(10)]
+        due_later = [producer.send("failover.q", b"later", delay=3000) for _ in range(30)]
+    assert wait_for(lambda: len(spooled(master.data_dir)) == 10, 10)
+    assert wait_for(lambda: log_bytes(slave) == log_bytes(master), 10), "the slave did not catch up"
+    time.sleep(0.5)  # one more dispatch_log pull
+    master.kill()
+    assert wait_for(lambda: {m.message_id for _, _, m in spooled(slave.data_dir)}
+                    >= {h.message_id for h in due_later}, 20), "the promoted slave lost messages"
+    again = {m.message_id for _, _, m in spooled(slave.data_dir)} & {h.message_id for h in delivered_before}
+    assert not again, f"{len(again)} messages the old master had delivered were delivered again"
+    for dispatch_time, _, m in spooled(slave.data_dir):
+        assert dispatch_time >= m.schedule_time
