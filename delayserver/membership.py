@@ -69,9 +69,11 @@ async def apply_broker_groups(server, agent: MetaAgent) -> None:
         return
     groups = []
     for spec in specs:
+        kind = spec.transport.value if hasattr(spec.transport, "value") else spec.transport
+        # A spool group is each node's own spool in its data directory, whatever address it lists.
+        address = "" if kind == "spool" else spec.address
         try:
-            transport = make_transport(spec.transport.value if hasattr(spec.transport, "value") else spec.transport,
-                                       spec.address, spec.options, server.config.data_dir)
+            transport = make_transport(kind, address, spec.options, server.config.data_dir)
         except ValueError as e:
             log.error("broker group %s from the meta server is unusable: %s", spec.name, e)
             continue
