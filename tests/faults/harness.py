@@ -76,11 +76,12 @@ class Ledger:
     refused: list[Exception] = attrs.Factory(list)  # result codes other than OK
     _ids: itertools.count = attrs.Factory(itertools.count)
 
-    def new_message(self, rng: random.Random, max_delay_ms: int) -> Message:
-        """A message with a random delay of 0 to `max_delay_ms`, as a delay or as an absolute time."""
+    def new_message(self, rng: random.Random, max_delay_ms: int, min_delay_ms: int = 0) -> Message:
+        """A message with a random delay of `min_delay_ms` to `max_delay_ms`, given as a delay or as
+        an absolute time."""
         message_id = f"{self.prefix}-{next(self._ids):08d}"
         subject = rng.choice(SUBJECTS)
-        delay = rng.randint(0, max_delay_ms)
+        delay = rng.randint(min_delay_ms, max_delay_ms)
         now = now_ms()
         self.sent[message_id] = Sent(subject, now + delay)
         if rng.random() < 0.5:

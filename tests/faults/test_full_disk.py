@@ -1,0 +1,145 @@
+"""Full disk: the data directory is a small tmpfs that the test mounts and fills.
+
+The broker group is a real redis-server on another filesystem, so that delivery does not need the
+full disk: what must keep working is the node's own bookkeeping (schedule_log, dispatch_log,
+checkpoints), which lives on the released reserve (config `reserve_bytes`). The data directory is
+the mount point itself, so the server's log (kept next to the data directory) is not on it.
+
+Skipped, with the reason, only where the machine refuses the mount (not root, or a container that
+forbids it).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+
+import pytest
+import redis
+import trio
+
+from delayserver.client import AsyncProducer
+from delayserver.errors import DelayServerError, ResultCode
+from delayserver.protocol import Handle
+from tests.faults.harness import (
+    Ledger, assert_verify_passes, check_deliveries, now_ms, redis_deliveries, seeded_rng, wait_until_delivered,
+    write_config,
+)
+from tests.procs import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+DISK_SIZE = "8m"
+RESERVE = "1MiB"
+LEFT_FREE = 256 << 10  # what the filler leaves for message_log to fill
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A DISK_SIZE tmpfs mounted at tmp_path/data, unmounted at teardown."""
+    mount_point = tmp_path / "data"
+    mount_point.mkdir()
+    try:
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE},mode=0755", "tmpfs",
+                                 str(mount_point)], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no mount command on this machine: the full-disk test needs a small filesystem")
+    if result.returncode != 0:
+        pytest.skip(f"this machine forbids mounting a tmpfs ({result.stderr.strip() or result.returncode}); "
+                    "the full-disk test needs it")
+    try:
+        yield mount_point
+    finally:
+        if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(path, leave: int) -> int:
+    """Write a filler file until only `leave` bytes are free (or the disk is full); its size."""
+    chunk = b"\0" * (64 << 10)
+    written = 0
+    with open(path, "wb") as f:
+        try:
+            while free_bytes(path.parent) > leave + len(chunk):
+                written += f.write(chunk)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return written
+
+
+async def send_batch(producer: AsyncProducer, ledger: Ledger, rng, n: int, max_delay_ms: int) -> list:
+    messages = [ledger.new_message(rng, max_delay_ms) for _ in range(n)]
+    results = await producer.send_many(messages)
+    ledger.record(messages, results)
+    return results
+
+
+def codes(results) -> set:
+    return {ResultCode.OK if isinstance(r, Handle) else r.code if isinstance(r, DelayServerError) else type(r).__name__
+            for r in results}
+
+
+async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_space_is_freed(
+        small_disk, redis_server, tmp_path):
+    seed, rng = seeded_rng()
+    config = write_config(tmp_path / "server.toml", {
+        "message_log_segment_bytes": "64KiB",
+        "segment_scale": "1m",
+        "reserve_bytes": RESERVE,
+    }, broker_groups=[{"name": "redis", "transport": "redis", "address": redis_server.address}])
+    proc = ServerProcess(small_disk, args=["--config", str(config), "--flush", "sync"])
+    ledger = Ledger(prefix=f"disk{seed}")
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        await trio.to_thread.run_sync(proc.start)
+        async with AsyncProducer(proc.address, timeout=10) as producer:
+            # Due 4 to 6 s from now: after the disk has filled up.
+            due_later = [ledger.new_message(rng, 6000, min_delay_ms=4000) for _ in range(300)]
+            ledger.record(due_later, await producer.send_many(due_later))
+            assert len(ledger.acked) == 300, ledger.refused[:3]
+
+            filler = small_disk / "filler"
+            fill(filler, LEFT_FREE)
+            full_at = None
+            for _ in range(1000):
+                results = await send_batch(producer, ledger, rng, 20, 1500)
+                if ResultCode.DISK_FULL in codes(results):
+                    full_at = now_ms()
+                    break
+            assert full_at is not None, f"message_log never filled the disk ({free_bytes(small_disk)} bytes free)"
+            assert codes(results) <= {ResultCode.OK, ResultCode.DISK_FULL}, ledger.refused[-3:]
+
+            # Full: every new message is refused while the ones already stored come due and go out.
+            while not {m.message_id for m in due_later} <= {d.message_id for d in redis_deliveries(client)}:
+                assert now_ms() < full_at + 20_000, "due messages were not delivered while the disk was full"
+                assert codes(await send_batch(producer, ledger, rng, 5, 0)) == {ResultCode.DISK_FULL}
+                await trio.sleep(0.2)
+            delivered_while_full = [d for d in redis_deliveries(client) if d.dispatch_time > full_at]
+            assert len(delivered_while_full) >= len(due_later)
+
+            filler.unlink()
+            freed_at = time.monotonic()
+            while ResultCode.OK not in codes(await send_batch(producer, ledger, rng, 1, 0)):
+                assert time.monotonic() < freed_at + 10, "sends did not resume once space was free"
+                await trio.sleep(0.1)
+            results = await send_batch(producer, ledger, rng, 200, 1000)
+            assert codes(results) == {ResultCode.OK}
+        await trio.to_thread.run_sync(
+            lambda: wait_until_delivered(ledger, lambda: redis_deliveries(client), timeout_s=30))
+        assert await trio.to_thread.run_sync(proc.terminate) == 0, proc.log_text()[-3000:]
+        deliveries = redis_deliveries(client)
+    finally:
+        proc.kill()
+        client.close()
+    refused = [e for e in ledger.refused if e.code != ResultCode.DISK_FULL]
+    assert not refused, refused[:3]
+    print(check_deliveries(ledger, deliveries, context=f"seed {seed}"))
+    assert_verify_passes(small_disk)
+
