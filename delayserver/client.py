@@ -29,6 +29,7 @@ from delayserver import protocol as p
 from delayserver.config import parse_address
 from delayserver.errors import DelayServerError, ResultCode, error_for
 from delayserver.protocol import CancelOutcome, Handle, MessageState, SendItem, TimeSpec
+from delayserver.trio_util import background_nursery
 
 DEFAULT_TIMEOUT = 10.0
 SEND_BATCH = 256
@@ -92,21 +93,9 @@ class AsyncProducer:
     @contextlib.asynccontextmanager
     async def _running(self):
         # The reader task of each connection lives in this nursery, for as long as the producer.
-        error = None
-        async with trio.open_nursery() as nursery:
+        async with background_nursery(on_exit=self.aclose) as nursery:
             self._nursery = nursery
-            try:
-                yield self
-            except Exception as e:
-                # Re-raised below, outside the nursery, so the caller sees it as raised, not
-                # wrapped in an ExceptionGroup.
-                error = e
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self.aclose()
-                nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
+            yield self
 
     async def aclose(self) -> None:
         if self._stream is not None:

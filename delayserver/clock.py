@@ -11,12 +11,12 @@ import time
 import trio
 
 
-class WallClock:
+class _Clock:
     def now_ms(self) -> int:
-        return time.time_ns() // 1_000_000
+        raise NotImplementedError
 
     async def sleep_until_ms(self, deadline_ms: int) -> None:
-        """Sleep until the wall clock reads `deadline_ms` (or a little after; never before)."""
+        """Sleep until the clock reads `deadline_ms` (or a little after; never before)."""
         delay = deadline_ms - self.now_ms()
         if delay > 0:
             await trio.sleep(delay / 1000)
@@ -24,7 +24,12 @@ class WallClock:
             await trio.lowlevel.checkpoint()
 
 
-class TrioClock:
+class WallClock(_Clock):
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+
+class TrioClock(_Clock):
     """Epoch ms = `epoch_ms` + trio.current_time(); `step_ms` models a wall-clock step."""
 
     def __init__(self, epoch_ms: int):
@@ -35,10 +40,3 @@ class TrioClock:
 
     def step(self, delta_ms: int) -> None:
         self.epoch_ms += delta_ms
-
-    async def sleep_until_ms(self, deadline_ms: int) -> None:
-        delay = deadline_ms - self.now_ms()
-        if delay > 0:
-            await trio.sleep(delay / 1000)
-        else:
-            await trio.lowlevel.checkpoint()

@@ -21,6 +21,7 @@ from delayserver.client import AsyncProducer, Message, Status
 from delayserver.errors import DelayServerError, ResultCode
 from delayserver.meta.client import MetaError, MetaUnavailable, discover_delay_groups
 from delayserver.protocol import CancelOutcome, Handle, MessageState
+from delayserver.trio_util import background_nursery
 
 COOL_DOWN_S = 5.0
 REFRESH_S = 10.0
@@ -52,17 +53,9 @@ class AsyncGroupProducer:
     @contextlib.asynccontextmanager
     async def _running(self):
         # Each group's producer lives in a task of this nursery, for as long as this producer.
-        error = None
-        async with trio.open_nursery() as nursery:
+        async with background_nursery() as nursery:
             self._nursery = nursery
-            try:
-                yield self
-            except Exception as e:
-                error = e  # re-raised outside the nursery: the caller sees it unwrapped
-            finally:
-                nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
+            yield self
 
     async def _hold(self, address: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncProducer(address, timeout=self.timeout) as member:

@@ -323,4 +323,5 @@ class DelayServer:
         after = lookup(self.store, handle.schedule_time, handle.message_id)
         if after.state == p.MessageState.DELIVERED:
             return p.CancelResult(ResultCode.OK, "already delivered", p.CancelOutcome.ALREADY_DELIVERED)
+        self.ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
         return p.CancelResult(ResultCode.OK, "cancelled", p.CancelOutcome.CANCELLED)

@@ -92,8 +92,11 @@ async def test_past_delivery_time_is_delivered_at_once_and_levels_follow_the_tab
 
 async def test_cancel_reports_what_happened_and_a_cancelled_message_is_never_delivered(node, nursery):
     prod = await producer_for(node, nursery)
-    pending = await prod.send("c.x", b"x", delay=3_600_000)
+    pending = await prod.send("c.x", b"x", delay=60_000)  # in the loaded window: in the wheel
+    await prod.status(pending)  # replayed
+    assert len(node.ticks.wheel) == 1
     assert await prod.cancel(pending) == CancelOutcome.CANCELLED
+    assert len(node.ticks.wheel) == 0  # taken out at once, not left to be dropped when due
     assert await prod.cancel(pending) == CancelOutcome.ALREADY_CANCELLED
     assert (await prod.status(pending)).state == MessageState.CANCELLED
     now = await prod.send("c.x", b"y", delay=0)

@@ -84,41 +84,37 @@ def run_send(args) -> int:
     return 0
 
 
-def _handle(text: str) -> Handle:
-    return Handle.parse(text)
-
-
-def run_cancel(args) -> int:
+def _ask(args, method: str):
+    """Run one producer call on the handle in `args`; (handle, answer) or an exit code."""
     from delayserver.client import Producer
 
     try:
-        handle = _handle(args.handle)
+        handle = Handle.parse(args.handle)
         with Producer(args.server) as producer:
-            outcome = producer.cancel(handle)
+            return handle, getattr(producer, method)(handle)
     except ValueError as e:
         return _fail(f"bad handle: {e}")
     except DelayServerError as e:
         return _fail(f"{e.code.name}: {e}")
     except (ConnectionError, TimeoutError) as e:
         return _fail(str(e))
+
+
+def run_cancel(args) -> int:
+    answer = _ask(args, "cancel")
+    if isinstance(answer, int):
+        return answer
+    handle, outcome = answer
     name = outcome.name.lower()
     print(json.dumps({"handle": str(handle), "outcome": name}) if args.json else name)
     return 0 if name in ("cancelled", "already_cancelled") else 1
 
 
 def run_status(args) -> int:
-    from delayserver.client import Producer
-
-    try:
-        handle = _handle(args.handle)
-        with Producer(args.server) as producer:
-            status = producer.status(handle)
-    except ValueError as e:
-        return _fail(f"bad handle: {e}")
-    except DelayServerError as e:
-        return _fail(f"{e.code.name}: {e}")
-    except (ConnectionError, TimeoutError) as e:
-        return _fail(str(e))
+    answer = _ask(args, "status")
+    if isinstance(answer, int):
+        return answer
+    handle, status = answer
     state = status.state.name.lower()
     if args.json:
         print(json.dumps({"handle": str(handle), "state": state, "dispatch_time": status.dispatch_time or None,

@@ -34,6 +34,7 @@ import trio
 
 from delayserver.errors import InvalidMessage
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
+from delayserver.storage.segment import fsync_dir
 from delayserver.storage.record import (
     HEADER,
     HEADER_SIZE,
@@ -204,14 +205,6 @@ def _locked(fd: int) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _open_for_append(path: Path) -> int:
     """Open the spool file read-write, creating it and the spool directory durably if missing."""
     try:
@@ -220,13 +213,13 @@ def _open_for_append(path: Path) -> int:
         pass
     if not path.parent.is_dir():
         path.parent.mkdir(exist_ok=True)
-        _fsync_dir(path.parent.parent)
+        fsync_dir(path.parent.parent)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return os.open(path, os.O_RDWR)
     try:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         os.close(fd)
         raise

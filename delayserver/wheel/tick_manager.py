@@ -293,6 +293,22 @@ class TickManager:
         self.fired += len(out)
         return out
 
+    def remove_cancelled(self, bucket: int, offsets, schedule_time: int) -> int:
+        """Take cancelled messages (by their schedule_log offsets) out of the wheel at once, so
+        they stop taking memory; any not in the wheel are still dropped when they fire (see
+        `is_cancelled`). Returns how many were removed."""
+        if bucket not in self._bucket_ids:
+            return 0
+        removed = 0
+        for offset in offsets:
+            if self.wheel.cancel(self.ref(bucket, offset), schedule_time):
+                removed += 1
+                self.cancelled_drops += 1
+                self.outstanding[bucket] -= 1
+                if self.outstanding[bucket] <= 0:
+                    del self.outstanding[bucket]
+        return removed
+
     def drop_cancelled(self, ref: int) -> None:
         """The sender found `ref` cancelled when it read the record: never deliver it."""
         self.cancelled_drops += 1

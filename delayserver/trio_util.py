@@ -1,0 +1,29 @@
+"""Small trio helpers shared by the clients."""
+from __future__ import annotations
+
+import contextlib
+
+import trio
+
+
+@contextlib.asynccontextmanager
+async def background_nursery(on_exit=None):
+    """A nursery for an object's background tasks, cancelled when the `async with` body ends.
+
+    An exception from the body is re-raised as itself, outside the nursery, instead of wrapped in
+    an ExceptionGroup, so a caller of `async with Client() as c:` sees the error it would expect.
+    `on_exit` (an async callable) runs shielded before the tasks are cancelled.
+    """
+    error = None
+    async with trio.open_nursery() as nursery:
+        try:
+            yield nursery
+        except Exception as e:
+            error = e
+        finally:
+            if on_exit is not None:
+                with trio.CancelScope(shield=True):
+                    await on_exit()
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
