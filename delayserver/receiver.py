@@ -26,7 +26,7 @@ from delayserver import failpoints
 from delayserver.errors import BadScheduleTime, DelayServerError, InvalidMessage, ResultCode
 from delayserver.protocol import SendItem, SendResult, TimeKind
 from delayserver.storage.record import (
-    Cancel, RecordType, check_schedule_time, encode_cancel, encode_message_fields, encode_record,
+    HEADER, HEADER_SIZE, Cancel, RecordType, check_schedule_time, checksum, encode_cancel, encode_message_fields,
 )
 from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError
 from delayserver.wakeup import Wakeup
@@ -210,9 +210,9 @@ class Receiver:
             for payload in p.payloads:
                 _SEQ.pack_into(payload, _SEQ_AT, seq)
                 seq += 1
-                rec = encode_record(p.rtype, bytes(payload))
-                parts.append(rec)
-                size += len(rec)
+                # Header and payload go to the one write as two pieces: no copy per message.
+                parts += (HEADER.pack(checksum(p.rtype, payload), len(payload), p.rtype), payload)
+                size += HEADER_SIZE + len(payload)
             sizes.append(size)
         try:
             start = self.store.message_log.append(b"".join(parts))
@@ -237,7 +237,7 @@ class Receiver:
                 self._go_read_only(str(e))
                 return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
             self.set_durable(end)
-        self.appended += len(parts)
+        self.appended += sum(len(p.payloads) for p in batch)
         self.batches += 1
         self._finish(batch, ResultCode.OK, "")
         # Acks released, replay not begun: the replayer cannot have read this batch (no await since

@@ -26,8 +26,8 @@ from delayserver import failpoints
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.record import (
-    CANCEL_HEAD, HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, RecordError, RecordType, checksum,
-    checksum_continue, iter_records,
+    CANCEL_HEAD, HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, RecordType, checksum,
+    checksum_continue, iter_checked_records,
 )
 from delayserver.storage.segment import CorruptSegment, StorageError
 from delayserver.storage.store import Store
@@ -106,38 +106,36 @@ class Replayer:
         sizes: dict[int, int] = {}
         notes = []  # (bucket, offset in bucket, kind, schedule_time, message id or None)
         end = self.offset
-        try:
-            for pos, rtype, s, e in iter_records(data):
-                off = base + pos
-                if off >= limit:
-                    break
-                if rtype == RecordType.MESSAGE:
-                    _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(data, s)
-                    kind, mid = RecordType.SCHEDULED, None
-                elif rtype == RecordType.CANCEL:
-                    _, sched, seq, idlen = CANCEL_HEAD.unpack_from(data, s)
-                    kind = RecordType.SCHEDULED_CANCEL
-                    mid = bytes(data[s + CANCEL_HEAD.size : s + CANCEL_HEAD.size + idlen]).decode("utf-8")
-                else:
-                    raise CorruptSegment(self.store.message_log.directory, off, f"unexpected record type {rtype}")
-                bucket = sched - sched % scale
-                # The schedule record is the offset then the message_log payload as it is: build
-                # its crc over the two pieces instead of copying them into one buffer first.
-                off_raw = OFFSET.pack(off)
-                payload = view[s:e]
-                crc = checksum_continue(checksum(kind, off_raw), payload)
-                recs = per_bucket.get(bucket)
-                if recs is None:
-                    recs = per_bucket[bucket] = []
-                    sizes[bucket] = self.store.schedule_log.size(bucket)
-                notes.append((bucket, sizes[bucket], kind, sched, mid))
-                length = 8 + e - s
-                sizes[bucket] += HEADER_SIZE + length
-                recs += (HEADER.pack(crc, length, kind), off_raw, payload)
-                self.max_sequence = max(self.max_sequence, seq)
-                end = base + e
-        except RecordError as err:
-            raise CorruptSegment(self.store.message_log.directory, base + err.offset, err.reason) from None
+        # MessageLog.read checked every record it returned: walk the headers only.
+        for pos, rtype, s, e in iter_checked_records(data):
+            off = base + pos
+            if off >= limit:
+                break
+            if rtype == RecordType.MESSAGE:
+                _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(data, s)
+                kind, mid = RecordType.SCHEDULED, None
+            elif rtype == RecordType.CANCEL:
+                _, sched, seq, idlen = CANCEL_HEAD.unpack_from(data, s)
+                kind = RecordType.SCHEDULED_CANCEL
+                mid = bytes(data[s + CANCEL_HEAD.size : s + CANCEL_HEAD.size + idlen]).decode("utf-8")
+            else:
+                raise CorruptSegment(self.store.message_log.directory, off, f"unexpected record type {rtype}")
+            bucket = sched - sched % scale
+            # The schedule record is the offset then the message_log payload as it is: build
+            # its crc over the two pieces instead of copying them into one buffer first.
+            off_raw = OFFSET.pack(off)
+            payload = view[s:e]
+            crc = checksum_continue(checksum(kind, off_raw), payload)
+            recs = per_bucket.get(bucket)
+            if recs is None:
+                recs = per_bucket[bucket] = []
+                sizes[bucket] = self.store.schedule_log.size(bucket)
+            notes.append((bucket, sizes[bucket], kind, sched, mid))
+            length = 8 + e - s
+            sizes[bucket] += HEADER_SIZE + length
+            recs += (HEADER.pack(crc, length, kind), off_raw, payload)
+            self.max_sequence = max(self.max_sequence, seq)
+            end = base + e
         self._append_all(per_bucket)
         for bucket, offset, kind, sched, mid in notes:
             if kind == RecordType.SCHEDULED:

@@ -158,6 +158,20 @@ def iter_records(buf, pos: int = 0, end: int | None = None) -> Iterator[tuple[in
         pos = stop
 
 
+def iter_checked_records(buf, pos: int = 0, end: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """`iter_records` for a buffer whose records were checked already (crc and all): it reads the
+    headers only. Use it only on what a checking reader just returned (MessageLog.read)."""
+    end = len(buf) if end is None else end
+    unpack, header_size = HEADER.unpack_from, HEADER_SIZE
+    while pos + header_size <= end:
+        _, length, rtype = unpack(buf, pos)
+        stop = pos + header_size + length
+        if stop > end:
+            return
+        yield pos, rtype, pos + header_size, stop
+        pos = stop
+
+
 # --- messages -------------------------------------------------------------------------------
 
 
