@@ -52,6 +52,22 @@ def time_spec(deliver_at: int | None, delay: int | None, delay_level: int | None
     return TimeSpec.delay(int(delay or 0))
 
 
+DEFAULT_MAX_RECONSUME_TIMES = 16
+DEFAULT_LEVEL_COUNT = 18
+
+
+def retry_target(consumer_group: str, reconsume_times: int, max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES,
+                 levels: int = DEFAULT_LEVEL_COUNT) -> tuple[str, int | None]:
+    """(subject, delay level) for a consumer's failed message: `%RETRY%<group>` at level
+    3 + reconsume_times (at most `levels`), or `%DLQ%<group>` and no delay once
+    `reconsume_times` reaches `max_reconsume_times`."""
+    if reconsume_times < 0:
+        raise ValueError("reconsume_times must not be negative")
+    if reconsume_times >= max_reconsume_times:
+        return f"%DLQ%{consumer_group}", None
+    return f"%RETRY%{consumer_group}", min(3 + reconsume_times, levels)
+
+
 @attrs.frozen
 class Status:
     state: MessageState
@@ -225,6 +241,22 @@ class AsyncProducer:
                 nursery.start_soon(one, start)
         return out
 
+    async def send_back(self, consumer_group: str, message_id: str, body: bytes, *, reconsume_times: int,
+                        headers: Mapping[str, str] | None = None, subject: str = "",
+                        max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES,
+                        levels: int = DEFAULT_LEVEL_COUNT) -> Handle:
+        """Consumer retry, as RocketMQ does it: a message the consumer failed to process comes back
+        on `%RETRY%<group>` at delay level 3 + reconsume_times (capped at the last of `levels`),
+        and after `max_reconsume_times` goes at once to the dead-letter subject `%DLQ%<group>`.
+        Headers `reconsume-times` and `origin-subject` travel with it; the id is kept."""
+        target, level = retry_target(consumer_group, reconsume_times, max_reconsume_times, levels)
+        headers = {**(headers or {}), "reconsume-times": str(reconsume_times + 1)}
+        if subject:
+            headers.setdefault("origin-subject", subject)
+        if level is None:
+            return await self.send(target, body, delay=0, message_id=message_id, headers=headers)
+        return await self.send(target, body, delay_level=level, message_id=message_id, headers=headers)
+
     async def cancel(self, handle: Handle | str) -> CancelOutcome:
         """Cancel a pending message; says whether the cancel won or the message was delivered."""
         handle = Handle.parse(handle) if isinstance(handle, str) else handle
@@ -282,6 +314,9 @@ class Producer:
 
     def cancel(self, handle: Handle | str) -> CancelOutcome:
         return self._run(self._producer.cancel, handle)
+
+    def send_back(self, consumer_group: str, message_id: str, body: bytes, **kw) -> Handle:
+        return self._run(self._producer.send_back, consumer_group, message_id, body, **kw)
 
     def status(self, handle: Handle | str) -> Status:
         return self._run(self._producer.status, handle)

@@ -266,3 +266,27 @@ async def test_an_error_inside_the_producer_block_reaches_the_caller_unwrapped(n
     with pytest.raises(BadSubject):
         async with AsyncProducer(f"127.0.0.1:{node.port}") as prod:
             await prod.send("not a subject", b"x")
+
+
+def test_retry_targets_follow_rocketmq():
+    from delayserver.client import retry_target
+    assert retry_target("billing", 0) == ("%RETRY%billing", 3)
+    assert retry_target("billing", 5) == ("%RETRY%billing", 8)
+    assert retry_target("billing", 15) == ("%RETRY%billing", 18)
+    assert retry_target("billing", 16) == ("%DLQ%billing", None)
+    assert retry_target("billing", 2, max_reconsume_times=2) == ("%DLQ%billing", None)
+
+
+async def test_a_failed_message_comes_back_on_the_retry_subject_then_the_dead_letter_subject(node, nursery):
+    prod = await producer_for(node, nursery)
+    now = node.clock.now_ms()
+    retry = await prod.send_back("billing", "order-7", b"charge", reconsume_times=1, subject="billing.charge")
+    assert retry.message_id == "order-7"
+    assert retry.schedule_time - now in range(30_000, 31_000)  # level 4: 30 s
+    dead = await prod.send_back("billing", "order-7", b"charge", reconsume_times=16)
+    with trio.fail_after(5):
+        while (await prod.status(dead)).state != MessageState.DELIVERED:
+            await trio.sleep(0.01)
+    from delayserver.sender.spool import iter_spool
+    (_, _, _, m), = list(iter_spool(node.config.data_dir, "%DLQ%billing"))
+    assert m.headers["reconsume-times"] == "17"
