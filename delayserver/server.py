@@ -18,13 +18,14 @@ from delayserver.errors import DelayServerError, ResultCode
 from delayserver.lookup import lookup
 from delayserver.membership import local_groups, start_meta_agent
 from delayserver.meta.store import Role
+from delayserver.metrics import serve_metrics
 from delayserver.receiver import Receiver
-from delayserver.replication import Master, Slave
-from delayserver.storage.cleaner import clean
 from delayserver.replayer import Replayer
+from delayserver.replication import Master, Slave
 from delayserver.sender.parked import ParkedLog, parked_offsets
 from delayserver.sender.sender import Sender
 from delayserver.storage.buckets import bucket_start
+from delayserver.storage.cleaner import clean
 from delayserver.storage.segment import StorageError
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
@@ -127,7 +128,6 @@ class DelayServer:
                                                       active=self._is_master))
                 await nursery.start(self.sender.serve)
                 if self.config.metrics_listen is not None:
-                    from delayserver.metrics import serve_metrics
                     listeners = await nursery.start(serve_metrics, self, *self.config.metrics_listen)
                     self.metrics_port = listeners[0].socket.getsockname()[1]
                 listeners = await nursery.start(self._listen)

@@ -290,3 +290,37 @@ async def test_a_failed_message_comes_back_on_the_retry_subject_then_the_dead_le
     from delayserver.sender.spool import iter_spool
     (_, _, _, m), = list(iter_spool(node.config.data_dir, "%DLQ%billing"))
     assert m.headers["reconsume-times"] == "17"
+
+
+async def test_the_cleaner_deletes_what_is_delivered_and_replayed_once_retention_has_passed(tmp_path, nursery):
+    from delayserver.clock import TrioClock
+
+    clock = TrioClock(epoch_ms=node_epoch_now())
+    server = DelayServer(config(tmp_path, segment_scale="1m", message_log_segment_bytes=4096, retention_ms=1000,
+                                cleaner_interval_ms=50, checkpoint_interval_ms=20), clock=clock)
+    await nursery.start(server.serve)
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        done = []
+        for _ in range(6):  # one commit each, so that message_log rolls over several segments
+            done += await prod.send_many([Message("clean.q", b"x" * 200, delay=0) for _ in range(10)])
+        kept = await prod.send("clean.q", b"later", delay=3_600_000)
+    with trio.fail_after(10):
+        while server.sender.delivered < 60:
+            await trio.sleep(0.01)
+    delivered_buckets = {h.schedule_time - h.schedule_time % 60_000 for h in done}
+    sealed_before = len(server.store.message_log.segments) - 1
+    assert sealed_before >= 3
+    clock.step(5 * 60_000)  # the delivered buckets end well past the retention
+    with trio.fail_after(10):
+        while delivered_buckets & set(server.store.schedule_log.buckets()):
+            await trio.sleep(0.02)
+        while len(server.store.message_log.segments) > 1:
+            await trio.sleep(0.02)
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        assert (await prod.status(kept)).state == MessageState.PENDING
+        assert (await prod.status(done[0])).state == MessageState.UNKNOWN  # its bucket is gone
+
+
+def node_epoch_now() -> int:
+    import time
+    return time.time_ns() // 1_000_000
