@@ -258,12 +258,21 @@ def wait_until_delivered(ledger: Ledger, read, *, timeout_s: float, interval_s: 
 # --- the server's files and tools -----------------------------------------------------------------
 
 
+def toml_value(value) -> str:
+    """Ints, strings, lists and dicts (as inline tables) in TOML."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {toml_value(v)}" for key, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(toml_value, value)) + "]"
+    return json.dumps(value)
+
+
 def write_config(path: Path, options: dict, broker_groups: list[dict] = ()) -> Path:
-    """A TOML config file from plain options (ints, strings) and broker groups."""
-    lines = [f"{key} = {json.dumps(value)}" for key, value in options.items()]
+    """A TOML config file from options and broker groups."""
+    lines = [f"{key} = {toml_value(value)}" for key, value in options.items()]
     for group in broker_groups:
         lines.append("[[broker_group]]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in group.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in group.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
