@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -46,7 +47,8 @@ def serve_main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {"data_dir": args.data_dir, "listen": args.listen, "metrics_listen": args.metrics_listen,
                  "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id,
-                 "advertised_address": args.advertised_address, "replicate_from": args.replicate_from}
+                 "advertised_address": args.advertised_address, "replicate_from": args.replicate_from,
+                 "auth_secret": os.environ.get("DELAYSERVER_SECRET")}
     try:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:

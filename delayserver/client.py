@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import ssl
 import threading
 import time
 from typing import Iterable, Mapping
@@ -89,10 +90,16 @@ class Message:
 
 
 class AsyncProducer:
-    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT, secret: str | None = None,
+                 tls: ssl.SSLContext | bool = False):
+        """`secret`: the server's shared secret (default: $DELAYSERVER_SECRET, if set).
+        `tls`: True for TLS with the system's trust store, or an SSLContext (say, one trusting
+        your own CA: ``ssl.create_default_context(cafile=...)``)."""
         self.host, self.port = parse_address(address, "address")
         self.timeout = timeout
-        self._stream: trio.SocketStream | None = None
+        self.tls = ssl.create_default_context() if tls is True else (tls or None)
+        self.secret = secret if secret is not None else os.environ.get("DELAYSERVER_SECRET", "")
+        self._stream: trio.abc.Stream | None = None
         self._waiting: dict[int, tuple[trio.Event, list]] = {}
         self._ids = itertools.count(1)
         self._send_lock = trio.Lock()
@@ -126,14 +133,27 @@ class AsyncProducer:
             while True:
                 try:
                     stream = await trio.open_tcp_stream(self.host, self.port)
+                    if self.tls is not None:
+                        stream = trio.SSLStream(stream, self.tls, server_hostname=self.host)
+                        await stream.do_handshake()
                     break
-                except OSError as e:
+                except (OSError, trio.BrokenResourceError) as e:
+                    if isinstance(e, ssl.SSLError) or isinstance(e.__cause__, ssl.SSLError):
+                        # A certificate or protocol mismatch: trying again will not help.
+                        raise ConnectionError(f"TLS with {self.host}:{self.port} failed: {e.__cause__ or e}") from e
                     if trio.current_time() + delay > deadline:
                         raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {e}") from e
                     await trio.sleep(delay)
                     delay = min(delay * 2, 1.0)
             self._stream = stream
             self._nursery.start_soon(self._reader, stream)
+            if self.secret:
+                try:
+                    await self._exchange(stream, p.Command.AUTH, self.secret.encode("utf-8"))
+                except BaseException:
+                    self._stream = None
+                    await stream.aclose()
+                    raise
             return stream
 
     async def _reader(self, stream: trio.SocketStream) -> None:
@@ -172,20 +192,22 @@ class AsyncProducer:
 
     async def _call_once(self, command: p.Command, payload: bytes) -> bytes:
         with trio.fail_after(self.timeout):
-            stream = await self._connect()
-            rid = next(self._ids) & 0xFFFFFFFF
-            event, box = trio.Event(), []
-            self._waiting[rid] = (event, box)
-            try:
-                async with self._send_lock:
-                    await stream.send_all(p.encode(p.Frame(command, rid, payload)))
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                self._waiting.pop(rid, None)
-                raise ConnectionError(f"connection lost: {e}") from e
-            try:
-                await event.wait()
-            finally:
-                self._waiting.pop(rid, None)
+            return await self._exchange(await self._connect(), command, payload)
+
+    async def _exchange(self, stream, command: p.Command, payload: bytes) -> bytes:
+        rid = next(self._ids) & 0xFFFFFFFF
+        event, box = trio.Event(), []
+        self._waiting[rid] = (event, box)
+        try:
+            async with self._send_lock:
+                await stream.send_all(p.encode(p.Frame(command, rid, payload)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            self._waiting.pop(rid, None)
+            raise ConnectionError(f"connection lost: {e}") from e
+        try:
+            await event.wait()
+        finally:
+            self._waiting.pop(rid, None)
         result = box[0]
         if isinstance(result, Exception):
             raise result
@@ -279,12 +301,14 @@ class Producer:
     Safe to share between threads; each call blocks until its answer (or `timeout`).
     """
 
-    def __init__(self, address: str | None = None, *, meta: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, address: str | None = None, *, meta: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 **options):
         """Connect to one delay server (`address`), or to the delay groups a meta server lists
-        (`meta`: sends are spread over them and a dead group is skipped)."""
+        (`meta`: sends are spread over them and a dead group is skipped). `options` (`secret`,
+        `tls`) go to each connection, as for AsyncProducer."""
         if (address is None) == (meta is None):
             raise ValueError("give either address or meta")
-        self._address, self._meta, self._timeout = address, meta, timeout
+        self._address, self._meta, self._timeout, self._options = address, meta, timeout, options
         self._ready = threading.Event()
         self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True, name="delayserver-producer")
         self._thread.start()
@@ -295,9 +319,9 @@ class Producer:
         self._stop = trio.Event()
         if self._meta is not None:
             from delayserver.group_producer import AsyncGroupProducer
-            session = AsyncGroupProducer(self._meta, timeout=self._timeout)
+            session = AsyncGroupProducer(self._meta, timeout=self._timeout, **self._options)
         else:
-            session = AsyncProducer(self._address, timeout=self._timeout)
+            session = AsyncProducer(self._address, timeout=self._timeout, **self._options)
         async with session as producer:
             self._producer = producer
             self._ready.set()

@@ -112,6 +112,10 @@ class Config:
     node_id: str = ""
     advertised_address: str = ""
     replicate_from: str = ""
+    auth_secret: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
     deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupConfig, ...] = (BrokerGroupConfig("spool"),)
 
@@ -192,7 +196,13 @@ class Config:
             parse_address(raw["meta"], "meta", 20800)
         if raw.get("replicate_from"):
             parse_address(raw["replicate_from"], "replicate_from")
-        for name in ("meta", "group", "node_id", "advertised_address", "replicate_from"):
+        if bool(raw.get("tls_cert")) != bool(raw.get("tls_key")):
+            raise ConfigError("tls_cert: tls_cert and tls_key go together (PEM certificate chain and its key)")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            if raw.get(name) and not Path(raw[name]).is_file():
+                raise ConfigError(f"{name}: no such file {raw[name]!r}")
+        for name in ("meta", "group", "node_id", "advertised_address", "replicate_from", "auth_secret",
+                     "tls_cert", "tls_key", "tls_ca"):
             if name in raw:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")

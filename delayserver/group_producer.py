@@ -34,9 +34,10 @@ class NoDelayGroup(ConnectionError):
 
 
 class AsyncGroupProducer:
-    def __init__(self, meta: str, *, timeout: float = 10.0):
+    def __init__(self, meta: str, *, timeout: float = 10.0, **options):
         self.meta = meta
         self.timeout = timeout
+        self.options = options  # for each delay group's connection (secret, tls)
         self._members: dict[str, AsyncProducer] = {}
         self._groups: list[tuple[str, str]] = []
         self._down_until: dict[str, float] = {}
@@ -58,7 +59,7 @@ class AsyncGroupProducer:
             yield self
 
     async def _hold(self, address: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with AsyncProducer(address, timeout=self.timeout) as member:
+        async with AsyncProducer(address, timeout=self.timeout, **self.options) as member:
             task_status.started(member)
             await trio.sleep_forever()
 

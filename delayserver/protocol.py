@@ -42,6 +42,8 @@ then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
                response: code u16, state u8 (MessageState), dispatch_time i64 (0: none),
                          broker_group str16 ("": none), message str32
     ERROR      response only: code u16, message str32
+    AUTH       request: the shared secret, raw bytes; response: empty (a wrong secret gets an
+               ERROR with UNAUTHORIZED and the connection closes)
     META       UTF-8 JSON both ways (`encode_json`, `decode_json`)
     SYNC_*     defined by the replication modules
 
@@ -81,6 +83,7 @@ class Command(enum.IntEnum):
     CANCEL = 3
     STATUS = 4
     ERROR = 5
+    AUTH = 6
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
     META = 32

@@ -23,6 +23,7 @@ truncating them would drop acknowledged messages.
 from __future__ import annotations
 
 import logging
+import ssl
 import struct
 
 import trio
@@ -139,7 +140,8 @@ class Slave:
                 await trio.sleep(self.poll_ms / 1000)
                 continue
             try:
-                async with AsyncProducer(address, timeout=15) as conn:
+                async with AsyncProducer(address, timeout=15, secret=self.server.config.auth_secret,
+                                         tls=self._tls()) as conn:
                     log.info("replicating from %s", address)
                     while self.is_slave() and self.master_address() == address:
                         await self._pull_message_log(conn)
@@ -154,6 +156,11 @@ class Slave:
                 else:
                     log.error("replication from %s: %s", address, e)
                     await trio.sleep(1)
+
+    def _tls(self):
+        """TLS to the master when `tls_ca` names the CA to check its certificate against."""
+        ca = self.server.config.tls_ca
+        return ssl.create_default_context(cafile=ca) if ca else False
 
     async def _pull_message_log(self, conn) -> None:
         store, receiver = self.server.store, self.server.receiver

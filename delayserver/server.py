@@ -7,7 +7,9 @@ path: stop accepting, finish the batch, flush, replay, checkpoint.
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
+import ssl
 
 import trio
 
@@ -148,8 +150,23 @@ class DelayServer:
 
     async def _listen(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.config.listen
+        handler = self._handle
+        if self.config.tls_cert:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+            handler = functools.partial(self._handle_tls, context)
         with self._listener_scope:
-            await trio.serve_tcp(self._handle, port, host=host, task_status=task_status)
+            await trio.serve_tcp(handler, port, host=host, task_status=task_status)
+
+    async def _handle_tls(self, context: ssl.SSLContext, stream: trio.SocketStream) -> None:
+        tls = trio.SSLStream(stream, context, server_side=True)
+        try:
+            with trio.fail_after(self.config.frame_timeout_ms / 1000):
+                await tls.do_handshake()
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.aclose()
+            return
+        await self._handle(tls)
 
     async def drain(self) -> None:
         """Stop accepting, finish and flush the current batch, replay and checkpoint."""
@@ -181,7 +198,7 @@ class DelayServer:
 
     # --- connections --------------------------------------------------------------------------
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: trio.abc.Stream) -> None:
         if self.connections >= self.config.max_connections:
             await self._send_error(stream, 0, ResultCode.BUSY, "too many connections")
             await stream.aclose()
@@ -201,6 +218,7 @@ class DelayServer:
         send_lock = trio.Lock()
         slots = trio.Semaphore(MAX_REQUESTS_PER_CONNECTION)
         partial_since = None
+        authenticated = not c.auth_secret
         async with trio.open_nursery() as nursery:
             while True:
                 now = trio.current_time()
@@ -228,9 +246,29 @@ class DelayServer:
                         return
                     if frame is p.NEED_DATA:
                         break
+                    if not authenticated:
+                        # Handled in line, before any later frame of the same connection.
+                        authenticated = await self._authenticate(stream, frame, send_lock)
+                        if not authenticated:
+                            nursery.cancel_scope.cancel()
+                            return
+                        continue
                     await slots.acquire()
                     nursery.start_soon(self._request, stream, frame, send_lock, slots)
             # EOF: let requests already read finish and answer.
+
+    async def _authenticate(self, stream, frame: p.Frame, lock: trio.Lock) -> bool:
+        """With `auth_secret` set, a connection's first frame must be AUTH with that secret."""
+        secret = self.config.auth_secret.encode("utf-8")
+        if frame.command == p.Command.AUTH and not frame.is_response and hmac.compare_digest(frame.payload, secret):
+            async with lock:
+                await stream.send_all(p.encode(p.Frame(p.Command.AUTH, frame.request_id, b"", is_response=True)))
+            return True
+        log.warning("refused a connection: %s", "wrong secret" if frame.command == p.Command.AUTH
+                    else f"{frame.command.name} before AUTH")
+        await self._send_error(stream, frame.request_id, ResultCode.UNAUTHORIZED,
+                               "authenticate first: AUTH with the shared secret", lock)
+        return False
 
     async def _send_error(self, stream, request_id: int, code: ResultCode, message: str, lock=None) -> None:
         frame = p.Frame(p.Command.ERROR, request_id, p.encode_error(p.ErrorResult(code, message)), is_response=True)
@@ -271,6 +309,8 @@ class DelayServer:
         cmd = frame.command
         if cmd == p.Command.PING:
             return frame.payload
+        if cmd == p.Command.AUTH:
+            return b""  # already authenticated on this connection
         if cmd == p.Command.SEND:
             items = p.decode_send_request(frame.payload)
             refusal = self._write_refusal()

@@ -324,3 +324,55 @@ async def test_the_cleaner_deletes_what_is_delivered_and_replayed_once_retention
 def node_epoch_now() -> int:
     import time
     return time.time_ns() // 1_000_000
+
+
+async def test_with_a_shared_secret_only_authenticated_connections_are_served(tmp_path, nursery):
+    server = DelayServer(config(tmp_path, auth_secret="s3cret"))
+    await nursery.start(server.serve)
+    address = f"127.0.0.1:{server.port}"
+    async with AsyncProducer(address, secret="s3cret") as prod:
+        handle = await prod.send("auth.q", b"x", delay=3_600_000)
+        assert (await prod.status(handle)).state == MessageState.PENDING
+    for secret in ("wrong", ""):
+        with pytest.raises(DelayServerError) as err:
+            async with AsyncProducer(address, secret=secret) as prod:
+                await prod.send("auth.q", b"x", delay=0)
+        assert err.value.code == ResultCode.UNAUTHORIZED
+    frames = await raw_exchange(server.port, p.encode(p.Frame(p.Command.SEND, 9, b"")))
+    assert [p.decode_error(f.payload).code for f in frames] == [ResultCode.UNAUTHORIZED]
+    assert server.receiver.appended == 1
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_path, key_path, ca_path = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
+    cert.private_key_pem.write_to_path(str(key_path))
+    ca.cert_pem.write_to_path(str(ca_path))
+    return cert_path, key_path, ca_path
+
+
+async def test_tls_for_producers_and_for_replication(tmp_path, nursery, tls_files):
+    import ssl
+    cert, key, ca = map(str, tls_files)
+    master = DelayServer(config(tmp_path, tls_cert=cert, tls_key=key, auth_secret="k"))
+    await nursery.start(master.serve)
+    trusted = ssl.create_default_context(cafile=ca)
+    async with AsyncProducer(f"127.0.0.1:{master.port}", tls=trusted, secret="k") as prod:
+        handle = await prod.send("tls.q", b"over tls", delay=3_600_000)
+    with pytest.raises(ConnectionError, match="TLS"):
+        async with AsyncProducer(f"127.0.0.1:{master.port}", tls=True, secret="k") as prod:
+            await prod.ping()  # the system trust store does not know this CA
+    frames = await raw_exchange(master.port, p.encode(p.Frame(p.Command.PING, 1, b"plain")))
+    assert frames == []  # plain bytes on a TLS port: the handshake fails and the connection closes
+    slave = DelayServer(Config.from_dict({"data_dir": str(tmp_path / "slave"), "listen": "127.0.0.1:0",
+                                          "replicate_from": f"127.0.0.1:{master.port}", "tls_ca": ca,
+                                          "auth_secret": "k"}))
+    await nursery.start(slave.serve)
+    with trio.fail_after(10):
+        while slave.store.message_log.end_offset != master.store.message_log.end_offset:
+            await trio.sleep(0.02)
+    assert handle.message_id
