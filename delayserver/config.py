@@ -93,7 +93,7 @@ class Config:
     load_ahead_ms: int | None = None
     message_log_segment_bytes: int = 64 << 20
     tick_ms: int = 10
-    wheel_slots: int = 1 << 16
+    wheel_slots: int = 1 << 13
     delay_levels: tuple[int, ...] = parse_delay_levels(DEFAULT_DELAY_LEVELS)
     checkpoint_interval_ms: int = 1000
     send_batch_size: int = 256

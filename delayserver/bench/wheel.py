@@ -1,6 +1,6 @@
 """`ops/bench wheel`: the timing wheel's throughput and memory, and the time to recover to serving.
 
-- wheel: 1,000,000 entries due at random over 90 minutes, 10 ms ticks, 65536 slots
+- wheel: 1,000,000 entries due at random over 90 minutes, 10 ms ticks, 8192 slots
   (`delayserver.wheel.bench`): adds/s; entries fired/s advancing tick by tick and in one clock
   jump; bytes per loaded entry (RSS delta, and the Python allocations alone).
 - recovery: a data directory holding 1,000,000 pending messages (100 B bodies) over 24 one-hour
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     w = bench_wheel(args.entries)
-    print(f"wheel: {w['entries']:,} entries over 90 min, 10 ms ticks, 65536 slots")
+    print(f"wheel: {w['entries']:,} entries over 90 min, 10 ms ticks, 8192 slots")
     print(f"  add                          {w['adds_per_s']:>12,} entries/s"
           + verdict(w["adds_per_s"] >= 500_000, ">= 500,000"))
     print(f"  advance, tick by tick        {w['advance_per_s']:>12,} entries/s "

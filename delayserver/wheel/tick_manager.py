@@ -58,7 +58,7 @@ def cancel_key(payload) -> tuple[int, str]:
 class TickManager:
     """Synchronous core: loading, can_add, firing, cancels. Time is always passed in."""
 
-    def __init__(self, store: Store, *, now_ms: int, tick_ms: int = 10, slots: int = 1 << 16,
+    def __init__(self, store: Store, *, now_ms: int, tick_ms: int = 10, slots: int = 1 << 13,
                  load_ahead_ms: int | None = None, settled_elsewhere=None):
         """`settled_elsewhere(bucket) -> set of offsets` names records that a load must skip besides
         those in dispatch_log (parked messages)."""
