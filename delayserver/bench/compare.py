@@ -12,8 +12,9 @@ The two systems:
 
 The workload (see `workload.py`) is the same for both: N messages due uniformly over a window,
 sent beforehand by the same number of concurrent producers in the same batches (a SEND frame, or a
-ZADD, per batch, one batch in flight per producer). A consumer in the benchmark process reads the
-stream as entries arrive (XREAD BLOCK), so what it read stays counted even if its redis-server dies.
+ZADD, per batch, one batch in flight per producer). The benchmark reads the stream once deliveries
+are over; in the kill -9 runs a consumer in the benchmark process reads it as entries arrive (XREAD
+BLOCK), so what it read stays counted even if its redis-server then loses it.
 
 Measured, for each system:
 
@@ -33,6 +34,7 @@ Then the ratios, ours / theirs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import subprocess
 import sys
 import tempfile
@@ -45,7 +47,7 @@ from delayserver.bench.deliver import send_workload
 from delayserver.bench.harness import (
     LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, mib, now_ms, pids_of,
 )
-from delayserver.bench.workload import SUBJECT, StreamConsumer, Workload
+from delayserver.bench.workload import SUBJECT, StreamConsumer, Workload, message_id, read_stream
 
 FULL = Workload(n=100_000, window_ms=10_000)
 QUICK = Workload(n=5_000, window_ms=2_000)
@@ -137,31 +139,42 @@ class Run:
 
 
 def run_system(system, w: Workload, *, kill: bool) -> Run:
-    """One run of `system` (already built on a temp directory); with `kill`, the kill -9 run."""
+    """One run of `system` (already built on a temp directory); with `kill`, the kill -9 run.
+
+    A clean run reads the stream once deliveries are over, so that no consumer competes with the
+    systems for the cores while they deliver; the kill run reads it live (see the module docstring).
+    """
     with contextlib.ExitStack() as stack:
         system.start(stack)
         t0 = now_ms() + w.lead_ms
         broker = system.stream_redis
-        with StreamConsumer(LOCALHOST, broker.port, SUBJECT) as consumer, \
-                PeakRss(system.pids) as rss, PeakRss(lambda: pids_of(broker)) as broker_rss:
+        client = broker.client(socket_timeout=5)
+        stack.callback(client.close)
+        consumer = stack.enter_context(StreamConsumer(LOCALHOST, broker.port, SUBJECT)) if kill else None
+        with PeakRss(system.pids) as rss, PeakRss(lambda: pids_of(broker)) as broker_rss:
             load = send_workload(system.producer_address, w, t0, system.kind, SCHEDULE_KEY)
             if kill:
                 time.sleep(max(0, t0 + w.window_ms // 2 - now_ms()) / 1000)
                 system.crash_and_restart()
-            _wait_quiet(consumer, load["acked"], t0 + w.window_ms, system.quiet_ms)
-        acked_ids = set(range(w.n)) - set(load["unacked"])
-        seen = consumer.seen
-        lost = sum(1 for i in acked_ids if f"bench-{i:08d}" not in seen)
-        return Run(system.name, load["acked"], load["acked"] / load["seconds"],
-                   lateness_figures([d.arrival_time - d.schedule_time for d in consumer.delivered]),
-                   len(seen), len(consumer.delivered) - len(seen), lost, rss.peak, broker_rss.peak)
+            arrived = consumer.arrived if kill else functools.partial(client.xlen, SUBJECT)
+            _wait_quiet(arrived, load["acked"], t0 + w.window_ms, system.quiet_ms)
+        if kill:
+            stack.close()
+            delivered = consumer.delivered
+        else:
+            delivered = read_stream(client, SUBJECT)[0]
+    seen = {d.message_id for d in delivered}
+    acked_ids = set(range(w.n)) - set(load["unacked"])
+    lost = sum(1 for i in acked_ids if message_id(i) not in seen)
+    return Run(system.name, load["acked"], load["acked"] / load["seconds"],
+               lateness_figures([d.arrival_time - d.schedule_time for d in delivered]),
+               len(seen), len(delivered) - len(seen), lost, rss.peak, broker_rss.peak)
 
 
-def _wait_quiet(consumer: StreamConsumer, expected: int, window_end_ms: int, quiet_ms: int) -> None:
-    """Return once `expected` ids have arrived, or, after the window, nothing arrived for `quiet_ms`."""
+def _wait_quiet(arrived, expected: int, window_end_ms: int, quiet_ms: int) -> None:
+    """Return once `arrived()` reaches `expected`, or, after the window, it has not changed for `quiet_ms`."""
     last_count, last_change = -1, now_ms()
-    while len(consumer.seen) < expected:
-        count = len(consumer.delivered)
+    while (count := arrived()) < expected:
         if count != last_count:
             last_count, last_change = count, now_ms()
         elif now_ms() > max(window_end_ms, last_change) + quiet_ms:

@@ -203,6 +203,10 @@ class StreamConsumer:
                     self.seen.add(d.message_id)
                     self._last = eid
 
+    def arrived(self) -> int:
+        """How many distinct messages it has read so far."""
+        return len(self.seen)
+
     def __enter__(self) -> "StreamConsumer":
         self._thread.start()
         return self
