@@ -124,8 +124,9 @@ class DelayServer:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.receiver.serve)
-                await nursery.start(self.replayer.serve, self.clock, lambda: self.receiver.durable_offset,
-                                    self.durable)
+                await nursery.start(functools.partial(self.replayer.serve, self.clock,
+                                                      lambda: self.receiver.durable_offset, self.durable,
+                                                      checkpoint_interval_ms=self.config.checkpoint_interval_ms))
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self._is_master))
                 await nursery.start(self.sender.serve)
