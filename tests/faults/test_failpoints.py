@@ -29,8 +29,8 @@ IN_FLIGHT_WINDOW_MS = 1000
 FAILPOINTS = [
     "after-append-before-ack@20",
     "after-ack-before-replay@20",
-    "schedule-before-checkpoint@3",
-    "checkpoint-before-rename@3",
+    "schedule-before-checkpoint@10",
+    "checkpoint-before-rename@10",
     "segment-roll@5",
     "after-broker-ack@10",
 ]
