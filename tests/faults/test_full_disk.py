@@ -100,8 +100,8 @@ async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_
     try:
         await trio.to_thread.run_sync(proc.start)
         async with AsyncProducer(proc.address, timeout=10) as producer:
-            # Due 4 to 6 s from now: after the disk has filled up.
-            due_later = [ledger.new_message(rng, 6000, min_delay_ms=4000) for _ in range(300)]
+            # Due 4 to 7 s from now: after the disk has filled up.
+            due_later = [ledger.new_message(rng, 7000, min_delay_ms=4000) for _ in range(300)]
             ledger.record(due_later, await producer.send_many(due_later))
             assert len(ledger.acked) == 300, ledger.refused[:3]
 
@@ -121,8 +121,9 @@ async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_
                 assert now_ms() < full_at + 20_000, "due messages were not delivered while the disk was full"
                 assert codes(await send_batch(producer, ledger, rng, 5, 0)) == {ResultCode.DISK_FULL}
                 await trio.sleep(0.2)
-            delivered_while_full = [d for d in redis_deliveries(client) if d.dispatch_time > full_at]
-            assert len(delivered_while_full) >= len(due_later)
+            came_due_while_full = {m.message_id for m in due_later if ledger.acked[m.message_id] > full_at}
+            assert len(came_due_while_full) >= 100, "the disk took too long to fill: little came due while it was full"
+            # All of them were delivered in the loop above, before any space was freed.
 
             filler.unlink()
             freed_at = time.monotonic()
