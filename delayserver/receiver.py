@@ -50,7 +50,7 @@ class _Pending:
 
 
 class Receiver:
-    def __init__(self, store, clock, config, *, next_sequence: int, on_durable: Wakeup):
+    def __init__(self, store, clock, config, *, next_sequence: int, on_durable: Wakeup, disk_full: bool = False):
         self.store = store
         self.clock = clock
         self.config = config
@@ -62,7 +62,7 @@ class Receiver:
         # The replayed log's top sequence: after a promotion, sequences go on above it.
         self.sequence_floor = lambda: 0
         self.read_only_reason = ""
-        self.disk_full = False
+        self.disk_full = disk_full
         self.accepting = True
         self._queue: list[_Pending] = []
         self._queued = 0

@@ -56,8 +56,10 @@ class DelayServer:
         c.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
                                 message_log_segment_bytes=c.message_log_segment_bytes)
-        if not self.store.ensure_reserve(c.reserve_bytes):
-            log.warning("no room for the %d-byte disk reserve in %s", c.reserve_bytes, c.data_dir)
+        disk_full = not self.store.take_reserve_at_start(c.reserve_bytes)
+        if disk_full:
+            log.error("disk full: no room for the %d-byte reserve in %s; refusing new messages with DISK_FULL "
+                      "until there is", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
         scale = c.segment_scale_ms
         self.ticks = TickManager(
@@ -68,7 +70,7 @@ class DelayServer:
         self.replayer = Replayer.open(self.store, self.ticks)
         self.durable = Wakeup()
         self.receiver = Receiver(self.store, self.clock, c, next_sequence=self.replayer.max_sequence + 1,
-                                 on_durable=self.durable)
+                                 on_durable=self.durable, disk_full=disk_full)
         self.receiver.sequence_floor = lambda: self.replayer.max_sequence + 1
         self.master = Master(self)
         self.slave = None

@@ -22,6 +22,10 @@ from delayserver.storage.record import (
 )
 
 
+#: What must stay free besides the reserve for a node to start taking messages.
+RESERVE_HEADROOM = 1 << 20
+
+
 @attrs.define(eq=False)
 class Store:
     root: Path
@@ -82,6 +86,19 @@ class Store:
             return False
         os.close(fd)
         return True
+
+    def take_reserve_at_start(self, size: int) -> bool:
+        """Keep or take the reserve if RESERVE_HEADROOM stays free besides it; otherwise release it
+        and return False: the node stopped on a full disk and starts in disk-full mode, since a
+        reserve taken back now would leave replay, dispatch_log and checkpoints no room at all."""
+        try:
+            held = self.reserve_path.stat().st_size
+        except FileNotFoundError:
+            held = 0
+        if size > 0 and self.free_bytes() + held - size < RESERVE_HEADROOM:
+            self.release_reserve()
+            return False
+        return self.ensure_reserve(size)
 
     def release_reserve(self) -> bool:
         """Delete the reserve file; True if there was one to free."""
