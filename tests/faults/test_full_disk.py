@@ -86,8 +86,9 @@ def codes(results) -> set:
             for r in results}
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "killed-and-restarted-while-full"])
 async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_space_is_freed(
-        small_disk, redis_server, tmp_path):
+        small_disk, redis_server, tmp_path, restart):
     seed, rng = seeded_rng()
     config = write_config(tmp_path / "server.toml", {
         "message_log_segment_bytes": "64KiB",
@@ -115,15 +116,21 @@ async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_
                     break
             assert full_at is not None, f"message_log never filled the disk ({free_bytes(small_disk)} bytes free)"
             assert codes(results) <= {ResultCode.OK, ResultCode.DISK_FULL}, ledger.refused[-3:]
+        if restart:
+            await trio.to_thread.run_sync(proc.kill)
+            await trio.to_thread.run_sync(proc.start)
 
-            # Full: every new message is refused while the ones already stored come due and go out.
-            while not {m.message_id for m in due_later} <= {d.message_id for d in redis_deliveries(client)}:
-                assert now_ms() < full_at + 20_000, "due messages were not delivered while the disk was full"
-                assert codes(await send_batch(producer, ledger, rng, 5, 0)) == {ResultCode.DISK_FULL}
-                await trio.sleep(0.2)
-            came_due_while_full = {m.message_id for m in due_later if ledger.acked[m.message_id] > full_at}
-            assert len(came_due_while_full) >= 100, "the disk took too long to fill: little came due while it was full"
-            # All of them were delivered in the loop above, before any space was freed.
+        # Full: the messages already stored come due and go out, with no producer sending meanwhile
+        # (a refused send must not be what makes room for delivery); then new messages are refused.
+        expected = {m.message_id for m in due_later}
+        while not expected <= {d.message_id for d in redis_deliveries(client)}:
+            assert now_ms() < full_at + 20_000, (
+                f"due messages were not delivered while the disk was full: {proc.log_text()[-2000:]}")
+            await trio.sleep(0.2)
+        came_due_while_full = {m.message_id for m in due_later if ledger.acked[m.message_id] > full_at}
+        assert len(came_due_while_full) >= 100, "the disk took too long to fill: little came due while it was full"
+        async with AsyncProducer(proc.address, timeout=10) as producer:
+            assert codes(await send_batch(producer, ledger, rng, 5, 0)) == {ResultCode.DISK_FULL}
 
             filler.unlink()
             freed_at = time.monotonic()
@@ -143,4 +150,3 @@ async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_
     assert not refused, refused[:3]
     print(check_deliveries(ledger, deliveries, context=f"seed {seed}"))
     assert_verify_passes(small_disk)
-
