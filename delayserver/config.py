@@ -99,6 +99,7 @@ class Config:
     send_batch_size: int = 256
     send_wait_ms: int = 2
     max_inflight: int = 20_000
+    send_batches_in_flight: int = 2
     max_connections: int = 1024
     max_frame_bytes: int = 8 << 20
     idle_timeout_ms: int = 300_000
@@ -164,7 +165,7 @@ class Config:
         for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes"):
             if name in raw:
                 kw[name] = parse_size(raw[name], name)
-        for name in ("send_batch_size", "max_inflight", "max_connections", "max_queued_messages",
+        for name in ("send_batch_size", "send_batches_in_flight", "max_inflight", "max_connections", "max_queued_messages",
                      "tick_ms", "wheel_slots"):
             if name in raw:
                 v = raw[name]

@@ -75,7 +75,8 @@ class DelayServer:
         self.master = Master(self)
         self.slave = None
         self.sender = Sender(self.ticks, self.store, local_groups(self), self.clock, send_batch_size=c.send_batch_size,
-                             send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight, parked=self.parked,
+                             send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
+                             batches_in_flight=c.send_batches_in_flight, parked=self.parked,
                              may_deliver=self._may_deliver)
 
     def _may_deliver(self) -> bool:

@@ -71,7 +71,8 @@ def backoff_ms(attempt: int) -> int:
 
 class Sender:
     def __init__(self, ticks, store, groups: list[BrokerGroup], clock, *, send_batch_size: int = 256,
-                 send_wait_ms: int = 2, max_inflight: int = 20_000, parked: ParkedLog | None = None,
+                 send_wait_ms: int = 2, max_inflight: int = 20_000, batches_in_flight: int = 2,
+                 parked: ParkedLog | None = None,
                  may_deliver=lambda: True, resolve=None):
         self.ticks = ticks
         self.store = store
@@ -80,6 +81,7 @@ class Sender:
         self.batch_size = send_batch_size
         self.wait_ms = send_wait_ms
         self.max_inflight = max_inflight
+        self.batches_in_flight = batches_in_flight
         self.parked = parked
         self.may_deliver = may_deliver
         self.resolve = resolve  # optional: subject -> group names (from the meta server)
@@ -108,8 +110,8 @@ class Sender:
         serving = self._candidates(d.message.subject)
         healthy = [g for g in serving if g.breaker.allows(now)]
         fresh = [g for g in healthy if g.name not in d.tried] or healthy
-        if not fresh:
-            return None
+        if len(fresh) <= 1:
+            return fresh[0] if fresh else None
         return random.choices(fresh, weights=[max(g.weight, 0) or 1 for g in fresh])[0]
 
     def route(self, d: Delivery, now: int) -> None:
@@ -144,8 +146,12 @@ class Sender:
         self._nursery.start_soon(self._run_group, group)
 
     async def _run_group(self, group: BrokerGroup) -> None:
+        # Several batches in flight per group, so that one batch's round trip and dispatch_log
+        # fsync do not cap the group's rate.
         with group.scope:
-            await self._group_task(group)
+            async with trio.open_nursery() as nursery:
+                for _ in range(self.batches_in_flight):
+                    nursery.start_soon(self._group_task, group)
 
     async def replace_groups(self, groups: list[BrokerGroup]) -> None:
         """Swap in a new set of broker groups (the meta server changed them).

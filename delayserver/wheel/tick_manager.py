@@ -45,6 +45,7 @@ log = logging.getLogger("delayserver.wheel")
 
 OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
+READ_GUESS_BYTES = 4096
 LOAD_CHUNK_BYTES = 4 << 20  # records bigger than this are read whole
 
 
@@ -330,19 +331,25 @@ class TickManager:
                 self.cancels.pop(bucket, None)
 
     def read_message(self, ref: int):
-        """(bucket, offset, message_log_offset, Message) for a ref, from schedule_log."""
+        """(bucket, offset, message_log_offset, Message) for a ref, from schedule_log.
+
+        One read of READ_GUESS_BYTES covers most records whole; a bigger one takes a second read.
+        Raises CorruptSegment if the record there is damaged or cut short.
+        """
         bucket, offset = self.split(ref)
-        head = self.store.schedule_log.read(bucket, offset, offset + HEADER_SIZE)
-        if len(head) < HEADER_SIZE:
-            raise CorruptSegment(self.store.schedule_log.path(bucket), offset, "no record here")
-        length = HEADER.unpack_from(head, 0)[1]
-        data = self.store.schedule_log.read(bucket, offset, offset + HEADER_SIZE + length)
+        schedule_log = self.store.schedule_log
+        data = schedule_log.read(bucket, offset, offset + READ_GUESS_BYTES)
+        if len(data) < HEADER_SIZE:
+            raise CorruptSegment(schedule_log.path(bucket), offset, "no record here")
+        need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
+        if need > len(data):
+            data = schedule_log.read(bucket, offset, offset + need)
         try:
-            parsed = parse_record(data, 0)
+            parsed = parse_record(data, 0, min(need, len(data)))
         except RecordError as e:
-            raise CorruptSegment(self.store.schedule_log.path(bucket), offset, e.reason) from None
+            raise CorruptSegment(schedule_log.path(bucket), offset, e.reason) from None
         if parsed is None:
-            raise CorruptSegment(self.store.schedule_log.path(bucket), offset, "record cut short")
+            raise CorruptSegment(schedule_log.path(bucket), offset, "record cut short")
         rtype, s, e = parsed
         mlo, message = decode_scheduled(data, s, e)
         return bucket, offset, mlo, message
