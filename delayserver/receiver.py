@@ -166,7 +166,9 @@ class Receiver:
         self.disk_full = False
         return True
 
-    def _enter_disk_full(self) -> None:
+    def enter_disk_full(self) -> None:
+        """Refuse new messages with DISK_FULL and release the reserve for the records that keep due
+        messages flowing. Called on ENOSPC anywhere: message_log here, dispatch_log by the sender."""
         if not self.disk_full:
             self.disk_full = True
             released = self.store.release_reserve()
@@ -218,7 +220,7 @@ class Receiver:
             start = self.store.message_log.append(b"".join(parts))
         except DiskFull as e:
             log.warning("message_log append refused: %s", e)
-            self._enter_disk_full()
+            self.enter_disk_full()
             return self._finish(batch, ResultCode.DISK_FULL, ResultCode.DISK_FULL.description)
         except StorageError as e:
             self._go_read_only(f"write failed: {e}")

@@ -77,7 +77,7 @@ class DelayServer:
         self.sender = Sender(self.ticks, self.store, local_groups(self), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
                              batches_in_flight=c.send_batches_in_flight, parked=self.parked,
-                             may_deliver=self._may_deliver)
+                             may_deliver=self._may_deliver, on_disk_full=self.receiver.enter_disk_full)
 
     def _may_deliver(self) -> bool:
         if self.config.replicate_from:

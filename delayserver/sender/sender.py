@@ -26,7 +26,7 @@ from delayserver.sender.breaker import CircuitBreaker
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.record import Dispatch, Message, RecordType, encode_dispatch, encode_record
-from delayserver.storage.segment import CorruptSegment, StorageError
+from delayserver.storage.segment import CorruptSegment, DiskFull, StorageError
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.sender")
@@ -73,7 +73,7 @@ class Sender:
     def __init__(self, ticks, store, groups: list[BrokerGroup], clock, *, send_batch_size: int = 256,
                  send_wait_ms: int = 2, max_inflight: int = 20_000, batches_in_flight: int = 2,
                  parked: ParkedLog | None = None,
-                 may_deliver=lambda: True, resolve=None):
+                 may_deliver=lambda: True, resolve=None, on_disk_full=lambda: None):
         self.ticks = ticks
         self.store = store
         self.groups = {g.name: g for g in groups}
@@ -85,6 +85,7 @@ class Sender:
         self.parked = parked
         self.may_deliver = may_deliver
         self.resolve = resolve  # optional: subject -> group names (from the meta server)
+        self.on_disk_full = on_disk_full  # a dispatch_log write found the disk full
         self.ready = Wakeup()
         self.retry_wakeup = Wakeup()
         self._retries: list = []
@@ -281,6 +282,8 @@ class Sender:
                 # The broker has them: a lost dispatch record only means a redelivery after a
                 # restart, so keep trying rather than give up or deliver again now.
                 log.error("dispatch_log write failed, retrying: %s", e)
+                if isinstance(e, DiskFull):
+                    self.on_disk_full()  # releases the reserve: the retry finds room
                 await trio.sleep(0.5)
         for d in acked:
             self.ticks.on_dispatched(d.ref)
