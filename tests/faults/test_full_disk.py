@@ -60,18 +60,17 @@ def free_bytes(path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def fill(path, leave: int) -> int:
-    """Write a filler file until only `leave` bytes are free (or the disk is full); its size."""
-    chunk = b"\0" * (64 << 10)
-    written = 0
-    with open(path, "wb") as f:
-        try:
-            while free_bytes(path.parent) > leave + len(chunk):
-                written += f.write(chunk)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-    return written
+def fill(path, leave: int) -> None:
+    """Grow a filler file until no more than `leave` bytes are free, or the disk is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (64 << 10, 4 << 10):
+            while free_bytes(path.parent) >= leave + chunk:
+                os.write(fd, b"\0" * chunk)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
 
 
 async def send_batch(producer: AsyncProducer, ledger: Ledger, rng, n: int, max_delay_ms: int) -> list:
@@ -86,9 +85,10 @@ def codes(results) -> set:
             for r in results}
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["running", "killed-and-restarted-while-full"])
+@pytest.mark.parametrize("how", ["filled-by-message-log", "killed-and-restarted-while-full",
+                                 "filled-by-another-process"])
 async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_space_is_freed(
-        small_disk, redis_server, tmp_path, restart):
+        small_disk, redis_server, tmp_path, how):
     seed, rng = seeded_rng()
     config = write_config(tmp_path / "server.toml", {
         "message_log_segment_bytes": "64KiB",
@@ -107,16 +107,20 @@ async def test_full_disk_refuses_new_messages_keeps_delivering_and_resumes_when_
             assert len(ledger.acked) == 300, ledger.refused[:3]
 
             filler = small_disk / "filler"
-            fill(filler, LEFT_FREE)
-            full_at = None
-            for _ in range(1000):
-                results = await send_batch(producer, ledger, rng, 20, 1500)
-                if ResultCode.DISK_FULL in codes(results):
-                    full_at = now_ms()
-                    break
-            assert full_at is not None, f"message_log never filled the disk ({free_bytes(small_disk)} bytes free)"
-            assert codes(results) <= {ResultCode.OK, ResultCode.DISK_FULL}, ledger.refused[-3:]
-        if restart:
+            if how == "filled-by-another-process":
+                fill(filler, 0)
+                full_at = now_ms()
+            else:
+                fill(filler, LEFT_FREE)
+                full_at = None
+                for _ in range(1000):
+                    results = await send_batch(producer, ledger, rng, 20, 1500)
+                    if ResultCode.DISK_FULL in codes(results):
+                        full_at = now_ms()
+                        break
+                assert full_at is not None, f"message_log never filled the disk ({free_bytes(small_disk)} bytes free)"
+                assert codes(results) <= {ResultCode.OK, ResultCode.DISK_FULL}, ledger.refused[-3:]
+        if how == "killed-and-restarted-while-full":
             await trio.to_thread.run_sync(proc.kill)
             await trio.to_thread.run_sync(proc.start)
 
