@@ -36,10 +36,23 @@ DEFAULT_TIMEOUT = 10.0
 SEND_BATCH = 256
 
 
+_ID_PREFIX = os.urandom(5).hex()  # random per process (and renewed in a forked child)
+_id_counter = itertools.count()
+
+
+def _renew_id_prefix() -> None:
+    global _ID_PREFIX
+    _ID_PREFIX = os.urandom(5).hex()
+
+
+os.register_at_fork(after_in_child=_renew_id_prefix)
+
+
 def new_message_id(now_ms: int | None = None) -> str:
-    """A time-ordered id: 12 hex digits of epoch ms then 16 random hex digits."""
+    """A time-ordered id, unique without coordination: 12 hex digits of epoch ms, 10 random hex
+    digits drawn once per process, then a per-process counter (6 hex digits, wrapping)."""
     now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-    return f"{now_ms:012x}{os.urandom(8).hex()}"
+    return f"{now_ms:012x}{_ID_PREFIX}{next(_id_counter) & 0xFFFFFF:06x}"
 
 
 def time_spec(deliver_at: int | None, delay: int | None, delay_level: int | None) -> TimeSpec:

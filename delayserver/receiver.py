@@ -16,6 +16,7 @@ Failure rules:
 """
 from __future__ import annotations
 
+import collections
 import logging
 import struct
 
@@ -34,6 +35,7 @@ from delayserver.wakeup import Wakeup
 log = logging.getLogger("delayserver.receiver")
 
 _SEQ = struct.Struct(">Q")
+RECENT_BATCHES = 64
 _SEQ_AT = 16  # store_time q, schedule_time q, then sequence: same place in MESSAGE and CANCEL
 
 
@@ -65,6 +67,7 @@ class Receiver:
         self.disk_full = disk_full
         self.accepting = True
         self._queue: list[_Pending] = []
+        self._recent: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._queued = 0
         self._wakeup = Wakeup()
         self._idle = trio.Event()
@@ -216,8 +219,9 @@ class Receiver:
                 parts += (HEADER.pack(checksum(p.rtype, payload), len(payload), p.rtype), payload)
                 size += HEADER_SIZE + len(payload)
             sizes.append(size)
+        data = b"".join(parts)
         try:
-            start = self.store.message_log.append(b"".join(parts))
+            start = self.store.message_log.append(data)
         except DiskFull as e:
             log.warning("message_log append refused: %s", e)
             self.enter_disk_full()
@@ -226,6 +230,7 @@ class Receiver:
             self._go_read_only(f"write failed: {e}")
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         self.next_sequence = seq
+        self._remember(start, data)
         end = start + sum(sizes)
         pos = start
         for p, size in zip(batch, sizes):
@@ -248,6 +253,17 @@ class Receiver:
         # they are out: the crash test counts the whole batch as acknowledged
         # (tests/faults/test_failpoints.py).
         failpoints.hit("after-ack-before-replay")
+
+    def _remember(self, start: int, data: bytes) -> None:
+        self._recent[start] = data
+        while len(self._recent) > RECENT_BATCHES:
+            self._recent.popitem(last=False)
+
+    def recent_batch(self, offset: int) -> tuple[bytes, int] | None:
+        """The batch this node wrote at message_log `offset`, if still in memory: the replayer
+        takes it from here instead of reading back what was just written."""
+        data = self._recent.pop(offset, None)
+        return (data, offset) if data is not None else None
 
     def set_durable(self, offset: int) -> None:
         """message_log is fsynced up to `offset` (by the commit task, or by replication)."""
