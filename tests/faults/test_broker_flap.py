@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 FLAP_SECONDS = env_int("DELAYSERVER_FLAP_SECONDS", 30)
 SEND_BATCH_SIZE = 128
+BATCHES_IN_FLIGHT = 2  # per broker group: at most this many batches acked by the broker, not yet recorded
 #: A batch redis was writing when it shut down started at most this long before the shutdown.
 IN_FLIGHT_WINDOW_MS = 2000
 #: The sender's back-off is capped at 30 s: after the last outage, everything is out within that.
@@ -64,6 +65,7 @@ async def test_a_flapping_broker_group_delays_its_messages_and_loses_none(tmp_pa
     config = write_config(tmp_path / "server.toml", {
         "segment_scale": "1m",
         "send_batch_size": SEND_BATCH_SIZE,
+        "send_batches_in_flight": BATCHES_IN_FLIGHT,
     }, broker_groups=[{"name": "redis", "transport": "redis", "address": redis_server.address,
                        "options": {"timeout_ms": 1000}}])
     proc = ServerProcess(tmp_path / "data", args=["--config", str(config)])
@@ -90,7 +92,8 @@ async def test_a_flapping_broker_group_delays_its_messages_and_loses_none(tmp_pa
         proc.kill()
         client.close()
     report = check_deliveries(ledger, deliveries, cuts=outages, window_ms=IN_FLIGHT_WINDOW_MS,
-                              max_per_cut=SEND_BATCH_SIZE, context=f"seed {seed}, {len(outages)} outages")
+                              max_per_cut=SEND_BATCH_SIZE * BATCHES_IN_FLIGHT,
+                              context=f"seed {seed}, {len(outages)} outages")
     print(report)
     assert len(outages) >= 3, "redis did not flap"
     late = sorted(d.dispatch_time - d.schedule_time for d in deliveries)

@@ -31,6 +31,7 @@ ROUNDS = env_int("DELAYSERVER_CRASH_ROUNDS", 50)
 MAX_DELAY_MS = env_int("DELAYSERVER_CRASH_MAX_DELAY_MS", 10_000)
 ROUND_MS = env_int("DELAYSERVER_CRASH_ROUND_MS", 2000)
 SEND_BATCH_SIZE = 128
+BATCHES_IN_FLIGHT = 2  # per broker group: at most this many batches acked by the broker, not yet recorded
 #: A delivery the sender had not recorded in dispatch_log when the kill came happened at most this
 #: long before the kill (one spool append and one dispatch_log append, each with its fsync).
 IN_FLIGHT_WINDOW_MS = 1000
@@ -67,6 +68,7 @@ async def test_acknowledged_messages_survive_repeated_kill_9_and_are_delivered_o
         "segment_scale": "1m",
         "checkpoint_interval_ms": 200,
         "send_batch_size": SEND_BATCH_SIZE,
+        "send_batches_in_flight": BATCHES_IN_FLIGHT,
     })
     proc = ServerProcess(tmp_path / "data", args=["--config", str(config), "--flush", "sync"])
     ledger = Ledger(prefix=f"crash{seed}")
@@ -106,7 +108,7 @@ async def test_acknowledged_messages_survive_repeated_kill_9_and_are_delivered_o
         proc.kill()
 
     report = check_deliveries(ledger, spool_deliveries(proc.data_dir), cuts=cuts, window_ms=IN_FLIGHT_WINDOW_MS,
-                              max_per_cut=SEND_BATCH_SIZE,
+                              max_per_cut=SEND_BATCH_SIZE * BATCHES_IN_FLIGHT,
                               context=f"seed {seed}, {ROUNDS} rounds ({recovering_kills} killed while recovering)")
     print(report)
     assert_verify_passes(proc.data_dir)

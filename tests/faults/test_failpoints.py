@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 MAX_DELAY_MS = 3000
 SEND_BATCH_SIZE = 128
+BATCHES_IN_FLIGHT = 2  # per broker group: at most this many batches acked by the broker, not yet recorded
 IN_FLIGHT_WINDOW_MS = 1000
 
 FAILPOINTS = [
@@ -73,6 +74,7 @@ async def test_kill_at_a_stage_boundary_loses_no_acknowledged_message(tmp_path, 
         "segment_scale": "1m",
         "checkpoint_interval_ms": 200,
         "send_batch_size": SEND_BATCH_SIZE,
+        "send_batches_in_flight": BATCHES_IN_FLIGHT,
     })
     proc = ServerProcess(tmp_path / "data", args=["--config", str(config), "--flush", "sync"],
                          env={"DELAYSERVER_FAILPOINT": failpoint})
@@ -102,7 +104,7 @@ async def test_kill_at_a_stage_boundary_loses_no_acknowledged_message(tmp_path, 
         proc.kill()
 
     report = check_deliveries(ledger, spool_deliveries(proc.data_dir), cuts=[died], window_ms=IN_FLIGHT_WINDOW_MS,
-                              max_per_cut=SEND_BATCH_SIZE, context=f"seed {seed}, {failpoint}")
+                              max_per_cut=SEND_BATCH_SIZE * BATCHES_IN_FLIGHT, context=f"seed {seed}, {failpoint}")
     print(report)
     if name == "after-broker-ack":
         assert report.redeliveries_per_cut, "the batch the broker acknowledged before the kill was not delivered again"
