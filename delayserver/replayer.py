@@ -29,7 +29,7 @@ from delayserver.storage.record import (
     CANCEL_HEAD, HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, RecordType, checksum,
     checksum_continue, iter_checked_records,
 )
-from delayserver.storage.segment import CorruptSegment, StorageError
+from delayserver.storage.segment import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 
@@ -48,6 +48,9 @@ class Replayer:
         self.replayed = 0
         self.caught_up = Wakeup()
         self.recent_batch = lambda offset: None
+        # Called when a schedule append or a checkpoint finds the disk full (the server releases
+        # its disk reserve and refuses new messages, so that replay and delivery go on).
+        self.on_disk_full = lambda: None
 
     @property
     def checkpoint_path(self):
@@ -206,6 +209,8 @@ class Replayer:
             except StorageError as e:
                 if isinstance(e, CorruptSegment):
                     raise
+                if isinstance(e, DiskFull):
+                    self.on_disk_full()
                 log.error("replay pass failed, will retry: %s", e)
                 await trio.sleep(0.5)
                 continue
@@ -216,6 +221,8 @@ class Replayer:
                 try:
                     await self.checkpoint_async()
                 except StorageError as e:
+                    if isinstance(e, DiskFull):
+                        self.on_disk_full()
                     log.error("replay checkpoint failed, will retry: %s", e)
                 last_checkpoint = now
             if n == 0:

@@ -73,6 +73,7 @@ class DelayServer:
                                  on_durable=self.durable, disk_full=disk_full)
         self.receiver.sequence_floor = lambda: self.replayer.max_sequence + 1
         self.replayer.recent_batch = self.receiver.recent_batch
+        self.replayer.on_disk_full = self.receiver.enter_disk_full
         self.master = Master(self)
         self.slave = None
         self.sender = Sender(self.ticks, self.store, local_groups(self), self.clock, send_batch_size=c.send_batch_size,
