@@ -55,6 +55,10 @@ def new_message_id(now_ms: int | None = None) -> str:
     return f"{now_ms:012x}{_ID_PREFIX}{next(_id_counter) & 0xFFFFFF:06x}"
 
 
+def _as_bytes(body) -> bytes:
+    return body if type(body) is bytes else bytes(body)
+
+
 def time_spec(deliver_at: int | None, delay: int | None, delay_level: int | None) -> TimeSpec:
     given = [x is not None for x in (deliver_at, delay, delay_level)]
     if sum(given) > 1:
@@ -245,7 +249,7 @@ class AsyncProducer:
         result code's exception (BadSubject, MessageTooLarge, BadScheduleTime, ...) on refusal.
         """
         item = SendItem(message_id or new_message_id(), subject, time_spec(deliver_at, delay, delay_level),
-                        bytes(body), dict(headers or {}))
+                        _as_bytes(body), dict(headers or {}))
         (result,) = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request([item])))
         if result.code != ResultCode.OK:
             raise error_for(result.code, result.message)
@@ -256,7 +260,7 @@ class AsyncProducer:
         exception that refused it (a DelayServerError, or ConnectionError / TimeoutError when the
         batch got no answer and may be sent again)."""
         items = [SendItem(m.message_id or new_message_id(), m.subject, time_spec(m.deliver_at, m.delay, m.delay_level),
-                          bytes(m.body), dict(m.headers)) for m in messages]
+                          _as_bytes(m.body), m.headers) for m in messages]
         out: list = [None] * len(items)
 
         async def one(start: int) -> None:

@@ -29,7 +29,7 @@ from delayserver.protocol import SendItem, SendResult, TimeKind
 from delayserver.storage.record import (
     HEADER, HEADER_SIZE, Cancel, RecordType, check_schedule_time, checksum, encode_cancel, encode_message_fields,
 )
-from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError
+from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError, fsync_path
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
@@ -67,6 +67,10 @@ class Receiver:
         self.disk_full = disk_full
         self.accepting = True
         self._queue: list[_Pending] = []
+        # flush=sync: batches written and waiting for the flusher's fsync.
+        self._unflushed: list[tuple[int, list[_Pending]]] = []
+        self._flush_wakeup = Wakeup()
+        self._flushing = False
         self._recent: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._queued = 0
         self._wakeup = Wakeup()
@@ -193,19 +197,21 @@ class Receiver:
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            if self.config.flush == "async":
-                nursery.start_soon(self._flush_timer)
+            nursery.start_soon(self._flush_timer if self.config.flush == "async" else self._flusher)
             task_status.started()
             while True:
                 if not self._queue:
-                    self._idle.set()
+                    self._check_idle()
                     await self._wakeup.wait()
                     continue
                 self._idle = trio.Event()
                 batch, self._queue, self._queued = self._queue, [], 0
-                await self._write_batch(batch)
+                self._write_batch(batch)
+                # Let the connections queue the next batch while this one is fsynced.
+                await trio.lowlevel.checkpoint()
 
-    async def _write_batch(self, batch: list[_Pending]) -> None:
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """One write for the whole batch; with flush=sync it then waits for the flusher."""
         if self.read_only_reason:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         parts, seq = [], max(self.next_sequence, self.sequence_floor())
@@ -231,19 +237,48 @@ class Receiver:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         self.next_sequence = seq
         self._remember(start, data)
-        end = start + sum(sizes)
         pos = start
         for p, size in zip(batch, sizes):
             p.offset = pos
             pos += size
         failpoints.hit("after-append-before-ack")
         if self.config.flush == "sync":
+            self._unflushed.append((pos, batch))
+            self._flush_wakeup.set()
+        else:
+            self._acknowledge(batch)
+
+    async def _flusher(self) -> None:
+        """flush=sync: fsync whatever was written since the last fsync, then acknowledge it.
+
+        Writes go on while an fsync runs, and the next fsync covers all of them: group commit
+        across batches. The fsync goes through its own descriptor of the active segment (a roll
+        fsyncs the segment it seals before closing it), so a roll during an fsync is safe. A
+        failed fsync is never retried: what it covered is refused with READ_ONLY, as is every
+        later write (the kernel may have dropped the dirty pages).
+        """
+        message_log = self.store.message_log
+        while True:
+            if not self._unflushed:
+                self._check_idle()
+                await self._flush_wakeup.wait()
+                continue
+            items, self._unflushed = self._unflushed, []
+            self._flushing = True
             try:
-                await trio.to_thread.run_sync(self.store.message_log.sync)
+                await trio.to_thread.run_sync(fsync_path, message_log.path(message_log.active_base))
             except FsyncFailed as e:
                 self._go_read_only(str(e))
-                return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
-            self.set_durable(end)
+                for _, batch in items:
+                    self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+                continue
+            finally:
+                self._flushing = False
+            self.set_durable(items[-1][0])
+            for _, batch in items:
+                self._acknowledge(batch)
+
+    def _acknowledge(self, batch: list[_Pending]) -> None:
         self.appended += sum(len(p.payloads) for p in batch)
         self.batches += 1
         self._finish(batch, ResultCode.OK, "")
@@ -253,6 +288,10 @@ class Receiver:
         # they are out: the crash test counts the whole batch as acknowledged
         # (tests/faults/test_failpoints.py).
         failpoints.hit("after-ack-before-replay")
+
+    def _check_idle(self) -> None:
+        if not self._queue and not self._unflushed and not self._flushing:
+            self._idle.set()
 
     def _remember(self, start: int, data: bytes) -> None:
         self._recent[start] = data
@@ -297,7 +336,7 @@ class Receiver:
     async def drain(self) -> None:
         """Finish what is queued and make it durable (used on shutdown)."""
         self.accepting = False
-        while self._queue or not self._idle.is_set():
+        while self._queue or self._unflushed or self._flushing or not self._idle.is_set():
             await self._idle.wait()
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import trio
 
 from delayserver.metrics import percentile
@@ -55,24 +56,29 @@ def bench(flush: str, producers: int, seconds: float, batch: int) -> dict:
         try:
             line = server.stdout.readline().decode()
             port = int(line.rsplit(":", 1)[1].split(",")[0])
+            cpu = psutil.Process(server.pid).cpu_times
+            before = sum(cpu()[:2])
             load = subprocess.run(
                 [sys.executable, "-m", "delayserver.bench.ingest", "load", f"127.0.0.1:{port}",
                  str(producers), str(seconds), str(batch)], capture_output=True, check=True)
-            return json.loads(load.stdout)
+            result = json.loads(load.stdout)
+            result["server_cpu_us_per_msg"] = (sum(cpu()[:2]) - before) / max(result["acked"], 1) * 1e6
+            return result
         finally:
             server.terminate()
             server.wait(30)
 
 
 def main(argv: list[str]) -> None:
-    producers, seconds, batch = 16, 10.0, 64
+    producers, seconds, batch = 32, 10.0, 64
     if argv and argv[0] == "--quick":
         seconds = 3.0
     for flush in ("sync", "async"):
         r = bench(flush, producers, seconds, batch)
         print(f"ingest flush={flush:5s} producers={producers} batch={batch} body=1KiB: "
               f"{r['msgs_per_s']:,.0f} acknowledged msg/s; ack latency per batch "
-              f"P50 {r['batch_ack_ms_p50']:.1f} ms, P99 {r['batch_ack_ms_p99']:.1f} ms")
+              f"P50 {r['batch_ack_ms_p50']:.1f} ms, P99 {r['batch_ack_ms_p99']:.1f} ms; "
+              f"server CPU {r['server_cpu_us_per_msg']:.0f} us per message")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.record import RecordError, iter_records
 from delayserver.storage.segment import (
-    CorruptSegment, ScanResult, StorageError, fsync_dir, fsync_fd, read_file, scan, write_all,
+    CorruptSegment, ScanResult, StorageError, fsync_dir, fsync_fd, fsync_path, read_file, scan, write_all,
 )
 
 log = logging.getLogger("delayserver.storage")
@@ -120,11 +120,7 @@ class BucketLog:
     def sync_paths(self, paths: list[Path], new_files: bool) -> None:
         """fsync files by path (safe off the trio thread: it shares no descriptor with the LRU)."""
         for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                fsync_fd(fd, path)
-            finally:
-                os.close(fd)
+            fsync_path(path)
         if new_files:
             fsync_dir(self.directory)
 

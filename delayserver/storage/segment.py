@@ -152,6 +152,16 @@ def fsync_fd(fd: int, path) -> None:
         raise FsyncFailed(f"{path}: fsync failed: {e}") from e
 
 
+def fsync_path(path) -> None:
+    """fsync a file through a descriptor of its own (safe in a worker thread while the owner of
+    the file's main descriptor goes on writing, or closes it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
 @attrs.define(eq=False)
 class Segment:
     """An open segment file. `size` is the end of the last whole record."""
