@@ -9,7 +9,7 @@ the redis streams (read with XRANGE) under the pass rule of harness.check_delive
 redelivery is allowed only for a batch in flight when redis went away; dispatch_log is complete
 (`delayctl buckets --json` shows nothing pending); `delayctl verify` passes.
 
-Knobs (environment): DELAYSERVER_FLAP_SECONDS (30: how long redis flaps), DELAYSERVER_FAULT_SEED.
+Knobs (environment): DELAYSERVER_FLAP_SECONDS (120: how long redis flaps), DELAYSERVER_FAULT_SEED.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from tests.procs import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-FLAP_SECONDS = env_int("DELAYSERVER_FLAP_SECONDS", 30)
+FLAP_SECONDS = env_int("DELAYSERVER_FLAP_SECONDS", 120)
 SEND_BATCH_SIZE = 128
 BATCHES_IN_FLIGHT = 2  # per broker group: at most this many batches acked by the broker, not yet recorded
 #: A batch redis was writing when it shut down started at most this long before the shutdown.
