@@ -122,10 +122,8 @@ class DelayServer:
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, start every service, listen; `task_status.started(port)` once serving."""
-        self._open()
+        self._open()  # Replayer.open has replayed all of message_log before anything loads
         try:
-            while self.replayer.replay_once(self.clock.now_ms(), self.receiver.durable_offset, 8 << 20):
-                await trio.lowlevel.checkpoint()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.receiver.serve)
