@@ -51,9 +51,18 @@ def test_a_route_to_read_only_groups_only_resolves_to_nothing():
     assert resolve("s", [Route("s", ("c",))], GROUPS)[1] == []
 
 
-@pytest.mark.parametrize("pattern", ["orders", "orders.*", "a?c", "x[!ab]y", "q:1|2%-_"])
-def test_good_patterns(pattern):
-    check_pattern(pattern)
+@pytest.mark.parametrize("pattern,matches,misses", [
+    ("orders", "orders", "orders.paid"),
+    ("orders.*", "orders.eu.paid", "order.paid"),
+    ("a?c", "abc", "ac"),
+    ("x[!ab]y", "xcy", "xay"),
+    ("q:1|2%-_", "q:1|2%-_", "q:1|2%-"),
+])
+def test_good_patterns_are_accepted_and_route_what_they_match(pattern, matches, misses):
+    assert check_pattern(pattern) is None
+    route = Route(pattern, ("a",))
+    assert matching_route(matches, [route]) == route
+    assert matching_route(misses, [route]) is None
 
 
 @pytest.mark.parametrize("pattern", ["", "a b", "é", "x" * 256, "a/b", 7])
