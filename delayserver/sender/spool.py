@@ -34,13 +34,12 @@ import trio
 
 from delayserver.errors import InvalidMessage
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
-from delayserver.storage.segment import fsync_dir
+from delayserver.storage.segment import find_valid_record_after, fsync_dir
 from delayserver.storage.record import (
     HEADER,
     HEADER_SIZE,
     MAX_PAYLOAD_BYTES,
     SUBJECT_RE,
-    VALID_TYPES,
     Message,
     RecordError,
     RecordType,
@@ -95,23 +94,10 @@ def list_spool_subjects(data_dir: Path) -> list[str]:
 # --- reading --------------------------------------------------------------------------------------
 
 
-def _valid_record_after(buf: bytes, pos: int) -> int | None:
-    """The first offset past `pos` where a whole valid record starts, or None."""
-    for p in range(pos + 1, len(buf) - HEADER_SIZE + 1):
-        if buf[p + HEADER_SIZE - 1] not in VALID_TYPES:
-            continue
-        try:
-            if parse_record(buf, p) is not None:
-                return p
-        except RecordError:
-            continue
-    return None
-
-
 def _check_torn_tail(f: BinaryIO, path: Path, pos: int, reason: str) -> None:
     """Return if nothing valid follows the damage at `pos` (a torn tail); raise SpoolCorrupt otherwise."""
     f.seek(pos)
-    following = _valid_record_after(f.read(), 0)
+    following = find_valid_record_after(f.read(), 0)
     if following is not None:
         raise SpoolCorrupt(path, pos, f"{reason}; valid records follow at offset {pos + following}")
 
