@@ -15,7 +15,6 @@ exception of its result code, carrying the server's code and message.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import ssl
@@ -28,9 +27,9 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.config import parse_address
-from delayserver.errors import DelayServerError, ResultCode, error_for
+from delayserver.errors import ResultCode, error_for
 from delayserver.protocol import CancelOutcome, Handle, MessageState, SendItem, TimeSpec
-from delayserver.trio_util import background_nursery
+from delayserver.trio_util import BackgroundTasks
 
 DEFAULT_TIMEOUT = 10.0
 SEND_BATCH = 256
@@ -106,7 +105,7 @@ class Message:
     headers: Mapping[str, str] = attrs.field(factory=dict)
 
 
-class AsyncProducer:
+class AsyncProducer(BackgroundTasks):
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT, secret: str | None = None,
                  tls: ssl.SSLContext | bool = False):
         """`secret`: the server's shared secret (default: $DELAYSERVER_SECRET, if set).
@@ -123,19 +122,8 @@ class AsyncProducer:
         self._connect_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
 
-    async def __aenter__(self) -> "AsyncProducer":
-        self._session = self._running()
-        return await self._session.__aenter__()
-
-    async def __aexit__(self, *exc):
-        return await self._session.__aexit__(*exc)
-
-    @contextlib.asynccontextmanager
-    async def _running(self):
-        # The reader task of each connection lives in this nursery, for as long as the producer.
-        async with background_nursery(on_exit=self.aclose) as nursery:
-            self._nursery = nursery
-            yield self
+    async def _closing(self) -> None:
+        await self.aclose()
 
     async def aclose(self) -> None:
         if self._stream is not None:

@@ -12,8 +12,7 @@ group whose answer was lost may be stored twice (at least once; the id travels w
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import trio
 
@@ -21,7 +20,7 @@ from delayserver.client import AsyncProducer, Message, Status
 from delayserver.errors import DelayServerError, ResultCode
 from delayserver.meta.client import MetaError, MetaUnavailable, discover_delay_groups
 from delayserver.protocol import CancelOutcome, Handle, MessageState
-from delayserver.trio_util import background_nursery
+from delayserver.trio_util import BackgroundTasks
 
 COOL_DOWN_S = 5.0
 REFRESH_S = 10.0
@@ -33,7 +32,7 @@ class NoDelayGroup(ConnectionError):
     """No live delay group could take the request."""
 
 
-class AsyncGroupProducer:
+class AsyncGroupProducer(BackgroundTasks):
     def __init__(self, meta: str, *, timeout: float = 10.0, **options):
         self.meta = meta
         self.timeout = timeout
@@ -43,20 +42,6 @@ class AsyncGroupProducer:
         self._down_until: dict[str, float] = {}
         self._next = 0
         self._refreshed_at = float("-inf")
-
-    async def __aenter__(self) -> "AsyncGroupProducer":
-        self._session = self._running()
-        return await self._session.__aenter__()
-
-    async def __aexit__(self, *exc):
-        return await self._session.__aexit__(*exc)
-
-    @contextlib.asynccontextmanager
-    async def _running(self):
-        # Each group's producer lives in a task of this nursery, for as long as this producer.
-        async with background_nursery() as nursery:
-            self._nursery = nursery
-            yield self
 
     async def _hold(self, address: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncProducer(address, timeout=self.timeout, **self.options) as member:

@@ -27,3 +27,21 @@ async def background_nursery(on_exit=None):
             nursery.cancel_scope.cancel()
     if error is not None:
         raise error
+
+
+class BackgroundTasks:
+    """Mixin for clients with background tasks: ``async with client:`` opens `self._nursery`
+    (see `background_nursery`), and `_closing()` runs shielded before the tasks are cancelled."""
+
+    _nursery: trio.Nursery
+
+    async def _closing(self) -> None:
+        """Override to close connections when the `async with` block ends."""
+
+    async def __aenter__(self):
+        self._session = background_nursery(on_exit=self._closing)
+        self._nursery = await self._session.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self._session.__aexit__(*exc)
