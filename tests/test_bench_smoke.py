@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from delayserver.bench.compare import compare, ratios, table
-from delayserver.bench.deliver import report, run_deliver
-from delayserver.bench.workload import Workload
+from bench.compare import compare, ratios, table
+from bench.deliver import report, run_deliver
+from bench.workload import Workload
 
 pytestmark = [
     pytest.mark.slow,

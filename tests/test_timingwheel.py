@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delayserver.wheel.bench import bench_wheel
+from bench.timingwheel import bench_wheel
 from delayserver.wheel.timingwheel import MAX_REF, TimingWheel
 
 YEAR_MS = 365 * 24 * 3600 * 1000

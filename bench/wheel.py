@@ -1,7 +1,7 @@
 """`ops/bench wheel`: the timing wheel's throughput and memory, and the time to recover to serving.
 
 - wheel: 1,000,000 entries due at random over 90 minutes, 10 ms ticks, 8192 slots
-  (`delayserver.wheel.bench`): adds/s; entries fired/s advancing tick by tick and in one clock
+  (`bench.timingwheel`): adds/s; entries fired/s advancing tick by tick and in one clock
   jump; bytes per loaded entry (RSS delta, and the Python allocations alone).
 - recovery: a data directory holding 1,000,000 pending messages (100 B bodies) over 24 one-hour
   buckets, the current one holding 100,000 and the 23 after it the rest, written with the storage
@@ -99,7 +99,7 @@ def verdict(ok: bool, target: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from delayserver.wheel.bench import bench_wheel
+    from bench.timingwheel import bench_wheel
 
     parser = argparse.ArgumentParser(prog="ops/bench wheel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", type=int, default=1_000_000)
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> None:
         prepare(root, args.messages, args.current)
         print(f"recovery: {args.messages:,} pending messages over {BUCKETS} one-hour buckets, "
               f"{args.current:,} in the current one (written and replayed in {time.perf_counter() - began:.1f} s)")
-        out = subprocess.run([sys.executable, "-m", "delayserver.bench.wheel", "recover", str(root)],
+        out = subprocess.run([sys.executable, "-m", "bench.wheel", "recover", str(root)],
                              capture_output=True, check=True, text=True)
         r = json.loads(out.stdout)
         print(f"  Store.open to serve-ready    {r['total_s']:>12.3f} s" + verdict(r["total_s"] <= 2, "<= 2 s"))

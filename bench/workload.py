@@ -5,7 +5,7 @@ A workload is N messages (ids `bench-00000000`...) with delivery times drawn uni
 seed, over a window that starts at `t0`; the benchmark picks `t0` far enough ahead that every send
 is acknowledged before the first message falls due, so what follows measures delivery alone.
 
-The load generator runs in its own process (`python -m delayserver.bench.workload send KIND ...`):
+The load generator runs in its own process (`python -m bench.workload send KIND ...`):
 `producers` concurrent producers, each with its own connection, each sending its share (message i
 goes to producer i % producers) in batches of `batch`, one batch in flight at a time. KIND `ours`
 sends through `AsyncProducer` (one SEND frame per batch, acknowledged once stored durably); KIND

@@ -1,7 +1,7 @@
 import importlib
 import sys
 
-from delayserver.bench import BENCHMARKS
+from bench import BENCHMARKS
 
 
 def main(argv: list[str]) -> int:

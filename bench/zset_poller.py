@@ -12,7 +12,7 @@ The poller runs the script again at once while it moves a full `limit`, and othe
 `poll_ms` (RQ's scheduler sleeps 1 s between passes; Sidekiq polls about every 5 s; rq-scheduler
 every 60 s). A Redis that is down or restarting is retried at the next poll, as those pollers do.
 
-    python -m delayserver.bench.zset_poller HOST:PORT SCHEDULE_KEY STREAM POLL_MS LIMIT
+    python -m bench.zset_poller HOST:PORT SCHEDULE_KEY STREAM POLL_MS LIMIT
 """
 from __future__ import annotations
 

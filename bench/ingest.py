@@ -1,7 +1,7 @@
 """`ops/bench ingest`: acknowledged messages/s and ack latency of the real server over loopback.
 
 The server runs as its own process on a temp data directory; the load generator runs in another
-process (`python -m delayserver.bench.ingest load ...`) with N concurrent producers, each sending
+process (`python -m bench.ingest load ...`) with N concurrent producers, each sending
 batches of 1 KiB messages due in an hour (so the figures are ingest alone) and timing each batch
 from send to acknowledgement.
 """
@@ -59,7 +59,7 @@ def bench(flush: str, producers: int, seconds: float, batch: int) -> dict:
             cpu = psutil.Process(server.pid).cpu_times
             before = sum(cpu()[:2])
             load = subprocess.run(
-                [sys.executable, "-m", "delayserver.bench.ingest", "load", f"127.0.0.1:{port}",
+                [sys.executable, "-m", "bench.ingest", "load", f"127.0.0.1:{port}",
                  str(producers), str(seconds), str(batch)], capture_output=True, check=True)
             result = json.loads(load.stdout)
             result["server_cpu_us_per_msg"] = (sum(cpu()[:2]) - before) / max(result["acked"], 1) * 1e6

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import attrs
 
-from delayserver.bench.deliver import send_workload
-from delayserver.bench.harness import (
+from bench.deliver import send_workload
+from bench.harness import (
     LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, mib, now_ms, pids_of,
 )
-from delayserver.bench.workload import SUBJECT, StreamConsumer, Workload, message_id, read_stream
+from bench.workload import SUBJECT, StreamConsumer, Workload, message_id, read_stream
 
 FULL = Workload(n=100_000, window_ms=10_000)
 QUICK = Workload(n=5_000, window_ms=2_000)
@@ -105,7 +105,7 @@ class SortedSet:
         self.queue.start()
         with open(self.log, "ab") as log:
             self.poller = subprocess.Popen(
-                [sys.executable, "-m", "delayserver.bench.zset_poller", self.queue.address, SCHEDULE_KEY, SUBJECT,
+                [sys.executable, "-m", "bench.zset_poller", self.queue.address, SCHEDULE_KEY, SUBJECT,
                  str(self.poll_ms), str(POLL_LIMIT)], stdout=log, stderr=subprocess.STDOUT)
         stack.callback(self._stop_poller)
 

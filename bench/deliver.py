@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from delayserver.bench.harness import (
+from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, mib, now_ms,
     pids_of, run_child,
 )
-from delayserver.bench.workload import SUBJECT, Delivered, Workload, read_stream
+from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.sender.spool import iter_spool
 
 FULL = Workload(n=100_000, window_ms=10_000)
@@ -47,7 +47,7 @@ GRACE_MS = 30_000
 
 def send_workload(address: str, w: Workload, t0: int, kind: str = "ours", zset_key: str = "") -> dict:
     """Run the load generator process; its JSON result (acked, unacked, seconds, ended_ms)."""
-    args = ["-m", "delayserver.bench.workload", "send", kind, address, w.to_json(), str(t0)]
+    args = ["-m", "bench.workload", "send", kind, address, w.to_json(), str(t0)]
     return json.loads(run_child(args + ([zset_key] if zset_key else []), timeout=w.lead_ms / 1000 + 120))
 
 
