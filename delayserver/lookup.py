@@ -1,16 +1,29 @@
-"""Status of one message by its handle: locate the bucket, read its segment and dispatch_log.
+"""Status of one message by its handle, from the per-bucket indexes (storage/id_index.py).
 
 A handle (schedule time, id) names every record of that id in that bucket; a producer that sent
 the same id twice for the same time has two messages and sees the state of the most advanced one.
+
+A lookup bisects the bucket's id index for the key's hash and reads the records it names (the
+message, its cancels, and the rare record whose key shares the hash) and then the dispatch index:
+O(log n) in the bucket's size and a few reads, never a scan, so a status or cancel costs the same
+on a bucket of ten messages or ten million and holds the event loop for microseconds.
 """
 from __future__ import annotations
 
 import attrs
+import trio
 
 from delayserver.protocol import MessageState
 from delayserver.storage.buckets import bucket_start
-from delayserver.storage.record import DISPATCH_HEAD, RecordType, decode_dispatch, scheduled_key
+from delayserver.storage.id_index import DispatchIndex, IdIndex
+from delayserver.storage.record import (
+    HEADER, HEADER_SIZE, RecordError, RecordType, decode_dispatch, parse_record,
+    scheduled_key,
+)
+from delayserver.storage.segment import CorruptSegment
 from delayserver.wheel.tick_manager import cancel_key
+
+READ_GUESS_BYTES = 512
 
 
 @attrs.frozen
@@ -21,28 +34,68 @@ class Found:
     offsets: tuple[int, ...] = ()
 
 
-def lookup(store, schedule_time: int, message_id: str) -> Found:
-    """What the logs say of a message. Raises CorruptSegment on damage."""
-    bucket = bucket_start(schedule_time, store.segment_scale_ms)
-    if bucket not in store.schedule_log.sizes:
-        return Found(MessageState.UNKNOWN)
-    offsets: list[int] = []
-    cancelled: set[int] = set()
-    for offset, rtype, payload in store.schedule_log.records(bucket):
-        if rtype == RecordType.SCHEDULED:
-            _, sched, _, mid = scheduled_key(payload, 0)
-            if sched == schedule_time and mid == message_id:
-                offsets.append(offset)
-        elif rtype == RecordType.SCHEDULED_CANCEL:
-            if cancel_key(payload) == (schedule_time, message_id):
-                cancelled.update(offsets)
-    if not offsets:
-        return Found(MessageState.UNKNOWN)
-    wanted = set(offsets)
-    for _, rtype, payload in store.dispatch_log.records(bucket):
-        if rtype == RecordType.DISPATCH and DISPATCH_HEAD.unpack_from(payload, 0)[0] in wanted:
-            d = decode_dispatch(payload)
+def read_record(bucket_log, bucket: int, offset: int) -> tuple[int, bytes, int, int]:
+    """(rtype, data, payload start, payload end) of the whole, checked record at `offset`.
+
+    Raises CorruptSegment when there is no whole valid record there."""
+    data = bucket_log.read(bucket, offset, offset + READ_GUESS_BYTES)
+    if len(data) < HEADER_SIZE:
+        raise CorruptSegment(bucket_log.path(bucket), offset, "no record here")
+    need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
+    if need > len(data):
+        data = bucket_log.read(bucket, offset, offset + need)
+    try:
+        parsed = parse_record(data, 0, min(need, len(data)))
+    except RecordError as e:
+        raise CorruptSegment(bucket_log.path(bucket), offset, e.reason) from None
+    if parsed is None:
+        raise CorruptSegment(bucket_log.path(bucket), offset, "record cut short")
+    rtype, s, e = parsed
+    return rtype, data, s, e
+
+
+class Lookup:
+    """Both indexes of a store, and the lookups they answer."""
+
+    def __init__(self, store):
+        self.store = store
+        self.ids = IdIndex(store.schedule_log)
+        self.dispatches = DispatchIndex(store.dispatch_log)
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Index the buckets present at start (in slices), then keep the indexes compact."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.ids.serve)
+            await nursery.start(self.dispatches.serve)
+            task_status.started()
+
+    async def find(self, schedule_time: int, message_id: str) -> Found:
+        """What the logs say of a message. Raises CorruptSegment on damage."""
+        store = self.store
+        bucket = bucket_start(schedule_time, store.segment_scale_ms)
+        if bucket not in store.schedule_log.sizes:
+            return Found(MessageState.UNKNOWN)
+        await self.ids.ensure(bucket)
+        offsets: list[int] = []
+        cancels: list[int] = []
+        for offset in self.ids.candidates(bucket, schedule_time, message_id):
+            rtype, data, s, e = read_record(store.schedule_log, bucket, offset)
+            if rtype == RecordType.SCHEDULED:
+                _, sched, _, mid = scheduled_key(data, s)
+                if sched == schedule_time and mid == message_id:
+                    offsets.append(offset)
+            elif rtype == RecordType.SCHEDULED_CANCEL:
+                if cancel_key(memoryview(data)[s:e]) == (schedule_time, message_id):
+                    cancels.append(offset)
+        if not offsets:
+            return Found(MessageState.UNKNOWN)
+        await self.dispatches.ensure(bucket)
+        positions = [p for p in (self.dispatches.first(bucket, o) for o in offsets) if p is not None]
+        if positions:
+            _, data, s, e = read_record(store.dispatch_log, bucket, min(positions))
+            d = decode_dispatch(data, s, e)
             return Found(MessageState.DELIVERED, d.dispatch_time, d.broker_group, tuple(offsets))
-    if wanted <= cancelled:
-        return Found(MessageState.CANCELLED, offsets=tuple(offsets))
-    return Found(MessageState.PENDING, offsets=tuple(offsets))
+        last_cancel = max(cancels, default=-1)
+        if all(o < last_cancel for o in offsets):
+            return Found(MessageState.CANCELLED, offsets=tuple(offsets))
+        return Found(MessageState.PENDING, offsets=tuple(offsets))

@@ -17,7 +17,7 @@ from delayserver import protocol as p
 from delayserver.clock import WallClock
 from delayserver.config import Config
 from delayserver.errors import DelayServerError, ResultCode
-from delayserver.lookup import lookup
+from delayserver.lookup import Lookup
 from delayserver.membership import local_groups, start_meta_agent
 from delayserver.meta.store import Role
 from delayserver.metrics import serve_metrics
@@ -61,6 +61,7 @@ class DelayServer:
             log.error("disk full: no room for the %d-byte reserve in %s; refusing new messages with DISK_FULL "
                       "until there is", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
+        self.lookup = Lookup(self.store)
         scale = c.segment_scale_ms
         self.ticks = TickManager(
             self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,
@@ -127,6 +128,7 @@ class DelayServer:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.receiver.serve)
+                await nursery.start(self.lookup.serve)
                 await nursery.start(functools.partial(self.replayer.serve, self.clock,
                                                       lambda: self.receiver.durable_offset, self.durable,
                                                       checkpoint_interval_ms=self.config.checkpoint_interval_ms))
@@ -341,7 +343,7 @@ class DelayServer:
 
     async def status(self, handle: p.Handle) -> p.StatusResult:
         await self._replayed_past(self.receiver.durable_offset)
-        found = lookup(self.store, handle.schedule_time, handle.message_id)
+        found = await self.lookup.find(handle.schedule_time, handle.message_id)
         return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
                               found.broker_group)
 
@@ -350,7 +352,7 @@ class DelayServer:
         if refusal is not None:
             return p.CancelResult(refusal, refusal.description, p.CancelOutcome.UNKNOWN)
         await self._replayed_past(self.receiver.durable_offset)
-        found = lookup(self.store, handle.schedule_time, handle.message_id)
+        found = await self.lookup.find(handle.schedule_time, handle.message_id)
         outcome = {p.MessageState.DELIVERED: p.CancelOutcome.ALREADY_DELIVERED,
                    p.MessageState.CANCELLED: p.CancelOutcome.ALREADY_CANCELLED,
                    p.MessageState.UNKNOWN: p.CancelOutcome.UNKNOWN}.get(found.state)
@@ -364,7 +366,7 @@ class DelayServer:
         bucket = bucket_start(handle.schedule_time, self.store.segment_scale_ms)
         if any(self.ticks.ref(bucket, o) in self.ticks.inflight for o in found.offsets):
             return p.CancelResult(ResultCode.OK, "already delivered (in flight)", p.CancelOutcome.ALREADY_DELIVERED)
-        after = lookup(self.store, handle.schedule_time, handle.message_id)
+        after = await self.lookup.find(handle.schedule_time, handle.message_id)
         if after.state == p.MessageState.DELIVERED:
             return p.CancelResult(ResultCode.OK, "already delivered", p.CancelOutcome.ALREADY_DELIVERED)
         self.ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)

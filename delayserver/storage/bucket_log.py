@@ -38,6 +38,9 @@ class BucketLog:
         self._dirty: set[int] = set()
         self._max_open = max_open
         self._new_files = False
+        # Indexes following the log: `appended(bucket, pos, data)`, `truncated(bucket, size)`,
+        # `removed(bucket)` (storage/id_index.py).
+        self.listeners: list = []
 
     @classmethod
     def open(cls, directory: Path, **kw) -> "BucketLog":
@@ -93,6 +96,8 @@ class BucketLog:
         write_all(self._fd(bucket), data, pos, self.path(bucket))
         self.sizes[bucket] = pos + len(data)
         self._dirty.add(bucket)
+        for listener in self.listeners:
+            listener.appended(bucket, pos, data)
         return pos
 
     def sync(self) -> None:
@@ -141,6 +146,8 @@ class BucketLog:
             os.ftruncate(self._fd(bucket), size)
             self.sizes[bucket] = size
             self._dirty.add(bucket)
+            for listener in self.listeners:
+                listener.truncated(bucket, size)
 
     def recover_tail(self, bucket: int) -> ScanResult | None:
         """Scan the bucket's segment; truncate a torn tail (logged) and return the scan, or None
@@ -184,6 +191,8 @@ class BucketLog:
             self.sizes.pop(bucket)
         self.path(bucket).unlink(missing_ok=True)
         fsync_dir(self.directory)
+        for listener in self.listeners:
+            listener.removed(bucket)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -1,0 +1,330 @@
+"""Per-bucket indexes: what `status` and `cancel` read instead of a whole bucket.
+
+- `IdIndex` (over schedule_log): per bucket, the offset of every SCHEDULED and SCHEDULED_CANCEL
+  record under a 24-bit hash of its (schedule_time, message id), packed in one 64-bit key
+  ``hash << 40 | offset``: 8 bytes per record. A lookup bisects the sorted runs for the hash and
+  reads the few records it names (the real one, plus on average n / 2**24 false candidates) to
+  compare their keys: O(log n) and a read or two, never a scan.
+- `DispatchIndex` (over dispatch_log): per bucket, schedule offset -> position of its dispatch
+  records, 16 bytes per dispatch record.
+
+Both follow their log through `BucketLog.listeners`: an append at the indexed end of a bucket is
+indexed at once (the records are parsed from the bytes just written), a truncation drops what it
+cut. A bucket present when the node starts is indexed from its segment in slices (`build_step`,
+driven by `serve`, and `ensure` for a lookup that cannot wait): the node starts at once, and the
+index never holds the event loop for longer than one slice.
+
+Keys live in `SortedRuns`: an unsorted tail of a few hundred keys, then sorted numpy runs merged
+geometrically (each run at least twice the size of the next), so a bucket of n records has
+O(log n) runs. Merges of small runs happen inline (well under a millisecond); bigger ones are
+computed in a worker thread by `serve` and swapped in on the trio thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+
+import numpy as np
+import trio
+from crc32c import crc32c
+
+from delayserver.storage.record import (
+    HEADER, OFFSET, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType, iter_checked_records,
+    iter_records,
+)
+from delayserver.storage.segment import CorruptSegment
+
+log = logging.getLogger("delayserver.storage")
+
+OFFSET_BITS = 40
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+HASH_BITS = 24
+HASH_MASK = (1 << HASH_BITS) - 1
+#: Keys kept unsorted before they are sealed into a run.
+TAIL_KEYS = 512
+#: Merges up to this many keys are done inline; bigger ones in a worker thread.
+INLINE_MERGE_KEYS = 1 << 16
+#: Bytes of segment parsed per build slice (about a millisecond of parsing).
+BUILD_SLICE_BYTES = 64 << 10
+_EMPTY = np.empty(0, dtype=np.uint64)
+
+
+def key_hash(schedule_time: int, message_id: bytes) -> int:
+    """The 24-bit hash of a message key (stable across processes)."""
+    return (crc32c(message_id, schedule_time & 0xFFFFFFFF) ^ (schedule_time >> 32)) & HASH_MASK
+
+
+def _merge(runs: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None]:
+    """One sorted run from several (stable: equal keys keep their order, older runs first)."""
+    keys = np.concatenate([k for k, _ in runs])
+    if runs[0][1] is None:
+        keys.sort(kind="stable")
+        return keys, None
+    vals = np.concatenate([v for _, v in runs])
+    order = np.argsort(keys, kind="stable")
+    return keys[order], vals[order]
+
+
+class SortedRuns:
+    """A multiset of uint64 keys, each with an optional uint64 value, answering range queries.
+
+    Values, when used, are kept beside their keys; equal keys come out in insertion order.
+    """
+
+    def __init__(self, with_values: bool = False):
+        self.with_values = with_values
+        self._tail_keys = array("Q")
+        self._tail_vals = array("Q") if with_values else None
+        self.runs: list[tuple[np.ndarray, np.ndarray | None]] = []
+        self.version = 0  # bumped by anything but an append: an async merge result is then stale
+
+    def __len__(self) -> int:
+        return len(self._tail_keys) + sum(len(k) for k, _ in self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        tail = self._tail_keys.itemsize * self._tail_keys.buffer_info()[1]
+        if self._tail_vals is not None:
+            tail *= 2
+        return tail + sum(k.nbytes + (0 if v is None else v.nbytes) for k, v in self.runs)
+
+    def add(self, key: int, value: int = 0) -> None:
+        self._tail_keys.append(key)
+        if self._tail_vals is not None:
+            self._tail_vals.append(value)
+        if len(self._tail_keys) >= TAIL_KEYS:
+            self.seal()
+
+    def seal(self) -> None:
+        """Turn the tail into a sorted run, merging small runs inline."""
+        if not self._tail_keys:
+            return
+        keys = np.array(self._tail_keys, dtype=np.uint64)
+        vals = np.array(self._tail_vals, dtype=np.uint64) if self._tail_vals is not None else None
+        self._tail_keys = array("Q")
+        if vals is not None:
+            self._tail_vals = array("Q")
+        self.runs.append(_merge([(keys, vals)]))
+        i = self.merge_start(INLINE_MERGE_KEYS)
+        if i is not None:
+            self.runs[i:] = [_merge(self.runs[i:])]
+
+    def merge_start(self, limit: int | None = None) -> int | None:
+        """The first run of the suffix due for merging (each run must be over twice the size of
+        all the runs after it), or None; with `limit`, only a suffix of at most `limit` keys."""
+        runs = self.runs
+        total = 0
+        start = None
+        for i in range(len(runs) - 1, 0, -1):
+            total += len(runs[i][0])
+            if len(runs[i - 1][0]) <= 2 * total:
+                if limit is not None and total + len(runs[i - 1][0]) > limit:
+                    break
+                start = i - 1
+                total += len(runs[i - 1][0])
+        return start
+
+    def find(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """``(key, value)`` of every key in ``[lo, hi)``: older entries first for equal keys."""
+        out: list[tuple[int, int]] = []
+        for keys, vals in self.runs:
+            i = int(np.searchsorted(keys, lo, "left"))
+            j = int(np.searchsorted(keys, hi, "left"))
+            for x in range(i, j):
+                out.append((int(keys[x]), 0 if vals is None else int(vals[x])))
+        tv = self._tail_vals
+        for x, key in enumerate(self._tail_keys):
+            if lo <= key < hi:
+                out.append((key, 0 if tv is None else tv[x]))
+        return out
+
+    def drop_where(self, keep) -> None:
+        """Keep only entries for which the vectorised predicate `keep(keys, vals)` holds."""
+        self.seal()
+        kept = []
+        for keys, vals in self.runs:
+            mask = keep(keys, vals)
+            if not mask.all():
+                keys, vals = keys[mask], (None if vals is None else vals[mask])
+            if len(keys):
+                kept.append((keys, vals))
+        self.runs = kept
+        self.version += 1
+
+    async def compact(self) -> bool:
+        """Do one merge too big for the event loop in a worker thread; True if one was due."""
+        i = self.merge_start()
+        if i is None:
+            return False
+        picked = self.runs[i:]
+        version = self.version
+        merged = await trio.to_thread.run_sync(_merge, picked)
+        if self.version == version and self.runs[i : i + len(picked)] == picked:
+            self.runs[i : i + len(picked)] = [merged]
+        return True
+
+
+class _Bucket:
+    __slots__ = ("covered", "runs")
+
+    def __init__(self, with_values: bool):
+        self.covered = 0  # the segment is indexed from 0 up to here
+        self.runs = SortedRuns(with_values)
+
+
+class _LogIndex:
+    """What both indexes share: following a BucketLog, building buckets from their segments."""
+
+    with_values = False
+
+    def __init__(self, bucket_log):
+        self.log = bucket_log
+        self.buckets: dict[int, _Bucket] = {}
+        for bucket in bucket_log.buckets():
+            self.buckets[bucket] = _Bucket(self.with_values)
+        bucket_log.listeners.append(self)
+
+    # --- following the log --------------------------------------------------------------------
+
+    def appended(self, bucket: int, pos: int, data) -> None:
+        b = self.buckets.get(bucket)
+        if b is None:
+            b = self.buckets[bucket] = _Bucket(self.with_values)
+        if pos != b.covered:
+            return  # an older part is not indexed yet: the build reads this too, from the segment
+        self._index(bucket, b, data, pos, checked=True)
+
+    def truncated(self, bucket: int, size: int) -> None:
+        b = self.buckets.get(bucket)
+        if b is None or b.covered <= size:
+            return
+        self._drop_from(b, size)
+        b.covered = size
+
+    def removed(self, bucket: int) -> None:
+        self.buckets.pop(bucket, None)
+
+    # --- building -----------------------------------------------------------------------------
+
+    def unbuilt(self) -> list[int]:
+        return [bucket for bucket, b in self.buckets.items() if b.covered < self.log.size(bucket)]
+
+    def build_slice(self, bucket: int, max_bytes: int = BUILD_SLICE_BYTES) -> bool:
+        """Index one slice of the bucket's segment; True while more is left.
+
+        Raises CorruptSegment on damage (nothing past it is indexed)."""
+        b = self.buckets.setdefault(bucket, _Bucket(self.with_values))
+        size = self.log.size(bucket)
+        if b.covered >= size:
+            return False
+        start = b.covered
+        data = self.log.read(bucket, start, min(size, start + max_bytes))
+        consumed = self._index(bucket, b, data, start, checked=False)
+        if consumed == 0:  # one record bigger than the slice
+            need = HEADER.size + HEADER.unpack_from(data, 0)[1]
+            data = self.log.read(bucket, start, min(size, start + need))
+            consumed = self._index(bucket, b, data, start, checked=False)
+            if consumed == 0:
+                raise CorruptSegment(self.log.path(bucket), start, "record cut short before the end")
+        return b.covered < self.log.size(bucket)
+
+    async def ensure(self, bucket: int) -> None:
+        """Return once the bucket's index covers its whole segment (built in slices meanwhile)."""
+        while self.build_slice(bucket):
+            await trio.lowlevel.checkpoint()
+
+    async def serve(self, *, slice_s: float = 0.001, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Build what the node started with, then keep the runs merged; never more than a slice
+        of work at a time on the event loop."""
+        task_status.started()
+        started = time.monotonic()
+        pending = self.unbuilt()
+        for bucket in pending:
+            while self.build_slice(bucket):
+                await trio.lowlevel.checkpoint()
+        if pending:
+            log.info("%s: %d buckets indexed in %.2f s", type(self).__name__, len(pending),
+                     time.monotonic() - started)
+        while True:
+            worked = False
+            for b in list(self.buckets.values()):
+                worked |= await b.runs.compact()
+            await trio.sleep(0.05 if worked else 1.0)
+
+    def _index(self, bucket: int, b: _Bucket, data, start: int, *, checked: bool) -> int:
+        consumed = 0
+        walk = iter_checked_records if checked else iter_records
+        try:
+            for pos, rtype, s, e in walk(data):
+                self._add(b.runs, rtype, data, s, e, start + pos)
+                consumed = e
+        except RecordError as err:
+            b.covered = start + consumed
+            raise CorruptSegment(self.log.path(bucket), start + err.offset, err.reason) from None
+        b.covered = start + consumed
+        return consumed
+
+    def nbytes(self) -> int:
+        return sum(b.runs.nbytes for b in self.buckets.values())
+
+    def entries(self) -> int:
+        return sum(len(b.runs) for b in self.buckets.values())
+
+
+class IdIndex(_LogIndex):
+    """(schedule_time, message id) -> offsets of its SCHEDULED and SCHEDULED_CANCEL records."""
+
+    def _add(self, runs: SortedRuns, rtype: int, data, s: int, e: int, offset: int) -> None:
+        if rtype == RecordType.SCHEDULED:
+            head = SCHEDULED_HEAD.unpack_from(data, s)
+            sched, idlen = head[2], head[5]
+            at = s + SCHEDULED_HEAD.size
+        elif rtype == RecordType.SCHEDULED_CANCEL:
+            _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(data, s)
+            at = s + SCHEDULED_CANCEL_HEAD.size
+        else:
+            return
+        runs.add(key_hash(sched, bytes(data[at : at + idlen])) << OFFSET_BITS | offset)
+
+    def _drop_from(self, b: _Bucket, size: int) -> None:
+        b.runs.drop_where(lambda keys, vals: (keys & np.uint64(OFFSET_MASK)) < np.uint64(size))
+
+    def candidates(self, bucket: int, schedule_time: int, message_id: str) -> list[int]:
+        """Offsets of records that may carry this key, in offset order (read them to be sure)."""
+        b = self.buckets.get(bucket)
+        if b is None:
+            return []
+        h = key_hash(schedule_time, message_id.encode("utf-8"))
+        return sorted(k & OFFSET_MASK for k, _ in b.runs.find(h << OFFSET_BITS, (h + 1) << OFFSET_BITS))
+
+
+class DispatchIndex(_LogIndex):
+    """schedule offset -> positions of its dispatch records in the bucket's dispatch_log."""
+
+    with_values = True
+
+    def _add(self, runs: SortedRuns, rtype: int, data, s: int, e: int, offset: int) -> None:
+        if rtype == RecordType.DISPATCH:
+            runs.add(OFFSET.unpack_from(data, s)[0], offset)
+
+    def _drop_from(self, b: _Bucket, size: int) -> None:
+        b.runs.drop_where(lambda keys, vals: vals < np.uint64(size))
+
+    def first(self, bucket: int, schedule_offset: int) -> int | None:
+        """Position of the first dispatch record of that schedule offset, or None."""
+        b = self.buckets.get(bucket)
+        if b is None:
+            return None
+        found = b.runs.find(schedule_offset, schedule_offset + 1)
+        return min(v for _, v in found) if found else None
+
+    def offsets(self, bucket: int) -> np.ndarray:
+        """Every dispatched schedule offset of the bucket (sorted, may repeat)."""
+        b = self.buckets.get(bucket)
+        if b is None:
+            return _EMPTY
+        b.runs.seal()
+        if not b.runs.runs:
+            return _EMPTY
+        return np.sort(np.concatenate([k for k, _ in b.runs.runs]))

@@ -1,0 +1,174 @@
+"""The per-bucket indexes behind status and cancel: right answers, O(log n) reads, restarts."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from delayserver.lookup import Lookup
+from delayserver.protocol import MessageState
+from delayserver.storage import id_index
+from delayserver.storage.id_index import SortedRuns
+from delayserver.storage.record import RecordType, scheduled_key
+from tests.pipeline_node import SCALE_MS, START_MS, Fired, Node
+
+
+def bucket_of(t: int) -> int:
+    return t - t % SCALE_MS
+
+
+def test_sorted_runs_agree_with_a_model_through_merges_and_drops():
+    rng = random.Random(7)
+    runs = SortedRuns(with_values=True)
+    model: list[tuple[int, int]] = []
+    for i in range(20_000):
+        key = rng.randrange(5000)
+        runs.add(key, i)
+        model.append((key, i))
+        if i % 997 == 0:
+            lo = rng.randrange(5000)
+            hi = lo + rng.randrange(50)
+            assert sorted(runs.find(lo, hi)) == sorted((k, v) for k, v in model if lo <= k < hi)
+    assert len(runs) == len(model)
+    # Geometric merging: a handful of runs, not one per sealed tail.
+    assert len(runs.runs) <= 12
+    runs.drop_where(lambda keys, vals: vals < np.uint64(10_000))
+    model = [(k, v) for k, v in model if v < 10_000]
+    assert len(runs) == len(model)
+    for key in range(0, 5000, 37):
+        assert sorted(runs.find(key, key + 1)) == sorted(e for e in model if e[0] == key)
+
+
+def test_equal_keys_come_out_oldest_first():
+    runs = SortedRuns(with_values=True)
+    for i in range(3 * id_index.TAIL_KEYS + 5):
+        runs.add(42 if i % 100 == 0 else i + 100, i)
+    assert [v for _, v in runs.find(42, 43)] == [i for i in range(3 * id_index.TAIL_KEYS + 5) if i % 100 == 0]
+
+
+async def test_a_big_merge_runs_in_a_worker_thread_and_keeps_every_key(monkeypatch):
+    monkeypatch.setattr(id_index, "INLINE_MERGE_KEYS", 1024)
+    runs = SortedRuns()
+    for i in range(40_000):
+        runs.add((i * 7919) % 40_000)
+    before = len(runs.runs)
+    while await runs.compact():
+        pass
+    assert len(runs.runs) <= before and len(runs) == 40_000
+    keys = np.concatenate([k for k, _ in runs.runs] + [np.array(runs._tail_keys, dtype=np.uint64)])
+    assert sorted(keys.tolist()) == list(range(40_000))
+
+
+def _messages(n: int, rng: random.Random) -> list[tuple[str, int]]:
+    return [(f"order-{i}", START_MS + rng.randrange(SCALE_MS)) for i in range(n)]
+
+
+async def test_status_agrees_with_the_logs_for_pending_cancelled_delivered_and_unknown(tmp_path):
+    rng = random.Random(3)
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)
+    msgs = _messages(3000, rng)
+    node.send(msgs)
+    cancelled = msgs[::7]
+    for mid, sched in cancelled:
+        node.cancel(mid, sched)
+    node.replay_all()
+    # Deliver some (dispatch records written as the sender writes them).
+    offsets = {}
+    for bucket in node.store.schedule_log.buckets():
+        for offset, rtype, payload in node.store.schedule_log.records(bucket):
+            if rtype == RecordType.SCHEDULED:
+                offsets[scheduled_key(payload, 0)[3]] = (bucket, offset)
+    delivered = [m for m in msgs[1::5] if m not in cancelled]
+    node.dispatch([Fired(0, *offsets[mid], None, START_MS) for mid, _ in delivered])
+    for mid, sched in msgs:
+        found = await look.find(sched, mid)
+        if (mid, sched) in delivered:
+            assert found.state == MessageState.DELIVERED and found.broker_group == "brokers-a"
+        elif (mid, sched) in cancelled:
+            assert found.state == MessageState.CANCELLED
+        else:
+            assert found.state == MessageState.PENDING
+    assert (await look.find(msgs[0][1], "never-sent")).state == MessageState.UNKNOWN
+    assert (await look.find(msgs[0][1] + 1, msgs[0][0])).state == MessageState.UNKNOWN
+    node.crash()
+
+
+async def test_a_key_sharing_its_hash_with_another_is_told_apart_by_reading_the_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(id_index, "key_hash", lambda sched, mid: 5)  # every key collides
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)
+    node.send([("a", START_MS + 10), ("b", START_MS + 10), ("c", START_MS + 20)])
+    node.cancel("b", START_MS + 10)
+    node.replay_all()
+    assert (await look.find(START_MS + 10, "a")).state == MessageState.PENDING
+    assert (await look.find(START_MS + 10, "b")).state == MessageState.CANCELLED
+    assert (await look.find(START_MS + 10, "c")).state == MessageState.UNKNOWN
+    node.crash()
+
+
+async def test_a_lookup_reads_a_few_records_not_the_bucket(tmp_path):
+    node = Node(tmp_path, START_MS, segment_bytes=64 << 20)
+    look = Lookup(node.store)
+    msgs = _messages(20_000, random.Random(5))
+    node.send(msgs, body=b"x" * 200)
+    node.replay_all()
+    bucket = bucket_of(msgs[0][1])
+    assert node.store.schedule_log.size(bucket) > 4 << 20
+    read = []
+    real = node.store.schedule_log.read
+
+    def counting(bucket, start=0, end=None):
+        data = real(bucket, start, end)
+        read.append(len(data))
+        return data
+
+    node.store.schedule_log.read = counting
+    for mid, sched in msgs[::1000]:
+        read.clear()
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+        assert sum(read) < 4096, read  # the candidate records, never the 4 MiB bucket
+    node.crash()
+
+
+async def test_after_a_restart_the_index_is_rebuilt_from_the_segments_and_follows_new_appends(tmp_path):
+    rng = random.Random(11)
+    node = Node(tmp_path, START_MS)
+    msgs = _messages(2000, rng)
+    node.send(msgs)
+    node.cancel(*msgs[0])
+    node.replay_all()
+    node.replayer.checkpoint()
+    node.crash()
+
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)
+    assert sorted(look.ids.unbuilt()) == sorted({bucket_of(s) for _, s in msgs})  # nothing read at open: the node starts at once
+    later = _messages(2100, rng)[2000:]
+    node.send(later)
+    node.replay_all()  # appended while the bucket is not indexed yet: the build reads them
+    assert (await look.find(msgs[0][1], msgs[0][0])).state == MessageState.CANCELLED
+    for mid, sched in msgs[1::50] + later[::10]:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    assert look.ids.unbuilt() == []
+    more = [("after-build", START_MS + 5)]
+    node.send(more)
+    node.replay_all()
+    assert (await look.find(START_MS + 5, "after-build")).state == MessageState.PENDING
+    node.crash()
+
+
+async def test_a_truncated_segment_drops_what_it_cut_from_the_index(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)
+    node.send([("kept", START_MS + 1)])
+    node.replay_all()
+    bucket = bucket_of(START_MS + 1)
+    size = node.store.schedule_log.size(bucket)
+    node.send([("cut", START_MS + 2)])
+    node.replay_all()
+    assert (await look.find(START_MS + 2, "cut")).state == MessageState.PENDING
+    node.store.schedule_log.truncate(bucket, size)  # as a rolled-back replay pass does
+    assert (await look.find(START_MS + 2, "cut")).state == MessageState.UNKNOWN
+    assert (await look.find(START_MS + 1, "kept")).state == MessageState.PENDING
+    node.crash()
