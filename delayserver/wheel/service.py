@@ -41,8 +41,11 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
             continue
         ticks.advance(now)
         while ticks.load_step(now):
+            # Loading goes in slices of a millisecond or so: between two, what fell due goes out.
             await trio.lowlevel.checkpoint()
             now = clock.now_ms()
+            if ticks.advance(now) or ticks.ready:
+                ready.set()
         ticks.advance(now)
         if ticks.ready:
             ready.set()

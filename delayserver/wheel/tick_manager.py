@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from delayserver.storage.record import (
     HEADER, HEADER_SIZE, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType,
@@ -46,7 +47,10 @@ log = logging.getLogger("delayserver.wheel")
 OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 READ_GUESS_BYTES = 4096
-LOAD_CHUNK_BYTES = 4 << 20  # records bigger than this are read whole
+LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
+#: How long one load step may hold the event loop (it stops after the record that passes it).
+LOAD_SLICE_S = 0.001
+_CLOCK_EVERY = 32  # records between two looks at the clock in a load step
 
 
 def cancel_key(payload) -> tuple[int, str]:
@@ -171,14 +175,17 @@ class TickManager:
         t = now + self.load_ahead_ms
         return t - t % self.scale
 
-    def load_step(self, now: int, max_bytes: int = LOAD_CHUNK_BYTES) -> bool:
-        """Load one chunk toward the target bucket; True while there is more to do now.
+    def load_step(self, now: int, max_bytes: int = LOAD_CHUNK_BYTES, max_s: float | None = LOAD_SLICE_S) -> bool:
+        """Load one slice toward the target bucket; True while there is more to do now.
+
+        A slice is at most `max_bytes` of segment and stops once it has taken `max_s` seconds
+        (None: no time bound), so that the caller can let other work run between slices.
 
         Raises CorruptSegment on a damaged record (nothing past it is loaded).
         """
         target = self.load_target(now)
         if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
-            self._load_chunk(now, max_bytes)
+            self._load_chunk(now, max_bytes, max_s)
             return True
         nxt = self._next_bucket()
         if nxt is not None and nxt <= target:
@@ -213,7 +220,7 @@ class TickManager:
         for passed in [b for b in self.cancels if b < bucket and not self.outstanding[b]]:
             del self.cancels[passed]
 
-    def _load_chunk(self, now: int, max_bytes: int) -> None:
+    def _load_chunk(self, now: int, max_bytes: int, max_s: float | None = None) -> None:
         bucket, start = self.loading_bucket, self.loaded_offset
         log_ = self.store.schedule_log
         data = log_.read(bucket, start, min(self.loading_end, start + max(max_bytes, HEADER_SIZE)))
@@ -224,8 +231,14 @@ class TickManager:
         held = self._held
         consumed = 0
         skip = self._skip_in_load
+        deadline = None if max_s is None else time.perf_counter() + max_s
+        count = 0
         try:
             for pos, rtype, s, e in iter_records(data):
+                count += 1
+                if deadline is not None and not count % _CLOCK_EVERY and consumed \
+                        and time.perf_counter() > deadline:
+                    break
                 if rtype == RecordType.SCHEDULED:
                     offset = start + pos
                     if offset not in skip:
