@@ -1,20 +1,29 @@
 """The sender: due messages out to broker groups, in batches, one task per group.
 
-- The dispatcher takes due refs from the tick manager, at most `max_inflight` at a time (flow
-  control: past the bound, due entries wait in the tick manager's ready queue, counted in the
-  metrics, never dropped), reads each message from schedule_log, drops it if it was cancelled, and
-  routes it to a broker group serving its subject, chosen by weight among healthy ones.
+It sees the wheel only through the due queue (wheel/due_queue.py): take, settle, drop, retry later,
+generation.
+
+- Each broker group has its own in-flight budget (`max_inflight` deliveries: queued for it, being
+  sent, or waiting to retry after it failed them). A dead or slow group holds only its own budget:
+  the dispatcher takes due messages while any healthy group has room, and a message whose groups
+  are all full or open waits in a backlog of its group (without its body: it is read again when it
+  leaves), so healthy groups deliver at full rate beside a dead one.
 - Each group task sends batches of up to `send_batch_size`, waiting up to `send_wait_ms` for one to
   fill, so that a slow or dead group never holds back another.
 - Per-message results: ACKED -> a dispatch_log record (then the message is settled); RETRY -> back
-  to the dispatcher after a back-off, possibly to another group, without any retry limit;
-  REJECTED -> parked (see `parked.py`), never blocking the others.
+  to routing after a back-off, possibly to another group, without any retry limit; REJECTED ->
+  parked (see `parked.py`), never blocking the others.
+- Poison isolation: a batch the broker refuses whole (every message REJECTED, as an HTTP 4xx
+  does) is split in halves and sent again at once, down to the one message that causes it, which
+  alone is parked with the broker's reason. A batch failing whole (every message RETRY) while
+  its group is otherwise healthy is retried as one unit, and split in halves when it fails again,
+  so one message that makes a broker fail gets retried alone while the others go through.
+- Intervals (back-off, breakers) run on trio's monotonic clock: a wall-clock step never freezes
+  retries or keeps a breaker open. The wall clock only stamps dispatch times.
 """
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import logging
 import random
 
@@ -22,27 +31,20 @@ import attrs
 import trio
 
 from delayserver import failpoints
-from delayserver.sender.breaker import CircuitBreaker
+from delayserver.sender.breaker import CLOSED, CircuitBreaker
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
-from delayserver.storage.record import Dispatch, Message, RecordType, encode_dispatch, encode_record
-from delayserver.storage.segment import CorruptSegment, DiskFull, StorageError
+from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
+from delayserver.storage.segment import DiskFull, StorageError
 from delayserver.wakeup import Wakeup
+from delayserver.wheel.due_queue import Due, DueQueue
 
 log = logging.getLogger("delayserver.sender")
 
 MAX_BACKOFF_MS = 30_000
 
-
-@attrs.define(eq=False)
-class Delivery:
-    ref: int
-    bucket: int
-    schedule_offset: int
-    message: Message
-    attempt: int = 1
-    tried: set = attrs.field(factory=set)
-    generation: int = 0
+#: The sender's name for a due message it holds.
+Delivery = Due
 
 
 @attrs.define(eq=False)
@@ -53,9 +55,15 @@ class BrokerGroup:
     subjects: frozenset[str] | None = None  # None: every subject
     breaker: CircuitBreaker = attrs.field(factory=CircuitBreaker)
     queue: collections.deque = attrs.field(factory=collections.deque)
+    # Batches to send as they are (the halves of a split batch), before `queue`.
+    batches: collections.deque = attrs.field(factory=collections.deque)
+    # Messages routed here while the group was full or open, waiting for room.
+    backlog: collections.deque = attrs.field(factory=collections.deque)
     wakeup: Wakeup = attrs.field(factory=Wakeup)
+    inflight: int = 0
     sent: int = 0
     failed_batches: int = 0
+    split_batches: int = 0
     scope: trio.CancelScope | None = None
     spec: object = None  # what the group was built from (a meta server's broker group), if anything
 
@@ -69,12 +77,18 @@ def backoff_ms(attempt: int) -> int:
     return base // 2 + random.randrange(base // 2 + 1)
 
 
+def monotonic_ms() -> int:
+    """Milliseconds on trio's monotonic clock (MockClock in tests): what intervals are measured on."""
+    return int(trio.current_time() * 1000)
+
+
 class Sender:
     def __init__(self, ticks, store, groups: list[BrokerGroup], clock, *, send_batch_size: int = 256,
                  send_wait_ms: int = 2, max_inflight: int = 20_000, batches_in_flight: int = 2,
                  parked: ParkedLog | None = None,
                  may_deliver=lambda: True, resolve=None, on_disk_full=lambda: None):
-        self.ticks = ticks
+        """`max_inflight` is each broker group's in-flight budget."""
+        self.due = DueQueue(ticks) if ticks is not None else None
         self.store = store
         self.groups = {g.name: g for g in groups}
         self.clock = clock
@@ -86,16 +100,17 @@ class Sender:
         self.may_deliver = may_deliver
         self.resolve = resolve  # optional: subject -> group names (from the meta server)
         self.on_disk_full = on_disk_full  # a dispatch_log write found the disk full
-        self.ready = Wakeup()
-        self.retry_wakeup = Wakeup()
-        self._retries: list = []
-        self._seq = itertools.count()
         self.delivered = 0
         self.parked_count = 0
         self.retried = 0
         self.no_route = 0
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
-        self._settled_wakeup = Wakeup()
+        self._room = Wakeup()
+
+    @property
+    def ready(self) -> Wakeup:
+        """Set when messages fall due (the tick task sets it)."""
+        return self.due.ready
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -105,31 +120,68 @@ class Sender:
             return [self.groups[n] for n in names if n in self.groups]
         return [g for g in self.groups.values() if g.serves(subject)]
 
-    def pick(self, d: Delivery, now: int) -> BrokerGroup | None:
-        """A group serving the subject, by weight among those whose breaker lets traffic through;
-        groups already tried for this message are avoided while another healthy one exists."""
-        serving = self._candidates(d.message.subject)
-        healthy = [g for g in serving if g.breaker.allows(now)]
-        fresh = [g for g in healthy if g.name not in d.tried] or healthy
+    def _weighted(self, d: Delivery, groups: list[BrokerGroup]) -> BrokerGroup | None:
+        fresh = [g for g in groups if g.name not in d.tried] or groups
         if len(fresh) <= 1:
             return fresh[0] if fresh else None
         return random.choices(fresh, weights=[max(g.weight, 0) or 1 for g in fresh])[0]
 
-    def route(self, d: Delivery, now: int) -> None:
-        if d.generation != self.ticks.generation:
-            return  # the tick manager was reset (a change of role): the reload owns it now
-        group = self.pick(d, now)
-        if group is None:
-            if not self._candidates(d.message.subject):
-                self.no_route += 1
-            self._retry_later(d, now)
-            return
-        group.queue.append(d)
-        group.wakeup.set()
+    def pick(self, d: Delivery, now: int) -> BrokerGroup | None:
+        """A group serving the subject, by weight among those whose breaker lets traffic through
+        (`now`: monotonic ms); groups already tried for this message are avoided while another
+        healthy one exists."""
+        serving = self._candidates(d.message.subject)
+        return self._weighted(d, [g for g in serving if g.breaker.allows(now)])
 
-    def _retry_later(self, d: Delivery, now: int) -> None:
-        heapq.heappush(self._retries, (now + backoff_ms(d.attempt), next(self._seq), d))
-        self.retry_wakeup.set()
+    def _has_room(self, group: BrokerGroup) -> bool:
+        return group.inflight < self.max_inflight
+
+    def _assign(self, d: Delivery, group: BrokerGroup | None) -> None:
+        """Count `d` against `group`'s budget (and no longer against the one it had)."""
+        old = d.group
+        if old is group:
+            return
+        if old is not None:
+            old.inflight -= 1
+            if old.backlog:
+                old.wakeup.set()
+            self._room.set()
+        d.group = group
+        if group is not None:
+            group.inflight += 1
+
+    def route(self, d: Delivery, now: int | None = None) -> None:
+        """Queue `d` on a healthy group with room; else in the backlog of the group it would go to."""
+        if not self.due.is_current(d):
+            self._assign(d, None)
+            return  # the tick manager was reset (a change of role): the reload owns it now
+        now = monotonic_ms() if now is None else now
+        if d.message is None:
+            self.due.reread(d)
+        serving = self._candidates(d.message.subject)
+        if not serving:
+            self.no_route += 1
+            self._assign(d, None)
+            self.due.retry_later(d, backoff_ms(d.attempt))
+            return
+        healthy = [g for g in serving if g.breaker.allows(now)]
+        with_room = [g for g in healthy if g is d.group or self._has_room(g)]
+        group = self._weighted(d, with_room)
+        if group is not None:
+            self._assign(d, group)
+            group.queue.append(d)
+            group.wakeup.set()
+            return
+        # Every group that could take it is full or open: wait in the backlog of the group it
+        # would go to, without its body, holding no budget.
+        waiting_for = self._weighted(d, healthy or serving)
+        self._assign(d, None)
+        d.message = None
+        waiting_for.backlog.append(d)
+        waiting_for.wakeup.set()
+
+    def _retry_later(self, item, delay_ms: int) -> None:
+        self.due.retry_later(item, delay_ms)
 
     # --- tasks --------------------------------------------------------------------------------
 
@@ -151,6 +203,7 @@ class Sender:
         # fsync do not cap the group's rate.
         with group.scope:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._backlog_task, group)
                 for _ in range(self.batches_in_flight):
                     nursery.start_soon(self._group_task, group)
 
@@ -161,7 +214,6 @@ class Sender:
         removed or rebuilt group's queued messages go back to routing. Nothing is dropped; a batch
         already handed to a removed group's transport finishes first.
         """
-        now = self.clock.now_ms()
         old, new = self.groups, {g.name: g for g in groups}
         orphans: list[Delivery] = []
         for name, group in old.items():
@@ -172,7 +224,11 @@ class Sender:
                 await keep.transport.aclose()
                 continue
             orphans.extend(group.queue)
+            orphans.extend(d for batch in group.batches for d in batch)
+            orphans.extend(group.backlog)
             group.queue.clear()
+            group.batches.clear()
+            group.backlog.clear()
             if group.scope is not None:
                 group.scope.cancel()
             await group.transport.aclose()
@@ -181,89 +237,171 @@ class Sender:
             if group.scope is None:
                 self._start_group(group)
         for d in orphans:
-            self.route(d, now)
+            self._assign(d, None)
+            self.route(d)
+
+    def _room_now(self) -> int:
+        """How many due messages healthy groups could take now."""
+        now = monotonic_ms()
+        room = sum(max(0, self.max_inflight - g.inflight) for g in self.groups.values() if g.breaker.allows(now))
+        if not self.groups:
+            room = self.batch_size  # they wait for a route (counted in no_route)
+        return room
 
     async def _dispatch_task(self) -> None:
+        due = self.due
         while True:
-            room = self.max_inflight - len(self.ticks.inflight)
-            if not self.ticks.ready or room <= 0 or not self.may_deliver():
-                with trio.move_on_after(0.05 if self.ticks.ready else 1):
-                    await (self._settled_wakeup if self.ticks.ready else self.ready).wait()
+            room = self._room_now()
+            if not due.waiting or room <= 0 or not self.may_deliver():
+                # Woken by messages falling due, a settled delivery, or a breaker's cool-down.
+                timeout = 1.0
+                if due.waiting and room <= 0:
+                    timeout = min((g.breaker.open_until - monotonic_ms()) / 1000 for g in self.groups.values()
+                                  if g.breaker.state != CLOSED) if any(
+                        g.breaker.state != CLOSED for g in self.groups.values()) else 1.0
+                with trio.move_on_after(max(0.001, min(1.0, timeout))):
+                    await (self._room if due.waiting else due.ready).wait()
                 continue
-            now = self.clock.now_ms()
-            for ref in self.ticks.take(min(room, self.batch_size * 4)):
-                try:
-                    bucket, offset, _mlo, message = self.ticks.read_message(ref)
-                except CorruptSegment:
-                    log.exception("cannot read a due message: it stays undelivered until repaired")
-                    raise
-                if self.ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
-                    self.ticks.drop_cancelled(ref)
-                    continue
-                self.route(Delivery(ref, bucket, offset, message, generation=self.ticks.generation), now)
+            now = monotonic_ms()
+            for d in due.take(min(room, self.batch_size * 4)):
+                self.route(d, now)
             await trio.lowlevel.checkpoint()
 
     async def _retry_task(self) -> None:
+        due = self.due
         while True:
-            now = self.clock.now_ms()
-            while self._retries and self._retries[0][0] <= now:
-                _, _, d = heapq.heappop(self._retries)
-                self.route(d, now)
-            timeout = 1.0 if not self._retries else max(0, self._retries[0][0] - now) / 1000
-            await self.retry_wakeup.wait(timeout)
+            for item in due.due_retries():
+                if isinstance(item, list):
+                    self._resend_batch(item)
+                else:
+                    self.route(item)
+            await due.retry_wakeup.wait(due.next_retry_in() if due.retrying else 1.0)
+
+    def _resend_batch(self, batch: list[Delivery]) -> None:
+        """A batch held as one unit (after failing whole) goes back to its group as it is, or, if
+        that group is open now, its messages are routed one by one."""
+        batch = [d for d in batch if self.due.is_current(d)]
+        if not batch:
+            return
+        group = batch[0].group
+        if group is not None and group.name in self.groups and self.groups[group.name] is group \
+                and group.breaker.allows(monotonic_ms()):
+            group.batches.append(batch)
+            group.wakeup.set()
+        else:
+            for d in batch:
+                self.route(d)
+
+    async def _backlog_task(self, group: BrokerGroup) -> None:
+        """Move backlogged messages back to routing as the group gets room (or its breaker lets
+        traffic through again)."""
+        while True:
+            now = monotonic_ms()
+            if group.backlog and self._has_room(group) and group.breaker.allows(now):
+                for _ in range(min(len(group.backlog), self.max_inflight - group.inflight, self.batch_size)):
+                    self.route(group.backlog.popleft(), now)
+                await trio.lowlevel.checkpoint()
+                continue
+            timeout = 1.0
+            if group.backlog and group.breaker.state != CLOSED:
+                timeout = max(0.001, min(1.0, (group.breaker.open_until - now) / 1000))
+            await group.wakeup.wait(timeout)
 
     async def _group_task(self, group: BrokerGroup) -> None:
         while True:
-            if not group.queue:
+            if group.batches:
+                batch = group.batches.popleft()
+            elif group.queue:
+                if len(group.queue) < self.batch_size and self.wait_ms:
+                    await trio.sleep(self.wait_ms / 1000)
+                if not group.queue:
+                    continue
+                batch = [group.queue.popleft() for _ in range(min(self.batch_size, len(group.queue)))]
+            else:
                 await group.wakeup.wait()
                 continue
-            if len(group.queue) < self.batch_size and self.wait_ms:
-                await trio.sleep(self.wait_ms / 1000)
-            batch = [group.queue.popleft() for _ in range(min(self.batch_size, len(group.queue)))]
             # Once handed to the transport a batch must finish (acked or requeued), even if the
             # group is being removed: shield it from that cancellation.
             with trio.CancelScope(shield=True):
                 await self._send(group, batch)
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
-        batch = [d for d in batch if d.generation == self.ticks.generation]
+        stale = [d for d in batch if not self.due.is_current(d)]
+        for d in stale:
+            self._assign(d, None)
+        batch = [d for d in batch if self.due.is_current(d)]
         if not batch:
             return
         if not self.may_deliver():
             # Fenced (a newer master epoch exists): hand the messages back, deliver nothing.
-            now = self.clock.now_ms()
             for d in batch:
-                self._retry_later(d, now)
+                self._retry_later(d, backoff_ms(d.attempt))
             return
-        now = self.clock.now_ms()
+        now = self.clock.now_ms()  # wall clock: the dispatch time the message carries
         out = [
             OutboundMessage(d.message.message_id, d.message.subject, d.message.body, d.message.headers,
                             d.message.schedule_time, now, d.attempt)
             for d in batch
         ]
+        group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
         results = await group.transport.send_batch(out)
-        acked, failed = [], 0
+        mono = monotonic_ms()
+        outcomes = {r.outcome for r in results}
+        if len(batch) > 1 and outcomes == {Outcome.REJECTED}:
+            # Refused whole: most likely one message's doing. Split and send the halves at once.
+            self._split(group, batch, results[0].detail, at_once=True)
+            return
+        if len(batch) > 1 and outcomes == {Outcome.RETRY} and all(d.suspect for d in batch) \
+                and group.breaker.state == CLOSED:
+            # Failed whole a second time while the group is not failing otherwise: split it.
+            self._split(group, batch, results[0].detail, at_once=False)
+            return
+        acked, failed = [], []
         for d, result in zip(batch, results):
             if result.outcome is Outcome.ACKED:
                 acked.append(d)
             elif result.outcome is Outcome.REJECTED:
                 await self._park(d, group, result.detail, now)
             else:
-                failed += 1
+                failed.append(d)
                 d.attempt += 1
                 d.tried.add(group.name)
                 self.retried += 1
-                self._retry_later(d, now)
-        if failed == len(batch):
+        if len(failed) == len(batch):
             group.failed_batches += 1
-            group.breaker.record_failure(now)
+            group.breaker.record_failure(mono)
             log.warning("broker group %s failed a batch of %d: %s", group.name, len(batch),
                         results[0].detail if results else "")
+            if len(batch) > 1 and group_fine:
+                # The group delivered the batch before this one: retry this one as a unit, and
+                # split it if it fails whole again (a message in it may be what the broker fails on).
+                for d in failed:
+                    d.suspect = True
+                self._retry_later(failed, backoff_ms(1))
+            else:
+                for d in failed:
+                    self._retry_later(d, backoff_ms(d.attempt))
         else:
-            group.breaker.record_success(now)
+            group.breaker.record_success(mono)
+            for d in failed:
+                self._retry_later(d, backoff_ms(d.attempt))
         if acked:
             failpoints.hit("after-broker-ack")
             await self._record_dispatch(acked, group, now)
+
+    def _split(self, group: BrokerGroup, batch: list[Delivery], detail: str, *, at_once: bool) -> None:
+        group.split_batches += 1
+        half = len(batch) // 2
+        log.warning("broker group %s failed a batch of %d whole (%s): sending it again in halves",
+                    group.name, len(batch), detail)
+        for part in (batch[:half], batch[half:]):
+            if at_once:
+                group.batches.append(part)
+            else:
+                for d in part:
+                    d.suspect = True
+                self._retry_later(part, backoff_ms(1))
+        group.wakeup.set()
 
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         per_bucket: dict[int, list[bytes]] = {}
@@ -286,11 +424,11 @@ class Sender:
                     self.on_disk_full()  # releases the reserve: the retry finds room
                 await trio.sleep(0.5)
         for d in acked:
-            self.ticks.on_dispatched(d.ref)
+            self.due.settle(d)
+            self._assign(d, None)
             self.lateness_ms.append(now - d.message.schedule_time)
         group.sent += len(acked)
         self.delivered += len(acked)
-        self._settled_wakeup.set()
 
     async def _park(self, d: Delivery, group: BrokerGroup, reason: str, now: int) -> None:
         log.warning("broker group %s rejected message %s for good: %s (parked)", group.name,
@@ -298,8 +436,8 @@ class Sender:
         if self.parked is not None:
             await self.parked.park(d, f"{group.name}: {reason}", now)
         self.parked_count += 1
-        self.ticks.on_dispatched(d.ref)
-        self._settled_wakeup.set()
+        self.due.settle(d)
+        self._assign(d, None)
 
     async def aclose(self) -> None:
         for group in self.groups.values():
@@ -310,7 +448,7 @@ class Sender:
             "delayserver_delivered_total": self.delivered,
             "delayserver_retries_total": self.retried,
             "delayserver_parked_total": self.parked_count,
-            "delayserver_inflight": len(self.ticks.inflight),
-            "delayserver_due_waiting": len(self.ticks.ready),
-            "delayserver_retry_waiting": len(self._retries),
+            "delayserver_inflight": sum(g.inflight for g in self.groups.values()),
+            "delayserver_due_waiting": self.due.waiting + sum(len(g.backlog) for g in self.groups.values()),
+            "delayserver_retry_waiting": self.due.retrying,
         }

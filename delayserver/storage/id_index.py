@@ -128,9 +128,10 @@ class SortedRuns:
     def find(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """``(key, value)`` of every key in ``[lo, hi)``: older entries first for equal keys."""
         out: list[tuple[int, int]] = []
+        # numpy scalars of the runs' type: a Python int would make searchsorted convert the run.
+        bounds = np.array([lo, min(hi, (1 << 64) - 1)], dtype=np.uint64)
         for keys, vals in self.runs:
-            i = int(np.searchsorted(keys, lo, "left"))
-            j = int(np.searchsorted(keys, hi, "left"))
+            i, j = (int(x) for x in keys.searchsorted(bounds))
             for x in range(i, j):
                 out.append((int(keys[x]), 0 if vals is None else int(vals[x])))
         tv = self._tail_vals

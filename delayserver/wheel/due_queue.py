@@ -1,0 +1,129 @@
+"""The due queue: the one port between the wheel and the sender.
+
+The sender sees due messages only through it: `take` hands out messages that fell due (read from
+schedule_log, cancelled ones dropped), `settle` records one as done (delivered or parked), `drop`
+forgets one without delivering it, `retry_later` holds one for a while on a monotonic clock, and
+`generation` tells whether what the sender holds is still owed (the tick manager was reset by a
+change of role: the reload owns it now). Waiting is by wake-ups, never by polling: `ready` is set
+when messages are due, `retry_wakeup` when a retry was scheduled.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+
+import attrs
+import trio
+
+from delayserver.storage.record import Message
+from delayserver.storage.segment import CorruptSegment
+from delayserver.wakeup import Wakeup
+
+log = logging.getLogger("delayserver.wheel")
+
+
+@attrs.define(eq=False)
+class Due:
+    """One due message the sender holds; `message` is None while it waits in a backlog (it is read
+    again from schedule_log when it leaves it, so that a long backlog costs no message bodies)."""
+
+    ref: int
+    bucket: int
+    schedule_offset: int
+    message: Message | None
+    generation: int = 0
+    attempt: int = 1
+    tried: set = attrs.field(factory=set)
+    group: object = None  # the broker group whose in-flight budget it counts against
+    suspect: bool = False  # in a batch that failed whole: one more whole failure splits it
+
+
+class DueQueue:
+    def __init__(self, ticks):
+        self._ticks = ticks
+        self.ready = Wakeup()
+        self.retry_wakeup = Wakeup()
+        self._retries: list = []
+        self._seq = itertools.count()
+        self.cancelled = 0
+
+    @property
+    def generation(self) -> int:
+        return self._ticks.generation
+
+    @property
+    def waiting(self) -> int:
+        """Due messages not taken yet."""
+        return len(self._ticks.ready)
+
+    @property
+    def taken(self) -> int:
+        """Messages taken and not settled or dropped yet (in flight, backlogged or retrying)."""
+        return len(self._ticks.inflight)
+
+    @property
+    def retrying(self) -> int:
+        return len(self._retries)
+
+    def take(self, limit: int) -> list[Due]:
+        """Up to `limit` due messages, read from schedule_log; cancelled ones are dropped here.
+
+        Raises CorruptSegment when a due record cannot be read (it stays undelivered)."""
+        ticks = self._ticks
+        out = []
+        generation = ticks.generation
+        for ref in ticks.take(limit):
+            bucket, offset, _mlo, message = self._read(ref)
+            if ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
+                ticks.drop_cancelled(ref)
+                self.cancelled += 1
+                continue
+            out.append(Due(ref, bucket, offset, message, generation))
+        return out
+
+    def reread(self, due: Due) -> Message:
+        """The message of a backlogged `due`, read again."""
+        due.message = self._read(due.ref)[3]
+        return due.message
+
+    def _read(self, ref: int):
+        try:
+            return self._ticks.read_message(ref)
+        except CorruptSegment:
+            log.exception("cannot read a due message: it stays undelivered until repaired")
+            raise
+
+    def is_current(self, due: Due) -> bool:
+        return due.generation == self._ticks.generation
+
+    def settle(self, due: Due) -> None:
+        """Delivered (its dispatch_log record is durable) or parked: never owed again."""
+        if self.is_current(due):
+            self._ticks.on_dispatched(due.ref)
+
+    def drop(self, due: Due) -> None:
+        """Not delivered and not owed any more (found cancelled)."""
+        if self.is_current(due):
+            self._ticks.drop_cancelled(due.ref)
+
+    # --- retry later, on a monotonic clock ----------------------------------------------------
+
+    def retry_later(self, item, delay_ms: int) -> None:
+        """Hold `item` (a Due, or a batch of them) for `delay_ms` of monotonic time."""
+        heapq.heappush(self._retries, (trio.current_time() + delay_ms / 1000, next(self._seq), item))
+        self.retry_wakeup.set()
+
+    def due_retries(self) -> list:
+        """The held items whose time has come, in the order they fell due."""
+        now = trio.current_time()
+        out = []
+        while self._retries and self._retries[0][0] <= now:
+            out.append(heapq.heappop(self._retries)[2])
+        return out
+
+    def next_retry_in(self) -> float | None:
+        """Seconds until the next held item is due, or None when none is held."""
+        if not self._retries:
+            return None
+        return max(0.0, self._retries[0][0] - trio.current_time())
