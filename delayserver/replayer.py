@@ -202,7 +202,8 @@ class Replayer:
         A failed pass (full disk) is logged and retried after a pause, never skipped.
         """
         task_status.started()
-        last_checkpoint = clock.now_ms()
+        # The checkpoint interval runs on the monotonic clock: a wall-clock step never stops it.
+        last_checkpoint = trio.current_time() * 1000
         while True:
             try:
                 n = self.replay_once(clock.now_ms(), durable_offset())
@@ -216,7 +217,7 @@ class Replayer:
                 continue
             if n:
                 self.caught_up.set()
-            now = clock.now_ms()
+            now = trio.current_time() * 1000
             if self.offset != self.checkpointed_offset and now - last_checkpoint >= checkpoint_interval_ms:
                 try:
                     await self.checkpoint_async()
