@@ -263,7 +263,7 @@ class Sender:
                     await (self._room if due.waiting else due.ready).wait()
                 continue
             now = monotonic_ms()
-            for d in due.take(min(room, self.batch_size * 4)):
+            for d in due.take(min(room, self.batch_size)):
                 self.route(d, now)
             await trio.lowlevel.checkpoint()
 
