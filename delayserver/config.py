@@ -105,6 +105,9 @@ class Config:
     idle_timeout_ms: int = 300_000
     frame_timeout_ms: int = 10_000
     max_queued_messages: int = 100_000
+    max_queued_bytes: int = 64 << 20
+    max_connection_bytes: int = 16 << 20
+    max_buffered_bytes: int = 256 << 20
     reserve_bytes: int = 16 << 20
     retention_ms: int = 3_600_000
     cleaner_interval_ms: int = 60_000
@@ -162,7 +165,8 @@ class Config:
         if "reserve_bytes" in raw:
             v = raw["reserve_bytes"]
             kw["reserve_bytes"] = 0 if v == 0 else parse_size(v, "reserve_bytes")
-        for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes"):
+        for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes", "max_queued_bytes",
+                     "max_connection_bytes", "max_buffered_bytes"):
             if name in raw:
                 kw[name] = parse_size(raw[name], name)
         for name in ("send_batch_size", "send_batches_in_flight", "max_inflight", "max_connections", "max_queued_messages",

@@ -73,6 +73,7 @@ class Receiver:
         self._flushing = False
         self._recent: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._queued = 0
+        self._queued_bytes = 0
         self._wakeup = Wakeup()
         self._idle = trio.Event()
         self._idle.set()
@@ -113,7 +114,7 @@ class Receiver:
             return ResultCode.READ_ONLY
         if self.disk_full and not self._space_is_back():
             return ResultCode.DISK_FULL
-        if self._queued >= self.config.max_queued_messages:
+        if self._queued >= self.config.max_queued_messages or self._queued_bytes >= self.config.max_queued_bytes:
             return ResultCode.BUSY
         return None
 
@@ -190,6 +191,7 @@ class Receiver:
     async def _commit(self, pending: _Pending) -> None:
         self._queue.append(pending)
         self._queued += len(pending.payloads)
+        self._queued_bytes += sum(len(p) for p in pending.payloads)
         self._wakeup.set()
         await pending.done.wait()
 
@@ -205,7 +207,7 @@ class Receiver:
                     await self._wakeup.wait()
                     continue
                 self._idle = trio.Event()
-                batch, self._queue, self._queued = self._queue, [], 0
+                batch, self._queue, self._queued, self._queued_bytes = self._queue, [], 0, 0
                 self._write_batch(batch)
                 # Let the connections queue the next batch while this one is fsynced.
                 await trio.lowlevel.checkpoint()

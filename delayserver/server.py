@@ -14,6 +14,7 @@ import ssl
 import trio
 
 from delayserver import protocol as p
+from delayserver.budget import ByteBudget
 from delayserver.clock import WallClock
 from delayserver.config import Config
 from delayserver.errors import DelayServerError, ResultCode
@@ -37,6 +38,8 @@ from delayserver.wheel.tick_manager import TickManager
 log = logging.getLogger("delayserver.server")
 
 MAX_REQUESTS_PER_CONNECTION = 256
+#: What a connection may buffer before it has authenticated (an AUTH frame is a few bytes).
+MAX_BYTES_BEFORE_AUTH = 64 << 10
 
 
 class DelayServer:
@@ -48,6 +51,7 @@ class DelayServer:
         self.metrics_port: int | None = None
         self._listener_scope = trio.CancelScope()
         self.meta_agent = None
+        self.buffered = ByteBudget(config.max_buffered_bytes)  # request bytes held by every connection
 
     # --- start --------------------------------------------------------------------------------
 
@@ -223,6 +227,7 @@ class DelayServer:
         decoder = p.FrameDecoder(max_frame_bytes=c.max_frame_bytes)
         send_lock = trio.Lock()
         slots = trio.Semaphore(MAX_REQUESTS_PER_CONNECTION)
+        held = ByteBudget(c.max_connection_bytes)  # this connection's requests not answered yet
         partial_since = None
         authenticated = not c.auth_secret
         async with trio.open_nursery() as nursery:
@@ -243,6 +248,12 @@ class DelayServer:
                 if not data:
                     break
                 decoder.feed(data)
+                if not authenticated and decoder.buffered_bytes > MAX_BYTES_BEFORE_AUTH:
+                    log.warning("refused a connection: %d bytes before AUTH", decoder.buffered_bytes)
+                    await self._send_error(stream, 0, ResultCode.UNAUTHORIZED,
+                                           "authenticate first: AUTH with the shared secret", send_lock)
+                    nursery.cancel_scope.cancel()
+                    return
                 while True:
                     try:
                         frame = decoder.next_frame()
@@ -260,7 +271,12 @@ class DelayServer:
                             return
                         continue
                     await slots.acquire()
-                    nursery.start_soon(self._request, stream, frame, send_lock, slots)
+                    # Byte limits: this connection's and the node's. While either is full, this
+                    # connection is not read (TCP pushes back on the producer).
+                    size = len(frame.payload)
+                    await held.acquire(size)
+                    await self.buffered.acquire(size)
+                    nursery.start_soon(self._request, stream, frame, send_lock, slots, held, size)
             # EOF: let requests already read finish and answer.
 
     async def _authenticate(self, stream, frame: p.Frame, lock: trio.Lock) -> bool:
@@ -287,7 +303,8 @@ class DelayServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
-    async def _request(self, stream, frame: p.Frame, lock: trio.Lock, slots: trio.Semaphore) -> None:
+    async def _request(self, stream, frame: p.Frame, lock: trio.Lock, slots: trio.Semaphore,
+                       held: ByteBudget | None = None, size: int = 0) -> None:
         try:
             if frame.is_response:
                 raise p.RemoteProtocolError("a response frame sent to the server")
@@ -305,6 +322,9 @@ class DelayServer:
                                    p.encode_error(p.ErrorResult(ResultCode.INTERNAL, str(e))), is_response=True))
         finally:
             slots.release()
+            if held is not None:
+                held.release(size)
+                self.buffered.release(size)
         try:
             async with lock:
                 await stream.send_all(out)
