@@ -73,6 +73,11 @@ def recover(root: Path) -> dict:
     process = psutil.Process()
     began = time.perf_counter()
     store = Store.open(root)
+    try:
+        from delayserver.lookup import Lookup
+    except ImportError:  # a version without the per-bucket indexes (for before/after figures)
+        Lookup = None
+    lookup = Lookup(store) if Lookup is not None else None  # the server opens it with the store
     opened = time.perf_counter()
     ticks = TickManager(store, now_ms=NOW_MS)
     Replayer.open(store, ticks)
@@ -82,8 +87,22 @@ def recover(root: Path) -> dict:
         pass
     loaded = time.perf_counter()
     rss_after = process.memory_info().rss
+    index = {}
+    if lookup is not None:
+        # After serve-ready, the server indexes what it started with, in slices (storage/id_index.py).
+        for idx in (lookup.ids, lookup.dispatches):
+            for bucket in idx.unbuilt():
+                while idx.build_slice(bucket):
+                    pass
+        indexed = time.perf_counter()
+        rss_indexed = process.memory_info().rss
+        entries = lookup.ids.entries()
+        index = {"index_build_s": indexed - loaded, "index_entries": entries,
+                 "index_bytes_per_entry": (lookup.ids.nbytes() + lookup.dispatches.nbytes()) / max(entries, 1),
+                 "index_rss_per_entry": (rss_indexed - rss_after) / max(entries, 1),
+                 "rss_per_pending": (rss_indexed - rss_before) / max(entries, 1)}
     store.close()
-    return {
+    return {**index,
         "store_open_s": opened - began,
         "replayer_open_s": replayed - opened,
         "load_s": loaded - replayed,
@@ -132,6 +151,12 @@ def main(argv: list[str]) -> None:
               f"load {r['load_s']:.3f} s: {r['loaded']:,} messages in memory, {r['overdue']:,} overdue")
         print(f"  memory per loaded message    {r['bytes_per_loaded_rss']:>12.1f} bytes RSS "
               "(the load's RSS delta: wheel, overdue queue, tick manager)")
+        if "index_build_s" in r:
+            print(f"  id index, built after serve-ready in slices: {r['index_build_s']:.2f} s for "
+                  f"{r['index_entries']:,} records; {r['index_bytes_per_entry']:.1f} bytes per pending message "
+                  f"({r['index_rss_per_entry']:.1f} RSS)")
+            print(f"  memory per pending message   {r['rss_per_pending']:>12.1f} bytes RSS "
+                  "(load and index RSS delta over every pending message, loaded or not)")
     finally:
         shutil.rmtree(root)
 
