@@ -57,9 +57,10 @@ def read_record(bucket_log, bucket: int, offset: int) -> tuple[int, bytes, int, 
 class Lookup:
     """Both indexes of a store, and the lookups they answer."""
 
-    def __init__(self, store):
+    def __init__(self, store, index_dir=None):
+        """`index_dir`: where the id index is saved (DATA_DIR/index), or None to keep it in memory."""
         self.store = store
-        self.ids = IdIndex(store.schedule_log)
+        self.ids = IdIndex(store.schedule_log, index_dir)
         self.dispatches = DispatchIndex(store.dispatch_log)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -65,7 +65,7 @@ class DelayServer:
             log.error("disk full: no room for the %d-byte reserve in %s; refusing new messages with DISK_FULL "
                       "until there is", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
-        self.lookup = Lookup(self.store)
+        self.lookup = Lookup(self.store, c.data_dir / "index")
         scale = c.segment_scale_ms
         self.ticks = TickManager(
             self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,

@@ -14,6 +14,14 @@ cut. A bucket present when the node starts is indexed from its segment in slices
 driven by `serve`, and `ensure` for a lookup that cannot wait): the node starts at once, and the
 index never holds the event loop for longer than one slice.
 
+The id index is also saved, per bucket, as a sorted file `DATA_DIR/index/<bucket>.idx` (a header
+with the segment offset it covers and a crc, then the keys), rewritten in a worker thread when a
+bucket has grown by `SAVE_EVERY` records. At start a bucket's saved keys are read back in one go
+and only the segment past the saved offset is parsed, so a restart costs a read of 8 bytes per
+record, not a parse of the segment. A saved file covering more than the segment holds (the
+segment was truncated back to the replay checkpoint) loses the keys past the segment's end; one
+that is damaged or unreadable is ignored (the bucket is indexed from its segment).
+
 Keys live in `SortedRuns`: an unsorted tail of a few hundred keys, then sorted numpy runs merged
 geometrically (each run at least twice the size of the next), so a bucket of n records has
 O(log n) runs. Merges of small runs happen inline (well under a millisecond); bigger ones are
@@ -22,8 +30,11 @@ computed in a worker thread by `serve` and swapped in on the trio thread.
 from __future__ import annotations
 
 import logging
+import os
+import struct
 import time
 from array import array
+from pathlib import Path
 
 import numpy as np
 import trio
@@ -48,11 +59,32 @@ INLINE_MERGE_KEYS = 1 << 16
 #: Bytes of segment parsed per build slice (about a millisecond of parsing).
 BUILD_SLICE_BYTES = 64 << 10
 _EMPTY = np.empty(0, dtype=np.uint64)
+#: A bucket's id index is saved again once it holds this many more records than its saved file.
+SAVE_EVERY = 1 << 16
+# magic, covered offset, key count, crc32c of the keys, crc32c of the segment's first bytes (a
+# saved file outliving its segment never passes for the index of a new segment of that bucket).
+_SAVED_HEAD = struct.Struct(">8sQQII")
+_FINGERPRINT_BYTES = 64
+_SAVED_MAGIC = b"DSIDX\x00\x00\x01"
 
 
 def key_hash(schedule_time: int, message_id: bytes) -> int:
     """The 24-bit hash of a message key (stable across processes)."""
     return (crc32c(message_id, schedule_time & 0xFFFFFFFF) ^ (schedule_time >> 32)) & HASH_MASK
+
+
+def _write_saved(path: Path, runs, covered: int, head: int) -> int:
+    """Write the sorted keys of `runs` to `path` atomically (temp file, fsync, rename)."""
+    keys = _merge(runs)[0] if runs else _EMPTY
+    body = keys.astype(">u8").tobytes()
+    tmp = path.with_suffix(".idx.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_SAVED_HEAD.pack(_SAVED_MAGIC, covered, len(keys), crc32c(body), head))
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(keys)
 
 
 def _merge(runs: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -167,11 +199,12 @@ class SortedRuns:
 
 
 class _Bucket:
-    __slots__ = ("covered", "runs")
+    __slots__ = ("covered", "runs", "saved")
 
     def __init__(self, with_values: bool):
         self.covered = 0  # the segment is indexed from 0 up to here
         self.runs = SortedRuns(with_values)
+        self.saved = 0  # keys in the saved file
 
 
 class _LogIndex:
@@ -251,6 +284,9 @@ class _LogIndex:
             worked = False
             for b in list(self.buckets.values()):
                 worked |= await b.runs.compact()
+            save = getattr(self, "save", None)
+            if save is not None:
+                worked |= bool(await save())
             await trio.sleep(0.05 if worked else 1.0)
 
     def _index(self, bucket: int, b: _Bucket, data, start: int, *, checked: bool) -> int:
@@ -274,7 +310,79 @@ class _LogIndex:
 
 
 class IdIndex(_LogIndex):
-    """(schedule_time, message id) -> offsets of its SCHEDULED and SCHEDULED_CANCEL records."""
+    """(schedule_time, message id) -> offsets of its SCHEDULED and SCHEDULED_CANCEL records.
+
+    With `directory`, saved there per bucket and read back at start (module docstring)."""
+
+    def __init__(self, bucket_log, directory: Path | None = None):
+        super().__init__(bucket_log)
+        self.directory = None if directory is None else Path(directory)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for bucket, b in self.buckets.items():
+                self._read_saved(bucket, b)
+
+    def _saved_path(self, bucket: int) -> Path:
+        from delayserver.storage.buckets import bucket_name
+
+        return self.directory / (bucket_name(bucket) + ".idx")
+
+    def _read_saved(self, bucket: int, b: _Bucket) -> None:
+        path = self._saved_path(bucket)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("%s: not read (%s); the bucket is indexed from its segment", path, e)
+            return
+        if len(raw) >= _SAVED_HEAD.size:
+            magic, covered, count, crc, head = _SAVED_HEAD.unpack_from(raw, 0)
+            body = memoryview(raw)[_SAVED_HEAD.size :]
+            if magic == _SAVED_MAGIC and len(body) == 8 * count and crc32c(body) == crc \
+                    and head == self._fingerprint(bucket):
+                keys = np.frombuffer(body, dtype=">u8").astype(np.uint64)
+                b.runs.runs = [(keys, None)] if count else []
+                b.covered = covered
+                b.saved = count
+                size = self.log.size(bucket)
+                if covered > size:
+                    self.truncated(bucket, size)
+                return
+        log.warning("%s: damaged; the bucket is indexed from its segment", path)
+
+    def _fingerprint(self, bucket: int) -> int:
+        return crc32c(self.log.read(bucket, 0, _FINGERPRINT_BYTES))
+
+    async def save(self, every: int = SAVE_EVERY) -> int:
+        """Save, in a worker thread, each bucket grown by `every` records since its last save;
+        returns how many were saved. Raises nothing for a failed write (logged, tried again later)."""
+        if self.directory is None:
+            return 0
+        saved = 0
+        for bucket, b in list(self.buckets.items()):
+            if len(b.runs) - b.saved < every or b.covered < self.log.size(bucket):
+                continue
+            b.runs.seal()
+            runs, covered = list(b.runs.runs), b.covered
+            path = self._saved_path(bucket)
+            head = self._fingerprint(bucket)
+            try:
+                count = await trio.to_thread.run_sync(_write_saved, path, runs, covered, head)
+            except OSError as e:
+                log.warning("%s: not saved (%s); will try again", path, e)
+                continue
+            if self.buckets.get(bucket) is b:
+                b.saved = count
+                saved += 1
+            else:  # removed meanwhile
+                path.unlink(missing_ok=True)
+        return saved
+
+    def removed(self, bucket: int) -> None:
+        super().removed(bucket)
+        if self.directory is not None:
+            self._saved_path(bucket).unlink(missing_ok=True)
 
     def _add(self, runs: SortedRuns, rtype: int, data, s: int, e: int, offset: int) -> None:
         if rtype == RecordType.SCHEDULED:

@@ -172,3 +172,66 @@ async def test_a_truncated_segment_drops_what_it_cut_from_the_index(tmp_path):
     assert (await look.find(START_MS + 2, "cut")).state == MessageState.UNKNOWN
     assert (await look.find(START_MS + 1, "kept")).state == MessageState.PENDING
     node.crash()
+
+
+async def test_a_saved_index_is_read_back_at_start_and_only_the_segment_past_it_is_parsed(tmp_path):
+    rng = random.Random(13)
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    msgs = [(f"order-{i}", START_MS - START_MS % SCALE_MS + SCALE_MS + rng.randrange(SCALE_MS)) for i in range(3000)]
+    node.send(msgs)
+    node.cancel(*msgs[5])
+    node.replay_all()
+    bucket = bucket_of(msgs[0][1])
+    assert await look.ids.save(every=1) == 1
+    saved_at = node.store.schedule_log.size(bucket)
+    later = [(f"later-{i}", msgs[0][1] + i) for i in range(50)]
+    node.send(later)
+    node.replay_all()
+    node.replayer.checkpoint()
+    node.crash()
+
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    parsed = []
+    real = node.store.schedule_log.read
+
+    def counting(bucket, start=0, end=None):
+        data = real(bucket, start, end)
+        if len(data) > 1024:  # a build slice, not a lookup's read of one record
+            parsed.append(start)
+        return data
+
+    node.store.schedule_log.read = counting
+    assert look.ids.buckets[bucket].covered == saved_at  # read back, not rebuilt
+    assert (await look.find(msgs[5][1], msgs[5][0])).state == MessageState.CANCELLED
+    for mid, sched in msgs[::97] + later[::7]:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    assert parsed and min(parsed) >= saved_at  # only the part written after the save was parsed
+    node.crash()
+
+
+async def test_a_saved_index_of_another_segment_or_a_damaged_one_is_ignored(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    node.send([("first-life", START_MS + 1)])
+    node.replay_all()
+    bucket = bucket_of(START_MS + 1)
+    assert await look.ids.save(every=1) == 1
+    saved = look.ids._saved_path(bucket).read_bytes()
+    node.store.schedule_log.remove(bucket)  # the cleaner deletes the bucket: its index goes too
+    assert not look.ids._saved_path(bucket).exists()
+    node.send([("second-life", START_MS + 2)])
+    node.replay_all()
+    node.replayer.checkpoint()
+    node.crash()
+    look.ids._saved_path(bucket).write_bytes(saved)  # a stale file left by a crash
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert (await look.find(START_MS + 2, "second-life")).state == MessageState.PENDING
+    node.crash()
+    look.ids._saved_path(bucket).write_bytes(saved[:-3] + b"xyz")  # damaged
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert (await look.find(START_MS + 2, "second-life")).state == MessageState.PENDING
+    node.crash()
