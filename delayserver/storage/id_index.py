@@ -275,8 +275,13 @@ class _LogIndex:
         started = time.monotonic()
         pending = self.unbuilt()
         for bucket in pending:
-            while self.build_slice(bucket):
-                await trio.lowlevel.checkpoint()
+            try:
+                while self.build_slice(bucket):
+                    await trio.lowlevel.checkpoint()
+            except CorruptSegment as e:
+                # A torn tail the loader truncates before it loads the bucket, or damage the
+                # operator must see: a lookup in this bucket builds on from here, or reports it.
+                log.warning("%s: not indexed past %s", type(self).__name__, e)
         if pending:
             log.info("%s: %d buckets indexed in %.2f s", type(self).__name__, len(pending),
                      time.monotonic() - started)
