@@ -31,7 +31,7 @@ import attrs
 import trio
 
 from delayserver import failpoints
-from delayserver.sender.breaker import CLOSED, CircuitBreaker
+from delayserver.sender.breaker import CLOSED, OPEN, CircuitBreaker
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
@@ -240,6 +240,14 @@ class Sender:
             self._assign(d, None)
             self.route(d)
 
+    @staticmethod
+    def _until_a_breaker_half_opens(groups) -> float:
+        """Seconds until the first open breaker among `groups` lets traffic through again (at most
+        1 s); room freed by a settled delivery wakes its waiters anyway."""
+        now = monotonic_ms()
+        opens = [g.breaker.open_until - now for g in groups if g.breaker.state == OPEN and g.breaker.open_until > now]
+        return max(0.001, min(opens) / 1000) if opens else 1.0
+
     def _room_now(self) -> int:
         """How many due messages healthy groups could take now."""
         now = monotonic_ms()
@@ -256,11 +264,8 @@ class Sender:
                 # Woken by messages falling due, a settled delivery, or a breaker's cool-down.
                 timeout = 1.0
                 if due.waiting and room <= 0:
-                    timeout = min((g.breaker.open_until - monotonic_ms()) / 1000 for g in self.groups.values()
-                                  if g.breaker.state != CLOSED) if any(
-                        g.breaker.state != CLOSED for g in self.groups.values()) else 1.0
-                with trio.move_on_after(max(0.001, min(1.0, timeout))):
-                    await (self._room if due.waiting else due.ready).wait()
+                    timeout = self._until_a_breaker_half_opens(self.groups.values())
+                await (self._room if due.waiting else due.ready).wait(timeout)
                 continue
             now = monotonic_ms()
             for d in due.take(min(room, self.batch_size)):
@@ -302,10 +307,7 @@ class Sender:
                     self.route(group.backlog.popleft(), now)
                 await trio.lowlevel.checkpoint()
                 continue
-            timeout = 1.0
-            if group.backlog and group.breaker.state != CLOSED:
-                timeout = max(0.001, min(1.0, (group.breaker.open_until - now) / 1000))
-            await group.wakeup.wait(timeout)
+            await group.wakeup.wait(self._until_a_breaker_half_opens([group]) if group.backlog else None)
 
     async def _group_task(self, group: BrokerGroup) -> None:
         while True:
