@@ -133,8 +133,28 @@ def prepare_bucket(root: Path, n: int, bucket: int) -> float:
             for i in range(first, min(first + 4096, n))))
     store.message_log.sync()
     Replayer.open(store, TickManager(store, now_ms=now)).checkpoint()
+    save_index(store, root)
     store.close()
     return time.perf_counter() - began
+
+
+def save_index(store, root: Path) -> None:
+    """Save the id index of every bucket, as a running node would have (a version without the
+    per-bucket indexes has nothing to save)."""
+    try:
+        from delayserver.lookup import Lookup
+    except ImportError:
+        return
+    import trio
+
+    lookup = Lookup(store, root / "index")
+
+    async def save():
+        for bucket in store.schedule_log.buckets():
+            await lookup.ids.ensure(bucket)
+        await lookup.ids.save(every=1)
+
+    trio.run(save)
 
 
 def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
@@ -179,6 +199,9 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
             time.sleep(max(0, t0 - now_ms()) / 1000)
             cpu_at_t0 = cpu_seconds(server.process)
             delivered = _wait_delivered(new, load["acked"], until)
+            if server.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({server.process.returncode}); its log:\n"
+                                   + server.log_path.read_text()[-5000:])
             cpu = cpu_seconds(server.process) - cpu_at_t0
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport == "redis"), "cpu_seconds": cpu}
 

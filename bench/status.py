@@ -5,8 +5,9 @@ other producers' ingest.
   ahead is written with the storage code (message_log, replayed into schedule_log, checkpointed),
   as a node would have left it. The real server starts on it (restart time: process start to its
   "serving" line) in its own process.
-- The first status asks for a message of that bucket: its answer waits for the bucket's index to
-  be built (in slices, after the node started serving), so its latency is the index build time.
+- The id index is saved beside it, as a running node saves it (`--no-saved-index`: not, so the
+  node builds it from the segment after it starts serving). The first status asks for a message
+  of that bucket: its answer waits for whatever of the bucket's index is not built yet.
 - Ingest alone: `bench.ingest load` (8 producers, batches of 64 x 1 KiB) for S seconds.
 - Status alone: a probe process sends status requests one after another for random pending
   messages of the big bucket for S seconds; its latencies (send to answer, over loopback, through
@@ -52,7 +53,7 @@ def message_id(i: int) -> str:
     return f"msg-{i:012d}"
 
 
-def prepare(root: Path, pending: int, bucket: int) -> None:
+def prepare(root: Path, pending: int, bucket: int, save_index: bool = True) -> None:
     from delayserver.replayer import Replayer
     from delayserver.storage.record import RecordType, encode_message_fields, encode_record
     from delayserver.storage.store import Store
@@ -68,6 +69,10 @@ def prepare(root: Path, pending: int, bucket: int) -> None:
     store.message_log.sync()
     replayer = Replayer.open(store, TickManager(store, now_ms=now))
     replayer.checkpoint()
+    if save_index:
+        from bench.deliver import save_index as save
+
+        save(store, root)
     store.close()
 
 
@@ -144,6 +149,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cancels", type=int, default=1000)
     parser.add_argument("--status-rate", type=float, default=200, help="status requests/s beside ingest")
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--no-saved-index", action="store_true",
+                        help="start without the id index a running node saves (it is built from the segment)")
     args = parser.parse_args(argv)
 
     print(f"status benchmark on {environment_note()}", flush=True)
@@ -152,7 +159,7 @@ def main(argv: list[str]) -> None:
     try:
         bucket = bucket_now()
         began = time.perf_counter()
-        prepare(root / "data", args.pending, bucket)
+        prepare(root / "data", args.pending, bucket, not args.no_saved_index)
         print(f"{args.pending:,} pending messages in one one-hour bucket, written and replayed in "
               f"{time.perf_counter() - began:.1f} s", flush=True)
         server = DelayServerProcess(root / "data")

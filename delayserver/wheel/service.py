@@ -1,5 +1,9 @@
 """The trio task around the tick manager: load ahead, advance the wheel, wake the sender.
 
+Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
+sender is woken, and while deliveries are under way (and the bucket does not start soon) the loader
+pauses between slices so that delivery keeps the event loop first.
+
 It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
 the replayer (an entry earlier than the current sleep), or at most `max_sleep_ms` (so that a
 wall-clock step is noticed within that time). It never spins through empty ticks.
@@ -14,6 +18,14 @@ from delayserver.wakeup import Wakeup
 from delayserver.wheel.tick_manager import TickManager
 
 log = logging.getLogger("delayserver.wheel")
+
+#: The pause between two load slices while deliveries are under way (about a slice's length).
+LOAD_PAUSE_S = 0.001
+
+
+def _load_is_urgent(ticks: TickManager, now: int) -> bool:
+    """Whether the bucket being loaded starts within a quarter of `load_ahead`: load at full speed."""
+    return ticks.loading_bucket is None or ticks.loading_bucket - now <= ticks.load_ahead_ms // 4
 
 
 async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms: int = 1000,
@@ -42,7 +54,12 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
         ticks.advance(now)
         while ticks.load_step(now):
             # Loading goes in slices of a millisecond or so: between two, what fell due goes out.
-            await trio.lowlevel.checkpoint()
+            # A load has until its bucket starts: while deliveries are under way and the bucket is
+            # not close, it pauses as long as each slice took, so delivery gets the loop first.
+            if (ticks.ready or ticks.inflight) and not _load_is_urgent(ticks, now):
+                await trio.sleep(LOAD_PAUSE_S)
+            else:
+                await trio.lowlevel.checkpoint()
             now = clock.now_ms()
             if ticks.advance(now) or ticks.ready:
                 ready.set()
