@@ -7,6 +7,10 @@ by two cursors:
 - the loaded cursor: the offset in that bucket up to which records are in memory, advanced record
   by record, so that a load cut short resumes where it stopped.
 
+`load_step` loads one slice: at most `LOAD_CHUNK_BYTES` of segment, stopping once it has taken
+`LOAD_SLICE_S` (a millisecond), so the tick task can advance the wheel and let the sender run
+between slices however big the bucket (tests/wheel/test_bounded_loading.py).
+
 `can_add(bucket, offset)` decides whether a freshly replayed record goes straight into the wheel:
 a bucket before the loading cursor, yes (the loader has passed it); the bucket being loaded, only
 past the pinned end (the loader stops there); a later bucket, no (the loader will read it). So
