@@ -116,6 +116,16 @@ BUCKET_LOAD_BODY = b"x" * 100
 BUCKET_LOAD_AT_MS = 2_000
 
 
+def _encode_seconds_per_message(sample: int = 20_000) -> float:
+    from delayserver.storage.record import RecordType, encode_message_fields, encode_record
+
+    began = time.perf_counter()
+    for i in range(sample):
+        encode_record(RecordType.MESSAGE, encode_message_fields(
+            f"load-{i:010d}", "bench.load", BUCKET_LOAD_BODY, 1_800_000_000_000 + i, {}, 1_800_000_000_000, i + 1))
+    return (time.perf_counter() - began) / sample
+
+
 def prepare_bucket(root: Path, n: int, bucket: int) -> float:
     """N pending messages in `bucket` (one minute), as a node leaves them; returns seconds taken."""
     from delayserver.replayer import Replayer
@@ -167,8 +177,9 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
         t0 = None
         if bucket_load:
             # The window lies in one minute bucket W, starting 3 s into it; the big bucket is W + 1.
-            # Room for preparing the data directory (about 40 us a message, generously) and starting.
-            w_start = now_ms() + w.lead_ms + bucket_load * 40 // 1000 + 15_000
+            # Room for preparing the data directory (timed on a sample: encoding, then replay and
+            # indexing take about as long again each, and a margin) and starting the server.
+            w_start = now_ms() + w.lead_ms + int(bucket_load * _encode_seconds_per_message() * 4 * 1000) + 20_000
             w_start += MINUTE_MS - w_start % MINUTE_MS
             t0 = w_start + 3_000
             big = w_start + MINUTE_MS
