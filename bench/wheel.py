@@ -190,7 +190,7 @@ def main(argv: list[str]) -> None:
             print(f"  id index: read back from its saved files at Store.open; the rest built in {r['index_build_s']:.2f} s; "
                   f"{r['index_entries']:,} records; {r['index_bytes_per_entry']:.1f} bytes of index per pending message")
             print(f"  memory per pending message   {r['rss_per_pending']:>12.1f} bytes RSS "
-                  "(load and index RSS delta over every pending message, loaded or not)")
+                  "(RSS from before Store.open to loaded and indexed, over every pending message)")
     finally:
         shutil.rmtree(root)
 
