@@ -179,7 +179,7 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
             # The window lies in one minute bucket W, starting 3 s into it; the big bucket is W + 1.
             # Room for preparing the data directory (timed on a sample: encoding, then replay and
             # indexing take about as long again each, and a margin) and starting the server.
-            w_start = now_ms() + w.lead_ms + int(bucket_load * _encode_seconds_per_message() * 6 * 1000) + 20_000
+            w_start = now_ms() + w.lead_ms + int(bucket_load * _encode_seconds_per_message() * 8 * 1000) + 30_000
             w_start += MINUTE_MS - w_start % MINUTE_MS
             t0 = w_start + 3_000
             big = w_start + MINUTE_MS
