@@ -26,9 +26,8 @@ import attrs
 import trio
 
 from delayserver import protocol as p
-from delayserver.config import parse_address
-from delayserver.errors import ResultCode, error_for
-from delayserver.protocol import CancelOutcome, Handle, MessageState, SendItem, TimeSpec
+from delayserver.message import CancelOutcome, Handle, MessageState, ResultCode, TimeSpec, error_for, parse_address
+from delayserver.protocol import SendItem
 from delayserver.trio_util import BackgroundTasks
 
 DEFAULT_TIMEOUT = 10.0
@@ -111,7 +110,7 @@ class AsyncProducer(BackgroundTasks):
         """`secret`: the server's shared secret (default: $DELAYSERVER_SECRET, if set).
         `tls`: True for TLS with the system's trust store, or an SSLContext (say, one trusting
         your own CA: ``ssl.create_default_context(cafile=...)``)."""
-        self.host, self.port = parse_address(address, "address")
+        self.host, self.port = parse_address(address, default_port=p.DEFAULT_PORT)
         self.timeout = timeout
         self.tls = ssl.create_default_context() if tls is True else (tls or None)
         self.secret = secret if secret is not None else os.environ.get("DELAYSERVER_SECRET", "")

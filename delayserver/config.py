@@ -12,9 +12,10 @@ from typing import Any
 
 import attrs
 
+from delayserver.message import AddressError, parse_address as _parse_address
+from delayserver.protocol import DEFAULT_PORT
 from delayserver.storage.buckets import MINUTE_MS
 
-DEFAULT_PORT = 20801
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "y": 365 * 86_400_000}
@@ -58,16 +59,12 @@ def parse_delay_levels(text: str, option: str = "delay_levels") -> tuple[int, ..
 
 
 def parse_address(text: str, option: str = "listen", default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    host, sep, port = str(text).rpartition(":")
-    if not sep:
-        host, port = str(text), str(default_port)
+    """`message.parse_address` (port 0 allowed: a listener lets the system pick), with a
+    ConfigError naming `option`."""
     try:
-        port_n = int(port)
-    except ValueError:
-        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r}") from None
-    if not host or not 0 <= port_n <= 65535:
-        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), port_n
+        return _parse_address(text, default_port=default_port, allow_port_zero=True)
+    except AddressError as e:
+        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r} ({e})") from None
 
 
 @attrs.frozen

@@ -24,8 +24,8 @@ import attrs
 import trio
 
 from delayserver import failpoints
-from delayserver.errors import BadScheduleTime, DelayServerError, InvalidMessage, ResultCode
-from delayserver.protocol import SendItem, SendResult, TimeKind
+from delayserver.message import BadScheduleTime, DelayServerError, InvalidMessage, ResultCode, TimeKind
+from delayserver.protocol import SendItem, SendResult
 from delayserver.storage.record import (
     HEADER, HEADER_SIZE, Cancel, RecordType, check_schedule_time, checksum, encode_cancel, encode_message_fields,
 )

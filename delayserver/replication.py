@@ -29,7 +29,7 @@ import struct
 import trio
 
 from delayserver import protocol as p
-from delayserver.errors import DelayServerError, ResultCode
+from delayserver.message import DelayServerError, ResultCode
 from delayserver.storage.record import RecordError, iter_records
 from delayserver.storage.segment import StorageError
 

@@ -16,9 +16,9 @@ import trio
 from delayserver import protocol as p
 from delayserver.clock import WallClock
 from delayserver.config import Config
-from delayserver.errors import DelayServerError, ResultCode
 from delayserver.lookup import lookup
 from delayserver.membership import local_groups, start_meta_agent
+from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
 from delayserver.meta.store import Role
 from delayserver.metrics import serve_metrics
 from delayserver.receiver import Receiver
@@ -339,33 +339,33 @@ class DelayServer:
             while self.replayer.offset < offset:
                 await self.replayer.caught_up.wait(0.01)
 
-    async def status(self, handle: p.Handle) -> p.StatusResult:
+    async def status(self, handle: Handle) -> p.StatusResult:
         await self._replayed_past(self.receiver.durable_offset)
         found = lookup(self.store, handle.schedule_time, handle.message_id)
         return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
                               found.broker_group)
 
-    async def cancel(self, handle: p.Handle) -> p.CancelResult:
+    async def cancel(self, handle: Handle) -> p.CancelResult:
         refusal = self._write_refusal()
         if refusal is not None:
-            return p.CancelResult(refusal, refusal.description, p.CancelOutcome.UNKNOWN)
+            return p.CancelResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
         await self._replayed_past(self.receiver.durable_offset)
         found = lookup(self.store, handle.schedule_time, handle.message_id)
-        outcome = {p.MessageState.DELIVERED: p.CancelOutcome.ALREADY_DELIVERED,
-                   p.MessageState.CANCELLED: p.CancelOutcome.ALREADY_CANCELLED,
-                   p.MessageState.UNKNOWN: p.CancelOutcome.UNKNOWN}.get(found.state)
+        outcome = {MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+                   MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
+                   MessageState.UNKNOWN: CancelOutcome.UNKNOWN}.get(found.state)
         if outcome is not None:
             return p.CancelResult(ResultCode.OK, outcome.name.lower(), outcome)
         code, message, offset = await self.receiver.append_cancel(handle.schedule_time, handle.message_id)
         if code != ResultCode.OK:
-            return p.CancelResult(code, message, p.CancelOutcome.UNKNOWN)
+            return p.CancelResult(code, message, CancelOutcome.UNKNOWN)
         await self._replayed_past(offset + 1)
         # The cancel is applied now: nothing fires it any more. What fired before it still goes.
         bucket = bucket_start(handle.schedule_time, self.store.segment_scale_ms)
         if any(self.ticks.ref(bucket, o) in self.ticks.inflight for o in found.offsets):
-            return p.CancelResult(ResultCode.OK, "already delivered (in flight)", p.CancelOutcome.ALREADY_DELIVERED)
+            return p.CancelResult(ResultCode.OK, "already delivered (in flight)", CancelOutcome.ALREADY_DELIVERED)
         after = lookup(self.store, handle.schedule_time, handle.message_id)
-        if after.state == p.MessageState.DELIVERED:
-            return p.CancelResult(ResultCode.OK, "already delivered", p.CancelOutcome.ALREADY_DELIVERED)
+        if after.state == MessageState.DELIVERED:
+            return p.CancelResult(ResultCode.OK, "already delivered", CancelOutcome.ALREADY_DELIVERED)
         self.ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
-        return p.CancelResult(ResultCode.OK, "cancelled", p.CancelOutcome.CANCELLED)
+        return p.CancelResult(ResultCode.OK, "cancelled", CancelOutcome.CANCELLED)

@@ -10,14 +10,12 @@ import pytest
 import trio
 
 from delayserver.clock import TrioClock
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 from delayserver.meta.agent import MetaAgent
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable, discover_delay_groups
 from delayserver.meta.server import serve_meta
 from delayserver.meta.store import Role, SqliteMetaStore
-from delayserver.protocol import (
-    NEED_DATA, Command, Frame, FrameDecoder, decode_error, decode_json, encode, encode_json,
-)
+from delayserver.protocol import NEED_DATA, Command, Frame, FrameDecoder, decode_error, decode_json, encode, encode_json
 
 INTERVAL_MS = 1000
 LEASE_S = 3 * INTERVAL_MS / 1000

@@ -7,14 +7,16 @@ import time
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from delayserver.errors import BadHeaders, BadMessageId, BadScheduleTime, BadSubject, MessageTooLarge
+from delayserver.message import (
+    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, MAX_ID_BYTES, MAX_TIME_MS, BadHeaders, BadMessageId, BadScheduleTime,
+    BadSubject, MessageTooLarge,
+)
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, bucket_name, bucket_start
 from delayserver.storage.record import (
-    DEFAULT_MAX_BODY_BYTES, HEADER_SIZE, MAX_HEADERS_BYTES, MAX_ID_BYTES, MAX_PAYLOAD_BYTES, MAX_TIME_MS,
-    Cancel, Dispatch, Message, RecordError, RecordType, decode_cancel, decode_delivered, decode_dispatch,
-    decode_headers, decode_message, decode_parked, decode_payload, decode_scheduled, decode_scheduled_cancel,
-    encode_cancel, encode_delivered, encode_dispatch, encode_headers, encode_message, encode_parked,
-    encode_record, encode_scheduled, iter_records, parse_record, scheduled_key,
+    HEADER_SIZE, MAX_PAYLOAD_BYTES, Cancel, Dispatch, Message, RecordError, RecordType, decode_cancel,
+    decode_delivered, decode_dispatch, decode_headers, decode_message, decode_parked, decode_payload,
+    decode_scheduled, decode_scheduled_cancel, encode_cancel, encode_delivered, encode_dispatch, encode_headers,
+    encode_message, encode_parked, encode_record, encode_scheduled, iter_records, parse_record, scheduled_key,
 )
 
 SUBJECT_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:%|-"

@@ -6,8 +6,7 @@ import trio
 
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
-from delayserver.errors import DelayServerError, ResultCode
-from delayserver.protocol import MessageState
+from delayserver.message import DelayServerError, MessageState, ResultCode
 from delayserver.sender.spool import iter_spool
 from delayserver.server import DelayServer
 from delayserver.storage.store import bucket_stats

@@ -11,7 +11,7 @@ import trio
 
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
-from delayserver.protocol import MessageState
+from delayserver.message import MessageState
 from delayserver.sender.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from delayserver.sender.parked import iter_parked
 from delayserver.sender.sender import BrokerGroup, Delivery, Sender

@@ -11,10 +11,10 @@ import trio
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
-from delayserver.errors import (
-    BadMessageId, BadScheduleTime, BadSubject, DelayServerError, MessageTooLarge, ResultCode,
+from delayserver.message import (
+    BadMessageId, BadScheduleTime, BadSubject, CancelOutcome, DelayServerError, MessageState, MessageTooLarge,
+    ResultCode,
 )
-from delayserver.protocol import CancelOutcome, MessageState
 from delayserver.server import DelayServer
 from delayserver.storage.message_log import MessageLog
 

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from delayserver.config import ConfigError, parse_duration
-from delayserver.errors import DelayServerError
-from delayserver.protocol import Handle
+from delayserver.message import DelayServerError, Handle
 
 DEFAULT_SERVER = "127.0.0.1:20801"
 

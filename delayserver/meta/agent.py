@@ -20,7 +20,7 @@ from typing import Callable
 
 import trio
 
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 from delayserver.meta import routing
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
 from delayserver.meta.store import BrokerGroupSpec, Role, Route

@@ -19,12 +19,10 @@ from pathlib import Path
 import trio
 
 from delayserver.clock import TrioClock, WallClock
-from delayserver.errors import ResultCode
-from delayserver.meta.wire import (
-    DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, format_address, parse_address,
-)
+from delayserver.message import ResultCode, format_address, parse_address
 from delayserver.meta.service import MetaService
 from delayserver.meta.store import MetaStore, SqliteMetaStore, StoreError
+from delayserver.meta.wire import DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from delayserver.protocol import (
     NEED_DATA, Command, ErrorResult, Frame, FrameDecoder, LocalProtocolError, RemoteProtocolError, decode_json,
     encode, encode_error, encode_json,

@@ -17,13 +17,11 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from delayserver.errors import DelayServerError, ResultCode
+from delayserver.message import SUBJECT_RE, DelayServerError, ResultCode, parse_address
 from delayserver.meta import roles, routing
-from delayserver.meta.wire import parse_address
 from delayserver.meta.store import (
     BrokerGroupSpec, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, Transport,
 )
-from delayserver.storage.record import SUBJECT_RE
 
 log = logging.getLogger("delayserver.meta")
 

@@ -32,23 +32,13 @@ from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 import attrs
 import trio
 
-from delayserver.errors import InvalidMessage
+from delayserver.message import SUBJECT_RE, InvalidMessage
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
-from delayserver.storage.segment import find_valid_record_after, fsync_dir
 from delayserver.storage.record import (
-    HEADER,
-    HEADER_SIZE,
-    MAX_PAYLOAD_BYTES,
-    SUBJECT_RE,
-    Message,
-    RecordError,
-    RecordType,
-    decode_delivered,
-    encode_delivered,
-    encode_message,
-    encode_record,
-    parse_record,
+    HEADER, HEADER_SIZE, MAX_PAYLOAD_BYTES, Message, RecordError, RecordType, decode_delivered, encode_delivered,
+    encode_message, encode_record, parse_record,
 )
+from delayserver.storage.segment import find_valid_record_after, fsync_dir
 
 log = logging.getLogger("delayserver.sender.spool")
 

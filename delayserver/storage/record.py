@@ -24,7 +24,6 @@ Payload layouts (see the `*_HEAD` structs):
 from __future__ import annotations
 
 import enum
-import re
 import struct
 import types
 from typing import Iterator, Mapping, NamedTuple
@@ -32,7 +31,10 @@ from typing import Iterator, Mapping, NamedTuple
 import attrs
 import crc32c as _crc32c
 
-from delayserver.errors import BadHeaders, BadMessageId, BadScheduleTime, BadSubject, MessageTooLarge
+from delayserver.message import (
+    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, BadHeaders, MessageTooLarge, _utf8, check_body_size,
+    check_schedule_time, encode_id, encode_subject,
+)
 
 HEADER = struct.Struct(">IIB")
 HEADER_SIZE = HEADER.size
@@ -51,19 +53,9 @@ _SCHEDULED_HEAD_SIZE = SCHEDULED_HEAD.size
 _pack_item_len = HEADER_ITEM.pack
 _HEADER_ITEM_OVERHEAD = 2 * HEADER_ITEM.size
 
-MAX_ID_BYTES = 128
-MAX_SUBJECT_BYTES = 255
-MAX_HEADERS_BYTES = 32 * 1024
 #: The hard cap on a record payload, whatever max_message_bytes says; a declared length over it is
 #: damage, never an allocation.
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-#: Schedule times are epoch milliseconds from 1970 to the end of year 9999 (UTC). Anything outside
-#: is refused before it reaches arithmetic, so no far time can wrap around into "now".
-MIN_TIME_MS = 0
-MAX_TIME_MS = 253_402_300_799_999
-
-SUBJECT_RE = re.compile(rb"[A-Za-z0-9._:%|\-]{1,255}\Z")
 
 
 class RecordType(enum.IntEnum):
@@ -196,45 +188,6 @@ class Message(NamedTuple):
     flags: int = 0
 
 
-def check_schedule_time(schedule_time: int) -> None:
-    """Raise BadScheduleTime unless `schedule_time` is an int within MIN_TIME_MS..MAX_TIME_MS."""
-    if (
-        isinstance(schedule_time, bool)
-        or not isinstance(schedule_time, int)
-        or not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS
-    ):
-        raise BadScheduleTime(
-            f"schedule time {schedule_time!r} is outside {MIN_TIME_MS}..{MAX_TIME_MS} epoch ms"
-        )
-
-
-def _utf8(value) -> bytes | None:
-    """`value` as UTF-8, or None when it is not a str or cannot be encoded (a lone surrogate)."""
-    if not isinstance(value, str):
-        return None
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-
-
-def encode_id(message_id: str) -> bytes:
-    """The id as UTF-8; raises BadMessageId unless it is 1 to MAX_ID_BYTES bytes of UTF-8."""
-    raw = _utf8(message_id)
-    if raw is None or not 1 <= len(raw) <= MAX_ID_BYTES:
-        got = "not a string of UTF-8" if raw is None else f"{len(raw)} bytes"
-        raise BadMessageId(f"message id must be 1 to {MAX_ID_BYTES} bytes of UTF-8, got {got}")
-    return raw
-
-
-def encode_subject(subject: str) -> bytes:
-    """The subject as bytes; raises BadSubject unless it is 1 to 255 bytes of the allowed set."""
-    raw = _utf8(subject)
-    if raw is None or not SUBJECT_RE.match(raw):
-        raise BadSubject(f"bad subject {subject!r}: 1 to 255 bytes of [A-Za-z0-9._:%|-]")
-    return raw
-
-
 def encode_headers(headers: Mapping[str, str]) -> bytes:
     """The headers block; raises BadHeaders for a non-mapping, a non-string or empty key, a value
     that is not a string of UTF-8, or a block over MAX_HEADERS_BYTES."""
@@ -298,8 +251,7 @@ def encode_message_fields(message_id: str, subject: str, body: bytes, schedule_t
     check_schedule_time(schedule_time)
     if type(body) is not bytes:
         body = bytes(body)
-    if len(body) > max_body_bytes:
-        raise MessageTooLarge(f"body of {len(body)} bytes is over the limit of {max_body_bytes}")
+    check_body_size(len(body), max_body_bytes)
     head = MESSAGE_HEAD.pack(store_time, schedule_time, sequence, flags, len(mid), len(raw_subject),
                              len(raw_headers), len(body))
     return b"".join((head, mid, raw_subject, raw_headers, body))
