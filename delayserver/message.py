@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import re
 import urllib.parse
-from typing import Mapping
 
 import attrs
 

@@ -18,25 +18,25 @@ from __future__ import annotations
 
 import collections
 import logging
-import struct
 
 import attrs
 import trio
 
 from delayserver import failpoints
-from delayserver.message import BadScheduleTime, DelayServerError, InvalidMessage, ResultCode, TimeKind
-from delayserver.protocol import SendItem, SendResult
-from delayserver.storage.record import (
-    HEADER, HEADER_SIZE, Cancel, RecordType, check_schedule_time, checksum, encode_cancel, encode_message_fields,
+from delayserver.message import (
+    BadScheduleTime, DelayServerError, InvalidMessage, ResultCode, TimeKind, check_schedule_time,
 )
-from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError, fsync_path
+from delayserver.protocol import SendItem, SendResult
+from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
+from delayserver.storage.record import (
+    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, record_header, set_sequence,
+)
+from delayserver.storage.segment import fsync_path
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
 
-_SEQ = struct.Struct(">Q")
 RECENT_BATCHES = 64
-_SEQ_AT = 16  # store_time q, schedule_time q, then sequence: same place in MESSAGE and CANCEL
 
 
 @attrs.define(eq=False)
@@ -219,10 +219,10 @@ class Receiver:
         for p in batch:
             size = 0
             for payload in p.payloads:
-                _SEQ.pack_into(payload, _SEQ_AT, seq)
+                set_sequence(payload, seq)
                 seq += 1
                 # Header and payload go to the one write as two pieces: no copy per message.
-                parts += (HEADER.pack(checksum(p.rtype, payload), len(payload), p.rtype), payload)
+                parts += (record_header(p.rtype, payload), payload)
                 size += HEADER_SIZE + len(payload)
             sizes.append(size)
         data = b"".join(parts)

@@ -25,11 +25,10 @@ import trio
 from delayserver import failpoints
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    CANCEL_HEAD, HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, RecordType, checksum,
-    checksum_continue, iter_checked_records,
+    RecordError, RecordType, iter_checked_records, message_log_head, scheduled_record_head,
 )
-from delayserver.storage.segment import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 
@@ -111,41 +110,33 @@ class Replayer:
         scale = self.store.segment_scale_ms
         per_bucket: dict[int, list[bytes]] = {}
         sizes: dict[int, int] = {}
-        notes = []  # (bucket, offset in bucket, kind, schedule_time, message id or None)
+        notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         end = self.offset
         # MessageLog.read checked every record it returned: walk the headers only.
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
                 break
-            if rtype == RecordType.MESSAGE:
-                _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(data, s)
-                kind, mid = RecordType.SCHEDULED, None
-            elif rtype == RecordType.CANCEL:
-                _, sched, seq, idlen = CANCEL_HEAD.unpack_from(data, s)
-                kind = RecordType.SCHEDULED_CANCEL
-                mid = bytes(data[s + CANCEL_HEAD.size : s + CANCEL_HEAD.size + idlen]).decode("utf-8")
-            else:
-                raise CorruptSegment(self.store.message_log.directory, off, f"unexpected record type {rtype}")
+            try:
+                sched, seq, mid = message_log_head(data, s, rtype)
+            except RecordError as err:
+                raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
             bucket = sched - sched % scale
-            # The schedule record is the offset then the message_log payload as it is: build
-            # its crc over the two pieces instead of copying them into one buffer first.
-            off_raw = OFFSET.pack(off)
+            # The schedule record is a head then the message_log payload as it is: no copy.
             payload = view[s:e]
-            crc = checksum_continue(checksum(kind, off_raw), payload)
+            size, head = scheduled_record_head(off, rtype, payload)
             recs = per_bucket.get(bucket)
             if recs is None:
                 recs = per_bucket[bucket] = []
                 sizes[bucket] = self.store.schedule_log.size(bucket)
-            notes.append((bucket, sizes[bucket], kind, sched, mid))
-            length = 8 + e - s
-            sizes[bucket] += HEADER_SIZE + length
-            recs += (HEADER.pack(crc, length, kind), off_raw, payload)
+            notes.append((bucket, sizes[bucket], rtype, sched, mid))
+            sizes[bucket] += size
+            recs += (head, payload)
             self.max_sequence = max(self.max_sequence, seq)
             end = base + e
         self._append_all(per_bucket)
-        for bucket, offset, kind, sched, mid in notes:
-            if kind == RecordType.SCHEDULED:
+        for bucket, offset, rtype, sched, mid in notes:
+            if rtype == RecordType.MESSAGE:
                 self.ticks.on_replayed(bucket, offset, sched, now)
             else:
                 self.ticks.on_cancel(bucket, offset, sched, mid)

@@ -30,8 +30,8 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
-from delayserver.storage.record import RecordError, iter_records
-from delayserver.storage.segment import StorageError
+from delayserver.storage.errors import StorageError
+from delayserver.storage.reader import Damage, raise_unless_incomplete, read_records
 
 log = logging.getLogger("delayserver.replication")
 
@@ -110,12 +110,23 @@ class Master:
 
 
 def _whole_records_before(data: bytes, start: int, limit: int) -> bytes:
+    """The whole records of `data` (a read at `start`) that end at or before `limit`."""
     end = 0
-    for pos, _, _, stop in iter_records(data):
+    for _, _, _, stop in read_records(data, report=raise_unless_incomplete):
         if start + stop > limit:
             break
         end = stop
     return data[:end]
+
+
+def _check_from_master(data: bytes, what: str, base: int) -> None:
+    """Every record of `data` whole and valid, or DelayServerError naming the first bad one."""
+    def report(damage: Damage) -> None:
+        raise DelayServerError(f"{what} from the master fails its check at {damage.offset}: {damage.reason}",
+                               code=ResultCode.INTERNAL)
+
+    for _ in read_records(data, base=base, sealed=True, report=report):
+        pass
 
 
 class Slave:
@@ -173,13 +184,7 @@ class Slave:
             return
         if start != offset:
             raise DelayServerError(f"master answered from {start}, asked for {offset}", code=ResultCode.INTERNAL)
-        try:
-            consumed = sum(stop - pos for pos, _, _, stop in iter_records(data))
-        except RecordError as e:
-            raise DelayServerError(f"record from the master fails its check at {start + e.offset}: {e.reason}",
-                                   code=ResultCode.INTERNAL) from None
-        if consumed != len(data):
-            raise DelayServerError("master sent a partial record", code=ResultCode.INTERNAL)
+        _check_from_master(data, "message_log", start)
         try:
             store.message_log.append(data)
             await trio.to_thread.run_sync(store.message_log.sync)
@@ -207,9 +212,9 @@ class Slave:
             if start != dispatch_log.size(bucket):
                 continue  # raced with an earlier answer: ask again next round
             try:
-                list(iter_records(data))
+                _check_from_master(data, f"dispatch_log bucket {bucket}", start)
                 dispatch_log.append(bucket, data)
-            except (RecordError, StorageError) as e:
+            except (DelayServerError, StorageError) as e:
                 log.error("dispatch_log bucket %d from the master not stored: %s", bucket, e)
         if count:
             paths, new_files = dispatch_log.take_dirty()

@@ -28,7 +28,7 @@ from delayserver.sender.parked import ParkedLog, parked_offsets
 from delayserver.sender.sender import Sender
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.cleaner import clean
-from delayserver.storage.segment import StorageError
+from delayserver.storage.errors import StorageError
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.service import serve_ticks

@@ -9,10 +9,10 @@ from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.buckets import (
     DEFAULT_SCALE_MS, MINUTE_MS, bucket_name, bucket_start, check_scale, parse_bucket_name,
 )
+from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import (
     Cancel, Dispatch, RecordType, decode_scheduled, encode_cancel, encode_dispatch, encode_record, encode_scheduled,
 )
-from delayserver.storage.segment import CorruptSegment, StorageError
 from delayserver.storage.store import Store, bucket_stats
 from tests.damage import flip_bit, message, record_offsets, scheduled_record, truncate, zero_fill
 

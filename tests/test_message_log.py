@@ -10,9 +10,9 @@ import logging
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.message_log import MessageLog, segment_name
 from delayserver.storage.record import RecordType, decode_message, iter_records
-from delayserver.storage.segment import CorruptSegment
 from tests.damage import flip_bit, message, message_record, record_offsets, truncate, zero_fill
 
 SEGMENT_BYTES = 400  # two or three records per segment: every test crosses many rolls

@@ -13,8 +13,10 @@ import os
 import pytest
 
 from delayserver.storage.bucket_log import BucketLog
+from delayserver.storage.errors import CorruptSegment, DiskFull, FsyncFailed, StorageError
+from delayserver.storage.reader import scan
 from delayserver.storage.record import HEADER_SIZE, RecordError, iter_records
-from delayserver.storage.segment import CorruptSegment, DiskFull, FsyncFailed, Segment, StorageError, scan
+from delayserver.storage.segment import Segment
 from tests.damage import flip_bit, message_record, record_offsets, truncate, zero_fill
 
 RECORDS = 5

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER_SIZE
-from delayserver.storage.segment import CorruptSegment
 from delayserver.storage.store import bucket_stats
 from tests.pipeline_node import SCALE_MS, START_MS, Node, run_until_idle
 

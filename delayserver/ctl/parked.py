@@ -14,7 +14,7 @@ from pathlib import Path
 
 from delayserver.message import DelayServerError, Handle
 from delayserver.sender.parked import iter_parked, redriven_offset, set_redriven_offset
-from delayserver.storage.segment import StorageError
+from delayserver.storage.errors import StorageError
 
 
 def register(subparsers) -> None:

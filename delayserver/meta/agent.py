@@ -25,7 +25,7 @@ from delayserver.meta import routing
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
 from delayserver.meta.store import BrokerGroupSpec, Role, Route
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
-from delayserver.storage.segment import StorageError
+from delayserver.storage.errors import StorageError
 
 log = logging.getLogger("delayserver.meta.agent")
 

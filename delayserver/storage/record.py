@@ -7,7 +7,10 @@ A record on disk is a 9-byte header then the payload::
     type    u8    a RecordType
 
 All integers are big-endian. Readers and writers of every log (message_log, schedule_log,
-dispatch_log, the spool, parked messages) and every tool use this module and no other layout.
+dispatch_log, the spool, parked messages) and every tool use this module and no other layout: the
+byte positions below are written down here and nowhere else. Every failure to decode, whatever its
+cause (a bad header, a crc mismatch, fields that do not add up, text that is not UTF-8), raises
+the one RecordError; `storage.reader` turns it into a damage report.
 
 Payload layouts (see the `*_HEAD` structs):
 
@@ -91,8 +94,10 @@ def encode_record(rtype: int, payload: bytes) -> bytes:
     return HEADER.pack(checksum(rtype, payload), len(payload), rtype) + payload
 
 
-class RecordError(Exception):
-    """A record that cannot be decoded at `offset`: bad type, bad length or bad crc."""
+class RecordError(ValueError):
+    """A record that cannot be decoded at `offset`: bad type, bad length, bad crc, or a payload
+    whose fields do not add up. The one error of this module: no struct.error or
+    UnicodeDecodeError leaves it."""
 
     def __init__(self, offset: int, reason: str):
         super().__init__(f"bad record at offset {offset}: {reason}")
@@ -165,6 +170,29 @@ def iter_checked_records(buf, pos: int = 0, end: int | None = None) -> Iterator[
         pos = stop
 
 
+def record_size(buf, pos: int) -> int:
+    """Header plus payload length of the record whose header is at `pos` (header read only)."""
+    return HEADER_SIZE + HEADER.unpack_from(buf, pos)[1]
+
+
+def record_header(rtype: int, payload) -> bytes:
+    """The header of a record of `rtype` carrying `payload` (written as a separate piece)."""
+    return HEADER.pack(checksum(rtype, payload), len(payload), rtype)
+
+
+def _decoding(fn):
+    """Make `fn` raise RecordError, at its `start` argument, for whatever a bad payload causes."""
+    def wrapper(buf, start: int = 0, *args):
+        try:
+            return fn(buf, start, *args)
+        except RecordError:
+            raise
+        except (struct.error, ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+            raise RecordError(start, f"undecodable {fn.__name__.removeprefix('decode_')} payload: {e}") from None
+    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return wrapper
+
+
 # --- messages -------------------------------------------------------------------------------
 
 
@@ -209,7 +237,8 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
 
 
 def decode_headers(raw) -> dict[str, str]:
-    """Decode a headers block; raises ValueError when it does not add up to its length."""
+    """Decode a headers block; raises ValueError when it does not add up to its length (the
+    message decoders turn it into RecordError)."""
     raw = bytes(raw)
     headers = {}
     pos, end = 0, len(raw)
@@ -266,8 +295,9 @@ def _as_bytes(buf, start: int, end: int | None) -> tuple[bytes, int, int]:
     return buf, start, len(buf) if end is None else end
 
 
+@_decoding
 def decode_message(buf, start: int = 0, end: int | None = None) -> Message:
-    """Decode a MESSAGE payload at `start` of `buf` (raises ValueError if it does not add up)."""
+    """Decode a MESSAGE payload at `start` of `buf` (raises RecordError if it does not add up)."""
     buf, start, end = _as_bytes(buf, start, end)
     store, sched, seq, flags, idlen, slen, hlen, blen = MESSAGE_HEAD.unpack_from(buf, start)
     return _message_at(buf, start + _MESSAGE_HEAD_SIZE, end, store, sched, seq, flags, idlen, slen, hlen, blen)
@@ -312,6 +342,7 @@ def encode_cancel(c: Cancel) -> bytes:
     return CANCEL_HEAD.pack(c.store_time, c.schedule_time, c.sequence, len(mid)) + mid
 
 
+@_decoding
 def decode_cancel(buf, start: int = 0, end: int | None = None) -> Cancel:
     end = len(buf) if end is None else end
     store, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
@@ -328,8 +359,9 @@ def encode_scheduled(message_log_offset: int, message_payload: bytes) -> bytes:
     return OFFSET.pack(message_log_offset) + message_payload
 
 
+@_decoding
 def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, Message]:
-    """``(message_log_offset, message)`` of a SCHEDULED payload; raises ValueError as decode_message."""
+    """``(message_log_offset, message)`` of a SCHEDULED payload; raises RecordError as decode_message."""
     buf, start, end = _as_bytes(buf, start, end)
     # One unpack for the offset and the message's fixed fields: this is the delivery path.
     offset, store, sched, seq, flags, idlen, slen, hlen, blen = SCHEDULED_HEAD.unpack_from(buf, start)
@@ -337,6 +369,7 @@ def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, 
                                idlen, slen, hlen, blen)
 
 
+@_decoding
 def scheduled_key(buf, start: int) -> tuple[int, int, int, str]:
     """Fast path for loading: ``(message_log_offset, schedule_time, sequence, message_id)``."""
     offset, _store, sched, seq, _flags, idlen, _s, _h, _b = SCHEDULED_HEAD.unpack_from(buf, start)
@@ -344,9 +377,71 @@ def scheduled_key(buf, start: int) -> tuple[int, int, int, str]:
     return offset, sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
 
 
+@_decoding
 def decode_scheduled_cancel(buf, start: int = 0, end: int | None = None) -> tuple[int, Cancel]:
     (offset,) = OFFSET.unpack_from(buf, start)
     return offset, decode_cancel(buf, start + OFFSET.size, end)
+
+
+# --- record heads: the few fields hot paths read without decoding a whole payload --------------
+# Loaders, lookups, the replayer and the receiver take these, never a struct of their own.
+
+#: Where the sequence sits in MESSAGE and CANCEL payloads alike (after store_time and schedule_time).
+_SEQUENCE_AT = 16
+_SEQUENCE = struct.Struct(">Q")
+
+
+def set_sequence(payload: bytearray, sequence: int) -> None:
+    """Write `sequence` into a MESSAGE or CANCEL payload (the master assigns it at append)."""
+    _SEQUENCE.pack_into(payload, _SEQUENCE_AT, sequence)
+
+
+def scheduled_time(buf, start: int) -> int:
+    """The schedule time of the SCHEDULED payload at `start`."""
+    return SCHEDULED_HEAD.unpack_from(buf, start)[2]
+
+
+@_decoding
+def cancel_key(buf, start: int = 0) -> tuple[int, str]:
+    """``(schedule_time, message_id)`` of the SCHEDULED_CANCEL payload at `start`: the message it
+    cancels (the same pair `scheduled_key` gives for a SCHEDULED record, in that order)."""
+    _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(buf, start)
+    pos = start + SCHEDULED_CANCEL_HEAD.size
+    return sched, bytes(buf[pos : pos + idlen]).decode("utf-8")
+
+
+def dispatch_schedule_offset(buf, start: int = 0) -> int:
+    """The schedule_log offset a DISPATCH payload at `start` records as delivered."""
+    return DISPATCH_HEAD.unpack_from(buf, start)[0]
+
+
+@_decoding
+def message_log_head(buf, start: int, rtype: int) -> tuple[int, int, str | None]:
+    """``(schedule_time, sequence, message_id)`` of a MESSAGE or CANCEL payload at `start`; the id
+    only for a CANCEL (None for a MESSAGE, whose id replay does not need)."""
+    if rtype == RecordType.MESSAGE:
+        _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(buf, start)
+        return sched, seq, None
+    if rtype == RecordType.CANCEL:
+        _, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
+        pos = start + CANCEL_HEAD.size
+        return sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
+    raise RecordError(start, f"record type {rtype} is not in message_log")
+
+
+#: The schedule_log type of each message_log type.
+SCHEDULED_TYPE = {RecordType.MESSAGE: RecordType.SCHEDULED, RecordType.CANCEL: RecordType.SCHEDULED_CANCEL}
+
+
+def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple[int, bytes]:
+    """The schedule_log record of a message_log MESSAGE or CANCEL `payload`, without copying it:
+    ``(size, head)`` where the record is `head` followed by `payload` as it is, and `size` its
+    length in bytes. The crc is carried over the two pieces."""
+    kind = SCHEDULED_TYPE[rtype]
+    offset = OFFSET.pack(message_log_offset)
+    crc = checksum_continue(checksum(kind, offset), payload)
+    length = OFFSET.size + len(payload)
+    return HEADER_SIZE + length, HEADER.pack(crc, length, kind) + offset
 
 
 @attrs.frozen
@@ -365,6 +460,7 @@ def encode_dispatch(d: Dispatch) -> bytes:
     return DISPATCH_HEAD.pack(d.schedule_offset, d.dispatch_time, len(group)) + group
 
 
+@_decoding
 def decode_dispatch(buf, start: int = 0, end: int | None = None) -> Dispatch:
     end = len(buf) if end is None else end
     offset, when, glen = DISPATCH_HEAD.unpack_from(buf, start)
@@ -378,6 +474,7 @@ def encode_delivered(dispatch_time: int, attempt: int, message_payload: bytes) -
     return DELIVERED_HEAD.pack(dispatch_time, attempt) + message_payload
 
 
+@_decoding
 def decode_delivered(buf, start: int = 0, end: int | None = None) -> tuple[int, int, Message]:
     when, attempt = DELIVERED_HEAD.unpack_from(buf, start)
     return when, attempt, decode_message(buf, start + DELIVERED_HEAD.size, end)
@@ -407,6 +504,7 @@ def encode_parked(parked_time: int, attempt: int, schedule_offset: int, reason: 
     return PARKED_HEAD.pack(parked_time, attempt, schedule_offset, len(raw)) + raw + scheduled_payload
 
 
+@_decoding
 def decode_parked(buf, start: int = 0, end: int | None = None) -> Parked:
     when, attempt, soff, rlen = PARKED_HEAD.unpack_from(buf, start)
     pos = start + PARKED_HEAD.size
@@ -431,4 +529,4 @@ def decode_payload(rtype: int, buf, start: int, end: int):
         return decode_delivered(buf, start, end)
     if rtype == RecordType.PARKED:
         return decode_parked(buf, start, end)
-    raise ValueError(f"unknown record type {rtype}")
+    raise RecordError(start, f"unknown record type {rtype}")

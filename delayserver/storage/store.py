@@ -18,7 +18,7 @@ from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
 from delayserver.storage.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from delayserver.storage.record import (
-    DISPATCH_HEAD, SCHEDULED_CANCEL_HEAD, RecordType, Dispatch, decode_dispatch, scheduled_key,
+    Dispatch, RecordType, cancel_key, decode_dispatch, dispatch_schedule_offset, scheduled_key,
 )
 
 
@@ -134,23 +134,21 @@ def bucket_stats(schedule_log: BucketLog, dispatch_log: BucketLog, bucket: int) 
     A message is cancelled when a cancel for its (id, schedule time) follows it and it was never
     dispatched; dispatched when its offset has a dispatch record; pending otherwise.
     """
-    offsets_by_key: dict[tuple[str, int], list[int]] = {}
+    offsets_by_key: dict[tuple[int, str], list[int]] = {}
     scheduled = 0
     cancelled_offsets: set[int] = set()
     for offset, rtype, payload in schedule_log.records(bucket):
         if rtype == RecordType.SCHEDULED:
             _, sched, _, mid = scheduled_key(payload, 0)
-            offsets_by_key.setdefault((mid, sched), []).append(offset)
+            offsets_by_key.setdefault((sched, mid), []).append(offset)
             scheduled += 1
         elif rtype == RecordType.SCHEDULED_CANCEL:
-            _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(payload, 0)
-            mid = payload[SCHEDULED_CANCEL_HEAD.size : SCHEDULED_CANCEL_HEAD.size + idlen].decode("utf-8")
-            cancelled_offsets.update(offsets_by_key.get((mid, sched), ()))
+            cancelled_offsets.update(offsets_by_key.get(cancel_key(payload), ()))
     dispatch_count = 0
     dispatched: set[int] = set()
     for _, rtype, payload in dispatch_log.records(bucket):
         if rtype == RecordType.DISPATCH:
-            dispatched.add(DISPATCH_HEAD.unpack_from(payload, 0)[0])
+            dispatched.add(dispatch_schedule_offset(payload))
             dispatch_count += 1
     cancelled = len(cancelled_offsets - dispatched)
     return BucketStats(bucket, scheduled, len(dispatched), cancelled,
