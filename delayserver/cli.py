@@ -29,7 +29,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 async def run_node(config: Config) -> None:
-    from delayserver.server import DelayServer
+    from delayserver.node.server import DelayServer
 
     server = DelayServer(config)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -19,6 +19,7 @@ buckets written in that pass are truncated back and the pass is retried later fr
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import trio
 
@@ -38,7 +39,13 @@ CHECKPOINT_NAME = "replay.json"
 
 
 class Replayer:
-    def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0):
+    def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
+                 recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
+                 on_disk_full: Callable[[], None] = lambda: None):
+        """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
+        holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
+        when a schedule append or a checkpoint finds the disk full (the node releases its disk
+        reserve and refuses new messages, so that replay and delivery go on)."""
         self.store = store
         self.ticks = ticks
         self.offset = offset
@@ -46,24 +53,24 @@ class Replayer:
         self.checkpointed_offset = offset
         self.replayed = 0
         self.caught_up = Wakeup()
-        self.recent_batch = lambda offset: None
-        # Called when a schedule append or a checkpoint finds the disk full (the server releases
-        # its disk reserve and refuses new messages, so that replay and delivery go on).
-        self.on_disk_full = lambda: None
+        self.recent_batch = recent_batch
+        self.on_disk_full = on_disk_full
 
     @property
     def checkpoint_path(self):
         return self.store.checkpoint_dir / CHECKPOINT_NAME
 
     @classmethod
-    def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20) -> "Replayer":
+    def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
+             recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
+             on_disk_full: Callable[[], None] = lambda: None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
 
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append.
+        the replay cannot append. `recent_batch` and `on_disk_full` are the constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -87,7 +94,8 @@ class Replayer:
                 log.info("%s: truncating %d bytes replayed after the checkpoint", schedule_log.path(bucket), actual - kept)
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
-        self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0))
+        self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
+                   recent_batch=recent_batch, on_disk_full=on_disk_full)
         end = store.message_log.end_offset
         # Nothing is loaded, so can_add refuses every record and the time passed is never used.
         while self.replay_once(ticks.last_now, end, max_bytes):

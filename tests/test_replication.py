@@ -7,8 +7,8 @@ import trio
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
 from delayserver.message import DelayServerError, MessageState, ResultCode
+from delayserver.node.server import DelayServer
 from delayserver.sender.spool import iter_spool
-from delayserver.server import DelayServer
 from delayserver.storage.store import bucket_stats
 
 

@@ -15,7 +15,7 @@ from delayserver.message import (
     BadMessageId, BadScheduleTime, BadSubject, CancelOutcome, DelayServerError, MessageState, MessageTooLarge,
     ResultCode,
 )
-from delayserver.server import DelayServer
+from delayserver.node.server import DelayServer
 from delayserver.storage.message_log import MessageLog
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import Callable
 
 import attrs
 import trio
 
 from delayserver import failpoints
-from delayserver.message import (
-    BadScheduleTime, DelayServerError, InvalidMessage, ResultCode, TimeKind, check_schedule_time,
-)
+from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time
 from delayserver.protocol import SendItem, SendResult
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
@@ -51,27 +50,80 @@ class _Pending:
     offset: int = -1
 
 
+class RecentBatches:
+    """The last batches this node wrote to message_log, by offset: the replayer takes a batch from
+    here instead of reading back what was just written."""
+
+    def __init__(self, keep: int = RECENT_BATCHES):
+        self.keep = keep
+        self._batches: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+
+    def remember(self, start: int, data: bytes) -> None:
+        self._batches[start] = data
+        while len(self._batches) > self.keep:
+            self._batches.popitem(last=False)
+
+    def take(self, offset: int) -> tuple[bytes, int] | None:
+        """The batch written at message_log `offset` and that offset, if still in memory."""
+        data = self._batches.pop(offset, None)
+        return (data, offset) if data is not None else None
+
+
+class DiskSpace:
+    """Disk-full mode: entered on ENOSPC anywhere (message_log, schedule_log, dispatch_log); new
+    messages are refused with DISK_FULL and the reserve is released so that the records keeping
+    due messages flowing still fit; left once there is room for the reserve and as much again."""
+
+    def __init__(self, store, reserve_bytes: int, *, full: bool = False):
+        self.store = store
+        self.reserve_bytes = reserve_bytes
+        self.full = full
+
+    def enter_full(self) -> None:
+        if not self.full:
+            self.full = True
+            released = self.store.release_reserve()
+            log.error("disk full: refusing new messages with DISK_FULL%s",
+                      "; released the reserve so that due messages keep flowing" if released else "")
+
+    def refuses(self) -> bool:
+        """Still full? Checks whether the space is back (and takes the reserve again) first."""
+        return self.full and not self._space_is_back()
+
+    def _space_is_back(self) -> bool:
+        reserve = self.reserve_bytes
+        try:
+            if self.store.free_bytes() < 2 * reserve + (1 << 20) or not self.store.ensure_reserve(reserve):
+                return False
+        except OSError:
+            return False
+        log.warning("disk space is back: accepting messages again")
+        self.full = False
+        return True
+
+
 class Receiver:
-    def __init__(self, store, clock, config, *, next_sequence: int, on_durable: Wakeup, disk_full: bool = False):
+    def __init__(self, store, clock, config, *, recent: RecentBatches, disk: DiskSpace, on_durable: Wakeup,
+                 sequence_floor: Callable[[], int], next_sequence: int = 0):
+        """`sequence_floor`: the lowest sequence the next record may take (the replayed log's top
+        plus one: after a promotion, sequences go on above what was replicated)."""
         self.store = store
         self.clock = clock
         self.config = config
         self.next_sequence = next_sequence
+        self.sequence_floor = sequence_floor
         self.on_durable = on_durable
+        self.recent = recent
+        self.disk = disk
         self.durable_offset = store.message_log.end_offset
         # Set and replaced at each advance of durable_offset (replication long polls wait on it).
         self.durable_changed = trio.Event()
-        # The replayed log's top sequence: after a promotion, sequences go on above it.
-        self.sequence_floor = lambda: 0
         self.read_only_reason = ""
-        self.disk_full = disk_full
-        self.accepting = True
         self._queue: list[_Pending] = []
         # flush=sync: batches written and waiting for the flusher's fsync.
         self._unflushed: list[tuple[int, list[_Pending]]] = []
         self._flush_wakeup = Wakeup()
         self._flushing = False
-        self._recent: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._queued = 0
         self._wakeup = Wakeup()
         self._idle = trio.Event()
@@ -111,7 +163,7 @@ class Receiver:
     def _refuse_writes(self) -> ResultCode | None:
         if self.read_only_reason:
             return ResultCode.READ_ONLY
-        if self.disk_full and not self._space_is_back():
+        if self.disk.refuses():
             return ResultCode.DISK_FULL
         if self._queued >= self.config.max_queued_messages:
             return ResultCode.BUSY
@@ -161,27 +213,6 @@ class Receiver:
         await self._commit(p)
         return p.code, p.error or "stored", p.offset
 
-    def _space_is_back(self) -> bool:
-        """Leave disk-full mode once there is room for the reserve and as much again."""
-        reserve = self.config.reserve_bytes
-        try:
-            if self.store.free_bytes() < 2 * reserve + (1 << 20) or not self.store.ensure_reserve(reserve):
-                return False
-        except OSError:
-            return False
-        log.warning("disk space is back: accepting messages again")
-        self.disk_full = False
-        return True
-
-    def enter_disk_full(self) -> None:
-        """Refuse new messages with DISK_FULL and release the reserve for the records that keep due
-        messages flowing. Called on ENOSPC anywhere: message_log here, dispatch_log by the sender."""
-        if not self.disk_full:
-            self.disk_full = True
-            released = self.store.release_reserve()
-            log.error("disk full: refusing new messages with DISK_FULL%s",
-                      "; released the reserve so that due messages keep flowing" if released else "")
-
     def _refusal_text(self, code: ResultCode) -> str:
         if code == ResultCode.READ_ONLY:
             return f"node is read-only: {self.read_only_reason}"
@@ -230,13 +261,13 @@ class Receiver:
             start = self.store.message_log.append(data)
         except DiskFull as e:
             log.warning("message_log append refused: %s", e)
-            self.enter_disk_full()
+            self.disk.enter_full()
             return self._finish(batch, ResultCode.DISK_FULL, ResultCode.DISK_FULL.description)
         except StorageError as e:
             self._go_read_only(f"write failed: {e}")
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         self.next_sequence = seq
-        self._remember(start, data)
+        self.recent.remember(start, data)
         pos = start
         for p, size in zip(batch, sizes):
             p.offset = pos
@@ -293,17 +324,6 @@ class Receiver:
         if not self._queue and not self._unflushed and not self._flushing:
             self._idle.set()
 
-    def _remember(self, start: int, data: bytes) -> None:
-        self._recent[start] = data
-        while len(self._recent) > RECENT_BATCHES:
-            self._recent.popitem(last=False)
-
-    def recent_batch(self, offset: int) -> tuple[bytes, int] | None:
-        """The batch this node wrote at message_log `offset`, if still in memory: the replayer
-        takes it from here instead of reading back what was just written."""
-        data = self._recent.pop(offset, None)
-        return (data, offset) if data is not None else None
-
     def set_durable(self, offset: int) -> None:
         """message_log is fsynced up to `offset` (by the commit task, or by replication)."""
         if offset > self.durable_offset:
@@ -335,7 +355,6 @@ class Receiver:
 
     async def drain(self) -> None:
         """Finish what is queued and make it durable (used on shutdown)."""
-        self.accepting = False
         while self._queue or self._unflushed or self._flushing or not self._idle.is_set():
             await self._idle.wait()
             await trio.lowlevel.checkpoint()

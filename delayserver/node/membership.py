@@ -12,39 +12,38 @@ from __future__ import annotations
 
 import logging
 
-import trio
-
 from delayserver.meta.agent import MetaAgent
-from delayserver.sender.sender import BrokerGroup
+from delayserver.node.role import NodeRole
+from delayserver.sender.sender import BrokerGroup, Sender
 from delayserver.sender.transport import make_transport
 
 log = logging.getLogger("delayserver.membership")
 
 
-def local_groups(server) -> list[BrokerGroup]:
-    c = server.config
+def local_groups(config) -> list[BrokerGroup]:
+    """The broker groups of the node's configuration."""
     return [
-        BrokerGroup(g.name, make_transport(g.transport, g.address, g.options, c.data_dir), g.weight,
+        BrokerGroup(g.name, make_transport(g.transport, g.address, g.options, config.data_dir), g.weight,
                     frozenset(g.subjects) if g.subjects is not None else None, spec=("local", g))
-        for g in c.broker_groups
+        for g in config.broker_groups
     ]
 
 
-async def start_meta_agent(server, nursery) -> MetaAgent:
-    """Register with the meta server (returns even while it is unreachable) and follow it."""
-    c = server.config
-    advertised = c.advertised_address or f"{c.listen[0]}:{server.port}"
-    agent = MetaAgent(c.meta, c.group, c.node_id or advertised, advertised, server.clock,
-                      c.data_dir / "meta_cache.json",
-                      deliver_through_meta_outage=c.deliver_through_meta_outage)
-    server.meta_agent = agent
+async def follow_meta(config, clock, port: int, role: NodeRole, sender: Sender, nursery) -> MetaAgent:
+    """Register with the meta server (returns even while it is unreachable), make `role` follow
+    its word, and keep `sender`'s broker groups in line with the meta server's."""
+    advertised = config.advertised_address or f"{config.listen[0]}:{port}"
+    agent = MetaAgent(config.meta, config.group, config.node_id or advertised, advertised, clock,
+                      config.data_dir / "meta_cache.json",
+                      deliver_through_meta_outage=config.deliver_through_meta_outage)
+    role.follow(agent)
     await nursery.start(agent.run)
-    await apply_broker_groups(server, agent)
-    nursery.start_soon(_follow, server, agent)
+    await apply_broker_groups(config, sender, agent)
+    nursery.start_soon(_follow, config, sender, agent)
     return agent
 
 
-async def _follow(server, agent: MetaAgent) -> None:
+async def _follow(config, sender: Sender, agent: MetaAgent) -> None:
     role = None
     while True:
         event = agent.changed
@@ -52,17 +51,16 @@ async def _follow(server, agent: MetaAgent) -> None:
         if agent.role != role:
             role = agent.role
             log.warning("role is now %s at epoch %d", role.value if role else "none", agent.epoch)
-        await apply_broker_groups(server, agent)
-        server.sender.ready.set()
+        await apply_broker_groups(config, sender, agent)
+        sender.ready.set()
 
 
-async def apply_broker_groups(server, agent: MetaAgent) -> None:
-    sender = server.sender
+async def apply_broker_groups(config, sender: Sender, agent: MetaAgent) -> None:
     specs = [s for s in agent.broker_groups() if not s.read_only]
     if not specs:
         if any(not isinstance(g.spec, tuple) for g in sender.groups.values()):
             sender.resolve = None
-            await sender.replace_groups(local_groups(server))
+            await sender.replace_groups(local_groups(config))
         return
     wanted = {s.name: s for s in specs}
     if {name: g.spec for name, g in sender.groups.items()} == wanted:
@@ -73,7 +71,7 @@ async def apply_broker_groups(server, agent: MetaAgent) -> None:
         # A spool group is each node's own spool in its data directory, whatever address it lists.
         address = "" if kind == "spool" else spec.address
         try:
-            transport = make_transport(kind, address, spec.options, server.config.data_dir)
+            transport = make_transport(kind, address, spec.options, config.data_dir)
         except ValueError as e:
             log.error("broker group %s from the meta server is unusable: %s", spec.name, e)
             continue

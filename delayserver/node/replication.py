@@ -30,8 +30,11 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
+from delayserver.node.receiver import Receiver
+from delayserver.node.role import NodeRole
 from delayserver.storage.errors import StorageError
 from delayserver.storage.reader import Damage, raise_unless_incomplete, read_records
+from delayserver.storage.store import Store
 
 log = logging.getLogger("delayserver.replication")
 
@@ -52,8 +55,9 @@ def _node(payload: bytes, pos: int) -> tuple[str, int]:
 class Master:
     """The master's side: answer pulls, remember how far each slave got (for the cleaner)."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, receiver: Receiver, store: Store):
+        self.receiver = receiver
+        self.store = store
         self.message_log_offsets: dict[str, int] = {}
         self.dispatch_sizes: dict[str, dict[int, int]] = {}
 
@@ -63,7 +67,7 @@ class Master:
             node, _ = _node(payload, _ML_REQ.size - 2)
         except (struct.error, UnicodeDecodeError):
             raise p.RemoteProtocolError("malformed SYNC_MESSAGE_LOG request") from None
-        receiver, message_log = self.server.receiver, self.server.store.message_log
+        receiver, message_log = self.receiver, self.store.message_log
         if offset > receiver.durable_offset:
             raise DelayServerError(
                 f"slave offset {offset} is past this master's end {receiver.durable_offset}: the slave holds "
@@ -95,7 +99,7 @@ class Master:
         except (struct.error, UnicodeDecodeError):
             raise p.RemoteProtocolError("malformed SYNC_DISPATCH_LOG request") from None
         self.dispatch_sizes[node] = theirs
-        dispatch_log = self.server.store.dispatch_log
+        dispatch_log = self.store.dispatch_log
         chunks, budget = [], MAX_SYNC_BYTES
         for bucket in dispatch_log.buckets():
             have = theirs.get(bucket, 0)
@@ -130,13 +134,18 @@ def _check_from_master(data: bytes, what: str, base: int) -> None:
 
 
 class Slave:
-    """The slave's side: a task that pulls from `master_address()` while `is_slave()`."""
+    """The slave's side: a task that pulls from the role's master address while the role is slave."""
 
-    def __init__(self, server, node_id: str, master_address, is_slave, *, poll_ms: int = 500):
-        self.server = server
+    def __init__(self, store: Store, receiver: Receiver, role: NodeRole, node_id: str, *, secret: str = "",
+                 tls_ca: str = "", poll_ms: int = 500):
+        """`secret`: the master's shared secret; `tls_ca`: a CA file to check the master's
+        certificate against (TLS to the master when given)."""
+        self.store = store
+        self.receiver = receiver
+        self.role = role
         self.node_id = node_id.encode("utf-8")
-        self.master_address = master_address
-        self.is_slave = is_slave
+        self.secret = secret
+        self.tls_ca = tls_ca
         self.poll_ms = poll_ms
         self.pulled = 0
         self.stopped_reason = ""
@@ -146,15 +155,14 @@ class Slave:
 
         task_status.started()
         while not self.stopped_reason:
-            address = self.master_address() if self.is_slave() else None
+            address = self.role.master_address() if self.role.is_slave() else None
             if not address:
                 await trio.sleep(self.poll_ms / 1000)
                 continue
             try:
-                async with AsyncProducer(address, timeout=15, secret=self.server.config.auth_secret,
-                                         tls=self._tls()) as conn:
+                async with AsyncProducer(address, timeout=15, secret=self.secret, tls=self._tls()) as conn:
                     log.info("replicating from %s", address)
-                    while self.is_slave() and self.master_address() == address:
+                    while self.role.is_slave() and self.role.master_address() == address:
                         await self._pull_message_log(conn)
                         await self._pull_dispatch_log(conn)
             except (ConnectionError, TimeoutError) as e:
@@ -170,11 +178,10 @@ class Slave:
 
     def _tls(self):
         """TLS to the master when `tls_ca` names the CA to check its certificate against."""
-        ca = self.server.config.tls_ca
-        return ssl.create_default_context(cafile=ca) if ca else False
+        return ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else False
 
     async def _pull_message_log(self, conn) -> None:
-        store, receiver = self.server.store, self.server.receiver
+        store, receiver = self.store, self.receiver
         offset = store.message_log.end_offset
         request = _ML_REQ.pack(offset, MAX_SYNC_BYTES, self.poll_ms, len(self.node_id)) + self.node_id
         reply = await conn.request(p.Command.SYNC_MESSAGE_LOG, request)
@@ -197,7 +204,7 @@ class Slave:
         self.pulled += len(data)
 
     async def _pull_dispatch_log(self, conn) -> None:
-        dispatch_log = self.server.store.dispatch_log
+        dispatch_log = self.store.dispatch_log
         buckets = dispatch_log.buckets()
         request = (_U16.pack(len(self.node_id)) + self.node_id + _U32.pack(len(buckets))
                    + b"".join(_SIZE.pack(b, dispatch_log.size(b)) for b in buckets))
