@@ -14,6 +14,7 @@ import attrs
 
 from delayserver.message import AddressError, parse_address as _parse_address
 from delayserver.protocol import DEFAULT_PORT
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 from delayserver.storage.buckets import MINUTE_MS
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
@@ -68,16 +69,6 @@ def parse_address(text: str, option: str = "listen", default_port: int = DEFAULT
 
 
 @attrs.frozen
-class BrokerGroupConfig:
-    name: str
-    transport: str = "spool"
-    address: str = ""
-    weight: int = 1
-    subjects: tuple[str, ...] | None = None
-    options: dict = attrs.field(factory=dict)
-
-
-@attrs.frozen
 class Config:
     data_dir: Path = Path("var")
     listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT)
@@ -115,7 +106,7 @@ class Config:
     tls_key: str = ""
     tls_ca: str = ""
     deliver_through_meta_outage: bool = True
-    broker_groups: tuple[BrokerGroupConfig, ...] = (BrokerGroupConfig("spool"),)
+    broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides) -> "Config":
@@ -215,7 +206,7 @@ class Config:
         return self.segment_scale_ms // 2 if self.load_ahead_ms is None else self.load_ahead_ms
 
 
-def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
+def _broker_groups(items: Any) -> tuple[BrokerGroupSpec, ...]:
     if not isinstance(items, list) or not items:
         raise ConfigError("broker_group: expected a non-empty array of tables ([[broker_group]])")
     out, names = [], set()
@@ -240,7 +231,7 @@ def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
             raise ConfigError(f"{where}.subjects: expected an array of subject names")
         if transport != "spool" and not item.get("address"):
             raise ConfigError(f"{where}.address: required for the {transport} transport")
-        out.append(BrokerGroupConfig(item["name"], transport, str(item.get("address", "")), weight,
-                                     tuple(subjects) if subjects is not None else None,
-                                     dict(item.get("options", {}))))
+        out.append(BrokerGroupSpec(item["name"], TransportKind(transport), str(item.get("address", "")), weight,
+                                   options=dict(item.get("options", {})),
+                                   subjects=tuple(subjects) if subjects is not None else None))
     return tuple(out)

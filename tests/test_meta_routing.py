@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 
 from delayserver.meta.routing import check_pattern, matching_route, resolve
-from delayserver.meta.store import BrokerGroupSpec, Route, Transport
+from delayserver.meta.store import Route
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 GROUPS = [
-    BrokerGroupSpec("a", Transport.SPOOL, "x"),
-    BrokerGroupSpec("b", Transport.REDIS, "redis://h:1"),
-    BrokerGroupSpec("c", Transport.HTTP, "http://h/", read_only=True),
+    BrokerGroupSpec("a", TransportKind.SPOOL, "x"),
+    BrokerGroupSpec("b", TransportKind.REDIS, "redis://h:1"),
+    BrokerGroupSpec("c", TransportKind.HTTP, "http://h/", read_only=True),
 ]
 
 

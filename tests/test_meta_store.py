@@ -5,9 +5,8 @@ import sqlite3
 
 import pytest
 
-from delayserver.meta.store import (
-    BrokerGroupSpec, DelayGroup, Node, NodeState, Role, Route, SqliteMetaStore, StoreError, StoreLocked, Transport,
-)
+from delayserver.meta.store import DelayGroup, Node, NodeState, Role, Route, SqliteMetaStore, StoreError, StoreLocked
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 
 @pytest.fixture
@@ -73,12 +72,12 @@ def _with_raw_role(node):
 
 
 def test_broker_groups_crud(store):
-    spool = BrokerGroupSpec("local", Transport.SPOOL, "var/spool")
-    redis = BrokerGroupSpec("r1", Transport.REDIS, "redis://127.0.0.1:6379/0", 5, True, {"stream": "s:{subject}"})
+    spool = BrokerGroupSpec("local", TransportKind.SPOOL, "var/spool")
+    redis = BrokerGroupSpec("r1", TransportKind.REDIS, "redis://127.0.0.1:6379/0", 5, True, {"stream": "s:{subject}"})
     store.put_broker_group(redis)
     store.put_broker_group(spool)
     assert store.list_broker_groups() == [spool, redis]
-    changed = BrokerGroupSpec("r1", Transport.HTTP, "http://h/hook", 2)
+    changed = BrokerGroupSpec("r1", TransportKind.HTTP, "http://h/hook", 2)
     store.put_broker_group(changed)
     assert store.list_broker_groups() == [spool, changed]
     assert store.remove_broker_group("r1") is True
@@ -101,13 +100,13 @@ def test_everything_survives_a_reopen(path):
     store = SqliteMetaStore.open(path)
     node = Node("g1", "a", "h:1", Role.MASTER, NodeState.UP, 5, 7, True, "s")
     store.save_group(DelayGroup("g1", True, 7), [node])
-    store.put_broker_group(BrokerGroupSpec("b", Transport.SPOOL, "x", options={"k": [1, "v"]}))
+    store.put_broker_group(BrokerGroupSpec("b", TransportKind.SPOOL, "x", options={"k": [1, "v"]}))
     store.put_route(Route("a.?", ("b",)))
     store.close()
     store = SqliteMetaStore.open(path)
     try:
         assert store.load_group("g1") == (DelayGroup("g1", True, 7), [node])
-        assert store.list_broker_groups() == [BrokerGroupSpec("b", Transport.SPOOL, "x", options={"k": [1, "v"]})]
+        assert store.list_broker_groups() == [BrokerGroupSpec("b", TransportKind.SPOOL, "x", options={"k": [1, "v"]})]
         assert store.list_routes() == [Route("a.?", ("b",))]
     finally:
         store.close()
@@ -125,7 +124,7 @@ def test_an_unopenable_store_raises_store_error(tmp_path):
 
 
 def test_json_forms_round_trip():
-    spec = BrokerGroupSpec("r1", Transport.REDIS, "redis://h:1/0", 3, True, {"a": 1})
+    spec = BrokerGroupSpec("r1", TransportKind.REDIS, "redis://h:1/0", 3, True, {"a": 1})
     assert BrokerGroupSpec.from_json(spec.to_json()) == spec
     route = Route("x.*", ("r1", "r2"))
     assert Route.from_json(route.to_json()) == route

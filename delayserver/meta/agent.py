@@ -23,7 +23,8 @@ import trio
 from delayserver.message import ResultCode
 from delayserver.meta import routing
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
-from delayserver.meta.store import BrokerGroupSpec, Role, Route
+from delayserver.meta.store import Role, Route
+from delayserver.sender.groups import BrokerGroupSpec
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import StorageError
 

@@ -19,9 +19,8 @@ import trio
 
 from delayserver.message import SUBJECT_RE, DelayServerError, ResultCode, parse_address
 from delayserver.meta import roles, routing
-from delayserver.meta.store import (
-    BrokerGroupSpec, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, Transport,
-)
+from delayserver.meta.store import DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 log = logging.getLogger("delayserver.meta")
 
@@ -413,11 +412,11 @@ def _node_address(args: _Args) -> str:
     return address
 
 
-def _transport(value: str) -> Transport:
+def _transport(value: str) -> TransportKind:
     try:
-        return Transport(value)
+        return TransportKind(value)
     except ValueError:
-        raise BadRequest(f"transport must be one of {', '.join(t.value for t in Transport)}, "
+        raise BadRequest(f"transport must be one of {', '.join(t.value for t in TransportKind)}, "
                          f"not {value!r}") from None
 
 

@@ -14,6 +14,7 @@ import logging
 
 from delayserver.meta.agent import MetaAgent
 from delayserver.node.role import NodeRole
+from delayserver.sender.groups import TransportKind
 from delayserver.sender.sender import BrokerGroup, Sender
 from delayserver.sender.transport import make_transport
 
@@ -23,8 +24,8 @@ log = logging.getLogger("delayserver.membership")
 def local_groups(config) -> list[BrokerGroup]:
     """The broker groups of the node's configuration."""
     return [
-        BrokerGroup(g.name, make_transport(g.transport, g.address, g.options, config.data_dir), g.weight,
-                    frozenset(g.subjects) if g.subjects is not None else None, spec=("local", g))
+        BrokerGroup(g.name, make_transport(g.transport.value, g.address, g.options, config.data_dir), g.weight,
+                    frozenset(g.subjects) if g.subjects is not None else None, spec=g)
         for g in config.broker_groups
     ]
 
@@ -58,7 +59,7 @@ async def _follow(config, sender: Sender, agent: MetaAgent) -> None:
 async def apply_broker_groups(config, sender: Sender, agent: MetaAgent) -> None:
     specs = [s for s in agent.broker_groups() if not s.read_only]
     if not specs:
-        if any(not isinstance(g.spec, tuple) for g in sender.groups.values()):
+        if any(g.spec not in config.broker_groups for g in sender.groups.values()):
             sender.resolve = None
             await sender.replace_groups(local_groups(config))
         return
@@ -67,11 +68,10 @@ async def apply_broker_groups(config, sender: Sender, agent: MetaAgent) -> None:
         return
     groups = []
     for spec in specs:
-        kind = spec.transport.value if hasattr(spec.transport, "value") else spec.transport
         # A spool group is each node's own spool in its data directory, whatever address it lists.
-        address = "" if kind == "spool" else spec.address
+        address = "" if spec.transport is TransportKind.SPOOL else spec.address
         try:
-            transport = make_transport(kind, address, spec.options, config.data_dir)
+            transport = make_transport(spec.transport.value, address, spec.options, config.data_dir)
         except ValueError as e:
             log.error("broker group %s from the meta server is unusable: %s", spec.name, e)
             continue
