@@ -114,3 +114,30 @@ def test_any_payload_decodes_or_raises_record_error_only(rtype, payload):
         decode_payload(rtype, payload, 0, len(payload))
     except RecordError:
         pass
+
+
+class GrowingFile(io.BytesIO):
+    """A file another process appends to: each read past `cut` sees more of it than the last."""
+
+    def __init__(self, image: bytes, cut: int):
+        super().__init__(image[:cut])
+        self.rest = image[cut:]
+
+    def read(self, size=-1):
+        data = super().read(size)
+        if self.rest:  # the writer finishes its append just after this read
+            pos = self.tell()
+            self.seek(0, io.SEEK_END)
+            self.write(self.rest)
+            self.rest = b""
+            self.seek(pos)
+        return data
+
+
+def test_a_record_being_appended_while_the_file_is_read_is_incomplete_not_corrupt():
+    found: list[Damage] = []
+    cut = OFFSETS[3] + 5
+    got = list(read_file_records(GrowingFile(IMAGE, cut), "seg", report=found.append))
+    assert [offset for offset, _, _ in got] == OFFSETS[:3]
+    (damage,) = found
+    assert damage.torn and damage.incomplete and damage.offset == OFFSETS[3]

@@ -162,9 +162,10 @@ def read_file_records(f, path=None, *, start: int = 0, chunk_bytes: int = 1 << 2
     """`read_records` over an open binary file from `start`, read `chunk_bytes` at a time (a file
     that may be large, or growing): yields ``(offset, rtype, record bytes)``.
 
-    Damage is classified against the rest of the file, read only then; an incomplete record at
-    the end of the file is reported as such (`Damage.incomplete`), so that a reader following a
-    file being appended to can wait for the rest of it.
+    A bad record is classified against the rest of the file, read only then; a record the file
+    ended inside of when it was read is judged on what was read and reported as incomplete
+    (`Damage.incomplete`), so that a reader following a file being appended to (the spool) takes
+    an append in progress for what it is and reads the record whole next time.
     """
     report = report or _raise_corruption
     pos, want = start, chunk_bytes
@@ -184,11 +185,16 @@ def read_file_records(f, path=None, *, start: int = 0, chunk_bytes: int = 1 << 2
             pos, want = pos + len(chunk), chunk_bytes
             continue
         at, reason, _ = stop
-        if reason == INCOMPLETE and len(chunk) == want:
-            # The chunk ended inside a record: read on from its start, the whole record at least.
-            length = HEADER.unpack_from(chunk, at)[1] if len(chunk) - at >= HEADER_SIZE else 0
-            pos, want = pos + at, max(chunk_bytes, HEADER_SIZE + length)
-            continue
+        if reason == INCOMPLETE:
+            if len(chunk) == want:
+                # The chunk ended inside a record: read on from its start, the whole record at least.
+                length = HEADER.unpack_from(chunk, at)[1] if len(chunk) - at >= HEADER_SIZE else 0
+                pos, want = pos + at, max(chunk_bytes, HEADER_SIZE + length)
+                continue
+            # The file ended inside a record when it was read: judged on what was read, since a
+            # writer may have appended the rest since (the record is then whole next time).
+            report(_classified(chunk, at, reason, path, False, pos))
+            return
         f.seek(pos + at)
         report(_classified(f.read(), 0, reason, path, False, pos + at))
         return
