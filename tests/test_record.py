@@ -219,3 +219,40 @@ def test_payload_that_does_not_add_up_is_a_value_error():
 def test_malformed_headers_block_is_a_value_error(raw):
     with pytest.raises(ValueError):
         decode_headers(raw)
+
+
+# --- record heads: what hot paths read without decoding a payload --------------------------------
+
+
+def test_record_heads_agree_with_the_full_decoders():
+    from delayserver.storage.record import (
+        cancel_key, dispatch_schedule_offset, message_log_head, record_header, record_size, scheduled_record_head,
+        scheduled_time, set_sequence,
+    )
+
+    message = bytearray(encode_message(Message("m-1", "s", b"body", T, {"k": "v"}, store_time=5)))
+    set_sequence(message, 77)
+    assert decode_message(bytes(message)).sequence == 77
+    assert message_log_head(message, 0, RecordType.MESSAGE) == (T, 77, None)
+    record = record_header(RecordType.MESSAGE, message) + message
+    assert record == encode_record(RecordType.MESSAGE, bytes(message)) and record_size(record, 0) == len(record)
+
+    size, head = scheduled_record_head(900, RecordType.MESSAGE, message)
+    scheduled = head + message
+    assert scheduled == encode_record(RecordType.SCHEDULED, encode_scheduled(900, bytes(message)))
+    assert size == len(scheduled) and scheduled_time(scheduled, HEADER_SIZE) == T
+
+    cancel = bytearray(encode_cancel(Cancel("m-1", T, 6)))
+    set_sequence(cancel, 78)
+    assert decode_cancel(bytes(cancel)).sequence == 78
+    assert message_log_head(cancel, 0, RecordType.CANCEL) == (T, 78, "m-1")
+    _, head = scheduled_record_head(901, RecordType.CANCEL, cancel)
+    (rtype, start, stop) = parse_record(head + cancel, 0)
+    assert rtype == RecordType.SCHEDULED_CANCEL
+    assert cancel_key((head + cancel)[start:stop]) == (T, "m-1") == scheduled_key(scheduled, HEADER_SIZE)[1::2]
+
+    assert dispatch_schedule_offset(encode_dispatch(Dispatch(123, T, "g"))) == 123
+    with pytest.raises(RecordError):
+        message_log_head(encode_dispatch(Dispatch(1, T, "g")), 0, RecordType.DISPATCH)
+    with pytest.raises(RecordError):
+        cancel_key(b"\x00" * 30 + b"\xff")  # an id that is not UTF-8

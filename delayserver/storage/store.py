@@ -16,6 +16,8 @@ import attrs
 
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
+from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.errors import StorageError
 from delayserver.storage.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
 from delayserver.storage.record import (
     Dispatch, RecordType, cancel_key, decode_dispatch, dispatch_schedule_offset, scheduled_key,
@@ -24,6 +26,32 @@ from delayserver.storage.record import (
 
 #: What must stay free besides the reserve for a node to start taking messages.
 RESERVE_HEADROOM = 1 << 20
+#: The checkpoint that records how the data directory is laid out (its segment_scale).
+LAYOUT_NAME = "layout.json"
+
+
+class LayoutMismatch(StorageError):
+    """The data directory was written under another segment_scale than the one configured."""
+
+
+def check_layout(root: Path, segment_scale_ms: int) -> None:
+    """Record `segment_scale_ms` in a data directory that has none recorded; raise LayoutMismatch
+    when it records another (its schedule_log buckets are cut by that one: read under another,
+    every lookup and load would miss them)."""
+    path = Path(root) / "checkpoint" / LAYOUT_NAME
+    recorded = (read_checkpoint(path) or {}).get("segment_scale_ms")
+    if recorded is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(path, {"segment_scale_ms": segment_scale_ms})
+    elif recorded != segment_scale_ms:
+        raise LayoutMismatch(
+            f"{root} was written with segment_scale = {_minutes(recorded)}, but this node is configured with "
+            f"{_minutes(segment_scale_ms)}: configure segment_scale = \"{_minutes(recorded)}\" for this data "
+            "directory, or give the node another one")
+
+
+def _minutes(ms: int) -> str:
+    return f"{ms // 60_000}m" if ms % 60_000 == 0 else f"{ms}ms"
 
 
 @attrs.define(eq=False)
@@ -37,9 +65,12 @@ class Store:
     @classmethod
     def open(cls, root: Path, *, segment_scale_ms: int = DEFAULT_SCALE_MS,
              message_log_segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "Store":
+        """Open the data directory at `root`; raises LayoutMismatch when it was written under
+        another segment_scale (see `check_layout`)."""
         root = Path(root)
         check_scale(segment_scale_ms)
         (root / "checkpoint").mkdir(parents=True, exist_ok=True)
+        check_layout(root, segment_scale_ms)
         return cls(
             root,
             segment_scale_ms,
