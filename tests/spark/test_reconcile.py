@@ -39,7 +39,7 @@ pytestmark = [
                        reason="Spark needs Java 17 or newer (no java on PATH, no JAVA_HOME)"),
 ]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 AS_OF = START_MS + 10 * 60_000
 #: A second delivery of a message, as after a failover, recorded by another broker group's sender.
 OTHER_GROUP = "brokers-b"

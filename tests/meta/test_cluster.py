@@ -8,7 +8,7 @@ import pytest
 
 from delayserver.client import Message, Producer
 from tests.procs import ServerProcess, spooled, wait_for
-from tests.test_meta_ctl import MetaProcess, request
+from tests.ctl.test_meta_commands import MetaProcess, request
 
 
 @pytest.fixture
