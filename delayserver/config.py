@@ -12,8 +12,8 @@ from typing import Any
 
 import attrs
 
-from delayserver.message import AddressError, parse_address as _parse_address
-from delayserver.protocol import DEFAULT_PORT
+from delayserver.message import MAX_BODY_BYTES, AddressError, parse_address as _parse_address
+from delayserver.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
 from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 from delayserver.storage.buckets import MINUTE_MS
 
@@ -89,7 +89,7 @@ class Config:
     max_inflight: int = 20_000
     send_batches_in_flight: int = 2
     max_connections: int = 1024
-    max_frame_bytes: int = 8 << 20
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     idle_timeout_ms: int = 300_000
     frame_timeout_ms: int = 10_000
     max_queued_messages: int = 100_000
@@ -153,6 +153,9 @@ class Config:
         for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes"):
             if name in raw:
                 kw[name] = parse_size(raw[name], name)
+        if kw.get("max_message_bytes", 0) > MAX_BODY_BYTES:
+            # Clients refuse a larger body before sending it: no node may promise to take one.
+            raise ConfigError(f"max_message_bytes: at most {MAX_BODY_BYTES} (8MiB), got {kw['max_message_bytes']}")
         for name in ("send_batch_size", "send_batches_in_flight", "max_inflight", "max_connections", "max_queued_messages",
                      "tick_ms", "wheel_slots"):
             if name in raw:

@@ -60,7 +60,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import crc32c as _crc32c
 
-from delayserver.message import CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec
+from delayserver.message import MAX_BODY_BYTES, CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec
 
 #: The delay server's default port (the meta server's is 20800).
 DEFAULT_PORT = 20801
@@ -71,8 +71,9 @@ HEADER = struct.Struct(">IBBBII")
 HEADER_SIZE = HEADER.size
 CRC = struct.Struct(">I")
 FRAME_OVERHEAD = HEADER_SIZE + CRC.size
-#: Room for one message at the default 4 MiB body limit, twice, plus ids, subjects and headers.
-DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 128 * 1024
+#: Room for one message at the largest body limit (message.MAX_BODY_BYTES) plus its id, subject
+#: and headers: the one frame cap of clients and, by default, of servers (`max_frame_bytes`).
+DEFAULT_MAX_FRAME_BYTES = MAX_BODY_BYTES + 128 * 1024
 MAX_U32 = 0xFFFFFFFF
 
 
@@ -100,11 +101,17 @@ class LocalProtocolError(ProtocolError):
 
 
 class RemoteProtocolError(ProtocolError):
-    """The peer sent bytes that break the protocol; `code` is what to answer in an ERROR frame."""
+    """The peer sent bytes that break the protocol; `code` is what to answer in an ERROR frame,
+    `request_id` the request it answers (0: none could be read). For a frame refused for its
+    declared length, `unread` is how many of its bytes have not arrived yet: a server may read and
+    drop that many before closing, so that the peer, done sending, reads the answer."""
 
-    def __init__(self, message: str, code: ResultCode = ResultCode.BAD_REQUEST):
+    def __init__(self, message: str, code: ResultCode = ResultCode.BAD_REQUEST, *, request_id: int = 0,
+                 unread: int = 0):
         super().__init__(message)
         self.code = code
+        self.request_id = request_id
+        self.unread = unread
 
 
 class _NeedData(enum.Enum):
@@ -184,7 +191,8 @@ class FrameDecoder:
         Raises RemoteProtocolError when the peer broke the protocol, and again on every later call.
         """
         if self._error is not None:
-            raise RemoteProtocolError(f"connection already failed: {self._error}", self._error.code)
+            raise RemoteProtocolError(f"connection already failed: {self._error}", self._error.code,
+                                      request_id=self._error.request_id)
         try:
             return self._next_frame()
         except RemoteProtocolError as exc:
@@ -207,7 +215,8 @@ class FrameDecoder:
         if length > self.max_frame_bytes:
             raise RemoteProtocolError(
                 f"declared payload of {length} bytes is over {self.max_frame_bytes}",
-                ResultCode.MESSAGE_TOO_LARGE,
+                ResultCode.MESSAGE_TOO_LARGE, request_id=request_id,
+                unread=max(0, FRAME_OVERHEAD + length - (len(buf) - pos)),
             )
         is_response = bool(flags & FLAG_RESPONSE)
         if command == Command.ERROR and not is_response:
@@ -362,6 +371,17 @@ class _Reader:
 # --- payload codecs ---------------------------------------------------------------------------
 # Encoders raise LocalProtocolError for a value the layout cannot carry (a length or number out
 # of its field, a str that is not encodable); decoders raise RemoteProtocolError and nothing else.
+
+
+SEND_REQUEST_OVERHEAD = _U32.size
+
+
+def send_item_size(item: SendItem) -> int:
+    """The bytes `item` takes in a SEND request payload (a client cuts its batches by it)."""
+    size = _SEND_ITEM.size + len(item.body)
+    for text in (item.message_id, item.subject, *item.headers.keys(), *item.headers.values()):
+        size += len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+    return size + 2 * _U16.size * len(item.headers)
 
 
 def encode_send_request(items: Sequence[SendItem]) -> bytes:

@@ -9,7 +9,9 @@ One pump serves every framed connection, the delay server's and the meta server'
   its answers does not hold the task forever);
 - an optional `gate` sees every frame, in line, until it lets the connection in (AUTH);
 - a peer that breaks the protocol (bad magic, a declared length over the cap, a bad crc) gets an
-  ERROR frame with the code of its RemoteProtocolError and the connection is closed. The abuse is
+  ERROR frame with the code of its RemoteProtocolError and the connection is closed; for a frame
+  refused for its size (MESSAGE_TOO_LARGE, naming its request) the rest of it is read and dropped
+  first (up to LINGER_BYTES), so that the peer reads the answer instead of a reset connection. The abuse is
   logged once per connection, and at most `ABUSE_LOG_PER_MINUTE` lines a minute per process (the
   rest are counted and the count is logged with the next line that goes out), so an operator sees
   it and a flood of bad connections cannot flood the log.
@@ -29,6 +31,8 @@ from delayserver.message import ResultCode
 log = logging.getLogger("delayserver.connections")
 
 ABUSE_LOG_PER_MINUTE = 20
+#: The most of a refused frame read and dropped before closing (see `_drop`).
+LINGER_BYTES = 64 * 1024 * 1024
 
 Respond = Callable[[p.Frame], Awaitable[bytes]]
 Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool]]
@@ -86,6 +90,23 @@ def peer_name(stream) -> str:
         return f"{host}:{port}"
     except (AttributeError, OSError, ValueError, TypeError):
         return "a peer"
+
+
+async def _drop(stream, count: int, timeout_s: float) -> None:
+    """Read and drop `count` bytes (the rest of a frame refused for its size), within `timeout_s`.
+
+    Closing at once would leave the peer's unsent bytes unread, and the kernel then resets the
+    connection, destroying the ERROR already sent: the peer would see "connection reset" for a
+    message that is merely too large, and could send it again forever."""
+    with trio.move_on_after(timeout_s):
+        while count > 0:
+            try:
+                data = await stream.receive_some(min(count, 1 << 20))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            count -= len(data)
 
 
 def error_frame(request_id: int, code: int, message: str) -> bytes:
@@ -150,7 +171,9 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                     frame = decoder.next_frame()
                 except p.RemoteProtocolError as e:
                     ABUSE.warn(what, peer_name(stream), e)
-                    await send(error_frame(0, e.code, str(e)))
+                    await send(error_frame(e.request_id, e.code, str(e)))
+                    if 0 < e.unread <= LINGER_BYTES:
+                        await _drop(stream, e.unread, limits.frame_timeout_s or limits.idle_timeout_s)
                     nursery.cancel_scope.cancel()
                     return
                 if frame is p.NEED_DATA:

@@ -78,3 +78,18 @@ def test_parked_messages_are_listed_and_redrive_delivers_them(tmp_path, webhook_
         assert "nothing to redrive" in delayctl("redrive", proc.data_dir, "--server", proc.address).stdout
     finally:
         proc.kill()
+
+
+def test_a_body_no_node_takes_is_refused_with_message_too_large_before_sending(server, tmp_path):
+    body = tmp_path / "big.bin"
+    body.write_bytes(b"x" * (10 << 20))
+    result = delayctl("send", "--server", server.address, "--subject", "orders.big", "--delay", "1s",
+                      "--body-file", body, check=False)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: MESSAGE_TOO_LARGE:") and "Traceback" not in result.stderr
+
+
+def test_a_server_address_that_is_not_host_port_is_a_usage_error(tmp_path):
+    result = delayctl("send", "--server", "127.0.0.1:notaport", "--subject", "s", "--delay", "1s", "--body", "x",
+                      check=False)
+    assert result.returncode == 2 and "--server" in result.stderr and "Traceback" not in result.stderr

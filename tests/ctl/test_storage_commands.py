@@ -211,6 +211,18 @@ def test_verify_of_a_healthy_data_dir_exits_0_with_a_summary_per_log(data_dir):
     assert "\r" not in result.stderr, "no progress bar when stderr is not a terminal"
 
 
+@pytest.mark.parametrize("what", ["missing", "empty", "file"])
+def test_verify_of_what_is_no_data_directory_is_a_usage_error_exit_2(tmp_path, what):
+    path = tmp_path / "node"
+    if what == "empty":
+        path.mkdir()
+    elif what == "file":
+        path.write_text("x")
+    result = delayctl("verify", path)
+    assert result.returncode == 2 and str(path) in result.stderr
+    assert ("not a directory" if what != "empty" else "not a data directory") in result.stderr
+
+
 @pytest.mark.parametrize("where", ["message_log", "schedule_log", "dispatch_log"])
 def test_verify_reports_a_torn_tail_as_a_warning_and_exits_0(data_dir, where):
     path = {"message_log": message_segments(data_dir)[-1], "schedule_log": schedule_segment(data_dir, B0 + DEFAULT_SCALE_MS),
@@ -298,12 +310,6 @@ def test_verify_of_a_dispatch_naming_no_scheduled_message_exits_1(data_dir):
     store.close()
     result = delayctl("verify", data_dir)
     assert result.returncode == 1 and "names schedule_log offset 3, which is not a scheduled message" in result.stdout
-
-
-def test_verify_of_something_that_is_not_a_data_dir_fails(tmp_path):
-    assert delayctl("verify", tmp_path / "missing").returncode == 1
-    result = delayctl("verify", tmp_path)
-    assert result.returncode == 1 and "not a data directory" in result.stderr
 
 
 # --- buckets ----------------------------------------------------------------------------------
