@@ -104,10 +104,14 @@ class DelayServer:
                 if c.metrics_listen is not None:
                     listeners = await nursery.start(serve_metrics, self, *c.metrics_listen)
                     self.metrics_port = listeners[0].socket.getsockname()[1]
-                listeners = await nursery.start(self._listen)
+                # Bound now (the meta server is told the port), accepting only once the role is
+                # known: a producer quick off the mark waits in the backlog for its answer instead
+                # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
+                listeners = await trio.open_tcp_listeners(c.listen[1], host=c.listen[0])
                 self.port = listeners[0].socket.getsockname()[1]
                 if c.meta:
                     await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
+                await nursery.start(self._listen, listeners)
                 if c.meta or c.replicate_from:
                     node_id = c.node_id or f"{c.listen[0]}:{self.port}"
                     self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
@@ -121,15 +125,14 @@ class DelayServer:
             self.parked.close()
             self.store.close()
 
-    async def _listen(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        host, port = self.config.listen
+    async def _listen(self, listeners, task_status=trio.TASK_STATUS_IGNORED) -> None:
         handler = self._handle
         if self.config.tls_cert:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
             handler = functools.partial(self._handle_tls, context)
         with self._listener_scope:
-            await trio.serve_tcp(handler, port, host=host, task_status=task_status)
+            await trio.serve_listeners(handler, listeners, task_status=task_status)
 
     async def _handle_tls(self, context: ssl.SSLContext, stream: trio.SocketStream) -> None:
         tls = trio.SSLStream(stream, context, server_side=True)
