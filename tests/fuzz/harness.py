@@ -1,7 +1,6 @@
 """What both fuzz targets share: the allocation bound and the libFuzzer entry point."""
 from __future__ import annotations
 
-import sys
 import tracemalloc
 
 #: No input may make the code under test hold more than this many bytes per input byte, plus a

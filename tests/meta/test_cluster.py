@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from delayserver.client import Message, Producer
-from tests.procs import ServerProcess, spooled, wait_for
+from delayserver.client import Producer
 from tests.ctl.test_meta_commands import MetaProcess, request
+from tests.procs import ServerProcess, spooled, wait_for
 
 
 @pytest.fixture

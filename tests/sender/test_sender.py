@@ -5,19 +5,16 @@ from __future__ import annotations
 import collections
 import random
 
-import pytest
 import redis
 import trio
 
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
-from delayserver.message import MessageState
 from delayserver.node.server import DelayServer
 from delayserver.sender.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from delayserver.sender.parked import iter_parked
 from delayserver.sender.sender import BrokerGroup, Delivery, Sender
 from delayserver.sender.spool import iter_spool
-from delayserver.storage.buckets import bucket_start
 from delayserver.storage.record import Message as StoredMessage
 from delayserver.storage.store import bucket_stats
 
