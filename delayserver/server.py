@@ -20,7 +20,7 @@ from delayserver.errors import DelayServerError, ResultCode
 from delayserver.lookup import lookup
 from delayserver.membership import local_groups, start_meta_agent
 from delayserver.meta.store import Role
-from delayserver.metrics import serve_metrics
+from delayserver.metrics import NodeMetrics
 from delayserver.receiver import Receiver
 from delayserver.replayer import Replayer
 from delayserver.replication import Master, Slave
@@ -46,6 +46,8 @@ class DelayServer:
         self.connections = 0
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.metrics = NodeMetrics()
         self._listener_scope = trio.CancelScope()
         self.meta_agent = None
 
@@ -80,6 +82,7 @@ class DelayServer:
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
                              batches_in_flight=c.send_batches_in_flight, parked=self.parked,
                              may_deliver=self._may_deliver, on_disk_full=self.receiver.enter_disk_full)
+        self.sender.on_delivered = self.metrics.delivered
 
     def _may_deliver(self) -> bool:
         if self.config.replicate_from:
@@ -133,11 +136,9 @@ class DelayServer:
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self._is_master))
                 await nursery.start(self.sender.serve)
-                if self.config.metrics_listen is not None:
-                    listeners = await nursery.start(serve_metrics, self, *self.config.metrics_listen)
-                    self.metrics_port = listeners[0].socket.getsockname()[1]
                 listeners = await nursery.start(self._listen)
                 self.port = listeners[0].socket.getsockname()[1]
+                await self._serve_http(nursery)
                 if self.config.meta:
                     await start_meta_agent(self, nursery)
                 if self.config.meta or self.config.replicate_from:
@@ -151,6 +152,26 @@ class DelayServer:
             await self.sender.aclose()
             self.parked.close()
             self.store.close()
+
+    async def _serve_http(self, nursery) -> None:
+        """Metrics (prometheus-client) and, with http_listen, the HTTP API and console."""
+        from delayserver.node.http.app import create_app, metrics_app
+        from delayserver.node.http.backlog import Backlog
+        from delayserver.node.http.ops import ServerOps
+        from delayserver.node.http.serve import serve_asgi
+
+        c = self.config
+        self.backlog = Backlog(c.data_dir, self.clock)
+        self.metrics.register_node(self, self.backlog)
+        if c.metrics_listen is not None or c.http_listen is not None:
+            await nursery.start(self.backlog.serve)
+        if c.metrics_listen is not None:
+            self.metrics_port = await nursery.start(serve_asgi, metrics_app(self.metrics), *c.metrics_listen)
+        if c.http_listen is not None:
+            app = create_app(ServerOps(self), secret=c.auth_secret, metrics=self.metrics, backlog=self.backlog,
+                             max_body_bytes=c.max_frame_bytes, clock=self.clock)
+            self.http_port = await nursery.start(functools.partial(
+                serve_asgi, app, *c.http_listen, certfile=c.tls_cert, keyfile=c.tls_key))
 
     async def _listen(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.config.listen
@@ -316,12 +337,7 @@ class DelayServer:
         if cmd == p.Command.AUTH:
             return b""  # already authenticated on this connection
         if cmd == p.Command.SEND:
-            items = p.decode_send_request(frame.payload)
-            refusal = self._write_refusal()
-            if refusal is not None:
-                return p.encode_send_response([
-                    p.SendResult(refusal, refusal.description, 0, i.message_id) for i in items])
-            return p.encode_send_response(await self.receiver.send(items))
+            return p.encode_send_response(await self.send_items(p.decode_send_request(frame.payload)))
         if cmd == p.Command.CANCEL:
             return p.encode_cancel_response(await self.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
@@ -332,7 +348,17 @@ class DelayServer:
             return await self.master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 
-    # --- cancel and status --------------------------------------------------------------------
+    # --- send, cancel and status --------------------------------------------------------------
+
+    async def send_items(self, items: list[p.SendItem], api: str = "binary") -> list[p.SendResult]:
+        """Store a batch (or refuse it with NOT_MASTER / READ_ONLY); OK results are durable."""
+        refusal = self._write_refusal()
+        if refusal is not None:
+            return [p.SendResult(refusal, refusal.description, 0, i.message_id) for i in items]
+        started = trio.current_time()
+        results = await self.receiver.send(items)
+        self.metrics.ack_latency.labels(api).observe(trio.current_time() - started)
+        return results
 
     async def _replayed_past(self, offset: int, timeout_s: float = 5.0) -> None:
         with trio.move_on_after(timeout_s):
