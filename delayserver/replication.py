@@ -130,6 +130,7 @@ class Slave:
         self.pulled = 0
         self.stopped_reason = ""
         self.lag_bytes = 0  # the master's durable end minus ours, at the last pull
+        self.in_sync = False  # the last pull left nothing of the master's durable log to fetch
         self._behind_since: float | None = None  # trio time of the first pull that found us behind
 
     def lag_seconds(self) -> float:
@@ -176,6 +177,7 @@ class Slave:
         start, master_end = _ML_RESP.unpack_from(reply, 0)
         data = reply[_ML_RESP.size :]
         self.lag_bytes = max(0, master_end - offset - len(data))
+        self.in_sync = not self.lag_bytes
         if not self.lag_bytes:
             self._behind_since = None
         elif self._behind_since is None:

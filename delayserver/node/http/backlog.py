@@ -81,6 +81,7 @@ class Backlog:
         self.history: collections.deque[tuple[int, dict[str, int]]] = collections.deque(maxlen=HISTORY_SAMPLES)
         self._lock = trio.Lock()
         self._refreshed_at = float("-inf")  # trio time
+        self._pass_s = 0.0  # how long the last pass took
 
     def _scan(self, previous: dict[int, BucketBacklog]) -> dict[int, BucketBacklog]:
         schedule_log = BucketLog.open(self.data_dir / "schedule_log", readonly=True)
@@ -101,14 +102,18 @@ class Backlog:
     async def refresh(self) -> None:
         """Count the buckets that changed, and add a history sample."""
         async with self._lock:
+            started = trio.current_time()
             self.buckets = await trio.to_thread.run_sync(self._scan, self.buckets)
+            self._pass_s = trio.current_time() - started
             self.history.append((self.clock.now_ms(),
                                  {bucket_name(b.bucket): b.pending for b in self.buckets.values() if b.pending}))
             self._refreshed_at = trio.current_time()
 
-    async def fresh(self, max_age_s: float = 1.0) -> None:
-        """Refresh unless the last pass is younger than `max_age_s` (a page asking often costs little)."""
-        if trio.current_time() - self._refreshed_at > max_age_s:
+    async def fresh(self, min_age_s: float = 0.2) -> None:
+        """Refresh unless the last pass is younger than `min_age_s`, or than ten times what it took:
+        pages asking often cost an idle node little, and a node with big segments at most a tenth
+        of one worker thread."""
+        if trio.current_time() - self._refreshed_at > max(min_age_s, 10 * self._pass_s):
             await self.refresh()
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:

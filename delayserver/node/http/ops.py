@@ -113,13 +113,14 @@ class ServerOps:
         ticks = s.ticks
         self._loaded = self._loaded or (ticks.loading_bucket is not None and ticks.loaded_offset >= ticks.loading_end
                                         and ticks.loading_bucket >= ticks.load_target(s.clock.now_ms()))
-        if not self._loaded:
-            problems.append("loading the schedule")
         role = self.role()
+        if not self._loaded and role == "master":  # only a master loads its schedule into the wheel
+            problems.append("loading the schedule")
         if role == "none":
             problems.append("no role yet (the meta server has not answered)")
-        elif role == "slave" and s.slave is not None and (s.slave.lag_bytes or s.slave.lag_seconds()):
-            problems.append(f"slave behind its master by {s.slave.lag_bytes} bytes")
+        elif role == "slave" and (s.slave is None or not s.slave.in_sync):
+            behind = f"by {s.slave.lag_bytes} bytes" if s.slave is not None and s.slave.lag_bytes else "(not synced yet)"
+            problems.append(f"slave behind its master {behind}")
         return problems
 
     # --- delivery -----------------------------------------------------------------------------
