@@ -68,15 +68,29 @@ async def test_a_batch_gets_one_result_per_message_and_stores_only_the_good_ones
     r = await api.post("/v1/messages/batch", json={"messages": [
         {"subject": "b.ok", "body": "1", "delay_ms": 60_000},
         {"subject": "bad subject!", "body": "2"},
-        {"subject": "b.ok", "delay_ms": "soon"},
+        {"subject": "b.ok", "delay_ms": -1},
         {"subject": "b.ok", "body": "4", "deliver_at": "2026-01-01T00:00:00Z", "id": "past"},
         {"subject": "b.ok", "delay_ms": 10 * 86_400_000},
     ]})
     assert r.status_code == 200
     codes = [x["code"] for x in r.json()["results"]]
-    assert codes == ["OK", "BAD_SUBJECT", "BAD_REQUEST", "OK", "BAD_SCHEDULE_TIME"]
+    assert codes == ["OK", "BAD_SUBJECT", "BAD_SCHEDULE_TIME", "OK", "BAD_SCHEDULE_TIME"]
     assert r.json()["accepted"] == 2 and r.json()["refused"] == 3
     assert stored(node)[0] == before + 2
+
+
+@pytest.mark.parametrize("batch", [
+    {"messages": [{"subject": "b.ok"}, {"subject": "b.ok", "delay_ms": "soon"}]},
+    {"messages": [{"subject": "b.ok"}, {"body": "no subject"}]},
+    {"messages": []},
+    {"messages": "none"},
+    [{"subject": "b.ok"}],
+])
+async def test_a_malformed_batch_is_refused_whole_and_nothing_is_stored(node, api, batch):
+    before = stored(node)
+    r = await api.post("/v1/messages/batch", json=batch)
+    assert (r.status_code, r.json()["code"]) == (400, "BAD_REQUEST")
+    assert stored(node) == before
 
 
 @pytest.mark.parametrize("body, status, code", [

@@ -225,11 +225,15 @@ def create_app(ops: NodeOps, *, secret: str = "", metrics=None, backlog=None, ma
 
     async def send_batch(request: Request):
         body = await read_json(request, max_body_bytes)
+        if isinstance(body, dict) and set(body) - {"messages"}:
+            raise ApiError(ResultCode.BAD_REQUEST, f"unknown field {sorted(set(body) - {'messages'})[0]!r}")
         messages = body.get("messages") if isinstance(body, dict) else None
         if not isinstance(messages, list) or not messages:
             raise ApiError(ResultCode.BAD_REQUEST, 'expected {"messages": [...]} with at least one message')
         if len(messages) > MAX_BATCH:
             raise ApiError(ResultCode.BAD_REQUEST, f"at most {MAX_BATCH} messages per batch, got {len(messages)}")
+        # A malformed message (a missing field, a wrong type) refuses the whole batch: nothing is
+        # stored. A well-formed message the node refuses (subject, id, time, size) gets its own code.
         results: list = [None] * len(messages)
         items, where = [], []
         for i, obj in enumerate(messages):
@@ -237,8 +241,9 @@ def create_app(ops: NodeOps, *, secret: str = "", metrics=None, backlog=None, ma
                 items.append(send_item(obj))
                 where.append(i)
             except ApiError as e:
-                given = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), str) else ""
-                results[i] = {"code": e.code.name, "message": str(e), "id": given}
+                if e.code == ResultCode.BAD_REQUEST:
+                    raise ApiError(e.code, f"messages[{i}]: {e}") from None
+                results[i] = {"code": e.code.name, "message": str(e), "id": obj.get("id") or ""}
         for i, result in zip(where, await ops.send(items) if items else []):
             results[i] = _send_json(result)
         failed = sum(1 for r in results if r["code"] != "OK")
@@ -288,7 +293,10 @@ def create_app(ops: NodeOps, *, secret: str = "", metrics=None, backlog=None, ma
         return JSONResponse({"code": "OK", "samples": samples})
 
     async def parked(request: Request):
-        include = request.query_params.get("all", "false").lower() in ("1", "true", "yes")
+        flags = request.query_params.getlist("all")
+        if len(flags) > 1 or any(f not in ("true", "false") for f in flags):
+            raise ApiError(ResultCode.BAD_REQUEST, "all: expected true or false")
+        include = flags == ["true"]
         return JSONResponse({"code": "OK", "parked": ops.parked(include)})
 
     async def redrive(request: Request):

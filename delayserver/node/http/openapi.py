@@ -42,25 +42,25 @@ def _op(summary: str, ok: dict, *errors: int, **extra) -> dict:
 
 _HANDLE = {"name": "handle", "in": "path", "required": True,
            "description": "The message's handle, `<schedule_time>:<id>` as send returned it (percent-encoded id)",
-           "schema": {"type": "string", "minLength": 3}}
+           "schema": {"type": "string", "pattern": "^[0-9]{1,15}:.+$"}}
 
 SCHEMAS = {
     "Error": {"type": "object", "required": ["code", "message"],
               "properties": {"code": {"type": "string", "enum": CODES}, "message": {"type": "string"}}},
     "Message": {
         "type": "object", "required": ["subject"], "additionalProperties": False,
-        "description": "One message. At most one of delay_ms, deliver_at, delay_level (none: at once).",
+        "description": "One message. At most one of delay_ms, deliver_at, delay_level (none: at once); body or "
+                       "body_base64. The node checks the values (subject, id, time, size) and answers a refusal "
+                       "with its code: BAD_SUBJECT, BAD_MESSAGE_ID, BAD_SCHEDULE_TIME, MESSAGE_TOO_LARGE, BAD_HEADERS.",
         "properties": {
-            "subject": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": SUBJECT_PATTERN},
+            "subject": {"type": "string", "description": f"1-255 bytes matching {SUBJECT_PATTERN}"},
             "body": {"type": "string", "description": "The body as text (stored as UTF-8)"},
             "body_base64": {"type": "string", "format": "byte", "description": "The body, base64 (instead of body)"},
-            "delay_ms": {"type": "integer", "minimum": 0},
-            "deliver_at": {"oneOf": [{"type": "integer", "minimum": 0},
-                                     {"type": "string", "format": "date-time"}],
+            "delay_ms": {"type": "integer", "description": "milliseconds from now, not negative"},
+            "deliver_at": {"oneOf": [{"type": "integer"}, {"type": "string"}],
                            "description": "Epoch milliseconds (UTC) or an ISO 8601 time"},
-            "delay_level": {"type": "integer", "minimum": 1, "description": "RocketMQ-style level (1: 1s)"},
-            "id": {"type": "string", "minLength": 1, "maxLength": 128,
-                   "description": "1-128 bytes of UTF-8; generated (time-ordered) when absent"},
+            "delay_level": {"type": "integer", "description": "RocketMQ-style level, from 1 (1s)"},
+            "id": {"type": "string", "description": "1-128 bytes of UTF-8; generated (time-ordered) when absent"},
             "headers": {"type": "object", "additionalProperties": {"type": "string"}},
         },
     },
@@ -164,6 +164,10 @@ SCHEMAS = {
 }
 
 
+def _with(op: dict, *, parameters: list, responses: dict) -> dict:
+    return {**op, "parameters": parameters, "responses": {**op["responses"], **responses}}
+
+
 def openapi_document() -> dict:
     bearer = [{"bearer": []}]
     paths = {
@@ -186,10 +190,12 @@ def openapi_document() -> dict:
             "Send a batch: one result per message", _json(_ref("BatchResult"), "per-message results"), *_WRITE,
             requestBody={"required": True, "content": {"application/json": {"schema": _ref("Batch")}}})},
         "/v1/messages/{handle}": {
-            "get": {**_op("Status of a message", _json(_ref("Status"), "pending, delivered or cancelled"),
-                          400, 503), "parameters": [_HANDLE]},
-            "delete": {**_op("Cancel a pending message", _json(_ref("Cancel"), "the outcome"),
-                             400, 421, 503, 507), "parameters": [_HANDLE]},
+            "get": _with(_op("Status of a message", _json(_ref("Status"), "pending, delivered or cancelled"),
+                             400, 503), parameters=[_HANDLE],
+                         responses={"404": _json(_ref("Status"), "NOT_FOUND: no such message (state unknown)")}),
+            "delete": _with(_op("Cancel a pending message", _json(_ref("Cancel"), "the outcome"),
+                                400, 421, 503, 507), parameters=[_HANDLE],
+                            responses={"404": _json(_ref("Cancel"), "NOT_FOUND: no such message (outcome unknown)")}),
         },
         "/v1/node": {"get": _op("This node: role, epoch, cursors, replication", _json(_ref("Node"), "the node"))},
         "/v1/nodes": {"get": _op("The delay group's nodes and roles (from the meta server)",
@@ -200,7 +206,7 @@ def openapi_document() -> dict:
                                    _json(_ref("Buckets"), "buckets"))},
         "/v1/buckets/history": {"get": _op("Pending per bucket over the last half hour",
                                            _json(_ref("BucketHistory"), "samples"))},
-        "/v1/parked": {"get": {**_op("Messages a broker rejected for good", _json(_ref("Parked"), "parked")),
+        "/v1/parked": {"get": {**_op("Messages a broker rejected for good", _json(_ref("Parked"), "parked"), 400),
                                "parameters": [{"name": "all", "in": "query", "required": False,
                                                "schema": {"type": "boolean"},
                                                "description": "include those already redriven"}]}},
