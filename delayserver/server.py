@@ -161,7 +161,7 @@ class DelayServer:
         from delayserver.node.http.serve import serve_asgi
 
         c = self.config
-        self.backlog = Backlog(c.data_dir, self.clock)
+        self.backlog = Backlog(c.data_dir, self.clock, c.segment_scale_ms)
         self.metrics.register_node(self, self.backlog)
         if c.metrics_listen is not None or c.http_listen is not None:
             await nursery.start(self.backlog.serve)

@@ -19,7 +19,8 @@ import attrs
 import trio
 
 from delayserver.storage.bucket_log import BucketLog
-from delayserver.storage.buckets import bucket_name
+from delayserver.sender.parked import iter_parked
+from delayserver.storage.buckets import bucket_name, bucket_start
 from delayserver.storage.record import DISPATCH_HEAD, SCHEDULED_CANCEL_HEAD, RecordType, scheduled_key
 from delayserver.storage.segment import CorruptSegment, StorageError
 
@@ -31,21 +32,24 @@ HISTORY_SAMPLES = 360
 @attrs.frozen
 class BucketBacklog:
     bucket: int
-    sizes: tuple[int, int]  # schedule_log and dispatch_log segment sizes this was counted at
+    sizes: tuple[int, int, int]  # schedule_log and dispatch_log segment, and parked.log, sizes counted at
     scheduled: int
     dispatched: int
     cancelled: int
     pending_times: array  # sorted schedule times of the pending messages
     error: str = ""
+    parked: int = 0
 
     @property
     def pending(self) -> int:
         return len(self.pending_times)
 
 
-def count_bucket(schedule_log: BucketLog, dispatch_log: BucketLog, bucket: int) -> BucketBacklog:
-    """Count one bucket from its segments; a damaged one comes back with `error` set."""
-    sizes = (schedule_log.size(bucket), dispatch_log.size(bucket))
+def count_bucket(schedule_log: BucketLog, dispatch_log: BucketLog, bucket: int, parked: set[int] = frozenset(),
+                 parked_size: int = 0) -> BucketBacklog:
+    """Count one bucket from its segments; a damaged one comes back with `error` set. `parked`:
+    the bucket's schedule_log offsets that were parked (settled, like the dispatched ones)."""
+    sizes = (schedule_log.size(bucket), dispatch_log.size(bucket), parked_size)
     times: dict[int, int] = {}
     by_key: dict[tuple[int, str], list[int]] = {}
     cancelled: set[int] = set()
@@ -65,16 +69,18 @@ def count_bucket(schedule_log: BucketLog, dispatch_log: BucketLog, bucket: int) 
             for _, rtype, payload in dispatch_log.records(bucket, 0, sizes[1]):
                 if rtype == RecordType.DISPATCH:
                     dispatched.add(DISPATCH_HEAD.unpack_from(payload, 0)[0])
+        settled = dispatched | parked
     except (CorruptSegment, StorageError, UnicodeDecodeError) as e:
         return BucketBacklog(bucket, sizes, 0, 0, 0, array("q"), error=str(e))
-    pending = array("q", sorted(t for off, t in times.items() if off not in dispatched and off not in cancelled))
+    pending = array("q", sorted(t for off, t in times.items() if off not in settled and off not in cancelled))
     return BucketBacklog(bucket, sizes, len(times), len(dispatched & times.keys()),
-                         len(cancelled - dispatched), pending)
+                         len(cancelled - dispatched), pending, parked=len(parked & times.keys()))
 
 
 class Backlog:
-    def __init__(self, data_dir: Path, clock, *, interval_s: float = 5.0):
+    def __init__(self, data_dir: Path, clock, scale_ms: int, *, interval_s: float = 5.0):
         self.data_dir = Path(data_dir)
+        self.scale_ms = scale_ms
         self.clock = clock
         self.interval_s = interval_s
         self.buckets: dict[int, BucketBacklog] = {}
@@ -86,18 +92,34 @@ class Backlog:
     def _scan(self, previous: dict[int, BucketBacklog]) -> dict[int, BucketBacklog]:
         schedule_log = BucketLog.open(self.data_dir / "schedule_log", readonly=True)
         dispatch_log = BucketLog.open(self.data_dir / "dispatch_log", readonly=True)
+        parked_path = self.data_dir / "parked" / "parked.log"
+        parked_size = parked_path.stat().st_size if parked_path.exists() else 0
+        parked_by_bucket: dict[int, set[int]] | None = None
         try:
             out = {}
             for bucket in sorted(set(schedule_log.buckets()) | set(dispatch_log.buckets())):
                 old = previous.get(bucket)
-                if old is not None and old.sizes == (schedule_log.size(bucket), dispatch_log.size(bucket)):
+                if old is not None and old.sizes == (schedule_log.size(bucket), dispatch_log.size(bucket), parked_size):
                     out[bucket] = old
-                else:
-                    out[bucket] = count_bucket(schedule_log, dispatch_log, bucket)
+                    continue
+                if parked_by_bucket is None:
+                    parked_by_bucket = self._parked(schedule_log.buckets())
+                out[bucket] = count_bucket(schedule_log, dispatch_log, bucket, parked_by_bucket.get(bucket, set()),
+                                           parked_size)
             return out
         finally:
             schedule_log.close()
             dispatch_log.close()
+
+    def _parked(self, buckets) -> dict[int, set[int]]:
+        """Per bucket, the schedule_log offsets of parked messages (one read of parked.log)."""
+        out: dict[int, set[int]] = {}
+        try:
+            for _, p in iter_parked(self.data_dir / "parked"):
+                out.setdefault(bucket_start(p.message.schedule_time, self.scale_ms), set()).add(p.schedule_offset)
+        except StorageError as e:
+            log.warning("cannot read parked.log: %s", e)
+        return out
 
     async def refresh(self) -> None:
         """Count the buckets that changed, and add a history sample."""
@@ -128,7 +150,7 @@ class Backlog:
 
     def rows(self) -> list[dict]:
         return [{"bucket": bucket_name(b.bucket), "start": b.bucket, "scheduled": b.scheduled,
-                 "dispatched": b.dispatched, "cancelled": b.cancelled, "pending": b.pending,
+                 "dispatched": b.dispatched, "cancelled": b.cancelled, "parked": b.parked, "pending": b.pending,
                  **({"error": b.error} if b.error else {})}
                 for b in self.buckets.values()]
 

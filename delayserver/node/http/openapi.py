@@ -129,7 +129,7 @@ SCHEMAS = {
                     "properties": {"bucket": {"type": "string", "pattern": "^[0-9]{12}$"},
                                    "start": {"type": "integer"}, "scheduled": {"type": "integer"},
                                    "dispatched": {"type": "integer"}, "cancelled": {"type": "integer"},
-                                   "pending": {"type": "integer"}, "error": {"type": "string"}}}}}},
+                                   "parked": {"type": "integer"}, "pending": {"type": "integer"}, "error": {"type": "string"}}}}}},
     "BucketHistory": {"type": "object", "required": ["code", "samples"],
                       "properties": {"code": {"type": "string"}, "samples": {"type": "array", "items": {
                           "type": "object", "required": ["time", "pending"],
@@ -202,7 +202,7 @@ def openapi_document() -> dict:
                                  _json(_ref("GroupNodes"), "nodes"))},
         "/v1/broker-groups": {"get": _op("Broker groups: breaker, in flight, delivered, retried, parked",
                                          _json(_ref("BrokerGroups"), "broker groups"))},
-        "/v1/buckets": {"get": _op("Per bucket: scheduled, dispatched, cancelled, pending",
+        "/v1/buckets": {"get": _op("Per bucket: scheduled, dispatched, cancelled, parked, pending",
                                    _json(_ref("Buckets"), "buckets"))},
         "/v1/buckets/history": {"get": _op("Pending per bucket over the last half hour",
                                            _json(_ref("BucketHistory"), "samples"))},

@@ -59,7 +59,7 @@ const pages = {
   async backlog() {
     const [buckets, history] = await Promise.all([api("/v1/buckets"), api("/v1/buckets/history")]);
     fillRows($("bl-table"), buckets.buckets, (b) => [
-      b.bucket, fmt(b.scheduled), fmt(b.dispatched), fmt(b.cancelled), fmt(b.pending)]);
+      b.bucket, fmt(b.scheduled), fmt(b.dispatched), fmt(b.cancelled), fmt(b.parked), fmt(b.pending)]);
     drawBacklog($("bl-chart"), $("bl-legend"), history.samples);
   },
 
@@ -172,7 +172,9 @@ $("msg-cancel").addEventListener("click", () => guarded(async () => {
   const handle = $("message").dataset.handle;
   $("msg-cancel").disabled = true;
   const result = await api("/v1/messages/" + handle, { method: "DELETE" });
-  $("msg-outcome").textContent = "Cancel: " + (result.outcome || result.code) + (result.message ? " (" + result.message + ")" : "");
+  const outcome = (result.outcome || result.code).replaceAll("_", " ");
+  const detail = result.message && result.message !== outcome ? " (" + result.message + ")" : "";
+  $("msg-outcome").textContent = "Cancel: " + outcome + detail;
   await showMessage(handle);
 }));
 
