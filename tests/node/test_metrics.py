@@ -97,3 +97,25 @@ def test_recent_histogram_keeps_only_its_window():
     assert h.counts() == [1, 0, 0]
     now[0] += 60
     assert h.counts() == [0, 0, 0]
+
+
+async def test_every_metric_the_grafana_dashboard_queries_is_exported(tmp_path, nursery, webhook_server):
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "ops" / "grafana" / "delayserver.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    wanted = {m for e in exprs for m in re.findall(r"\b(delayserver_[a-z_]+)\{", e)}
+    assert len(wanted) > 15
+    node = await start_node(nursery, node_config(tmp_path, auth_secret=SECRET))
+    async with AsyncProducer(f"127.0.0.1:{node.port}", secret=SECRET) as producer:
+        await producer.send("d.x", b"x")
+    with trio.fail_after(10):
+        while node.sender.delivered < 1:
+            await trio.sleep(0.01)
+    families = await scrape(node.http_port)
+    # Sample names (with _total, _bucket suffixes) and family names (a labelled family may have no
+    # sample yet: no bucket pending, no slave).
+    exported = set(families) | {s.name for f in families.values() for s in f.samples}
+    assert wanted - exported == set()
