@@ -171,7 +171,8 @@ class DelayServer:
             app = create_app(ServerOps(self), secret=c.auth_secret, metrics=self.metrics, backlog=self.backlog,
                              max_body_bytes=c.max_frame_bytes, clock=self.clock)
             self.http_port = await nursery.start(functools.partial(
-                serve_asgi, app, *c.http_listen, certfile=c.tls_cert, keyfile=c.tls_key))
+                serve_asgi, app, *c.http_listen, certfile=c.tls_cert, keyfile=c.tls_key,
+                read_timeout_s=c.frame_timeout_ms / 1000))
 
     async def _listen(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.config.listen

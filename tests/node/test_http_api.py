@@ -285,3 +285,17 @@ def test_json_logs_are_one_object_per_line(capsys):
     assert first["message"] == "disk full" and first["bucket"] == "202611221600"
     assert first["time"].endswith("+00:00")
     assert second["level"] == "ERROR" and "ValueError: boom" in second["exception"]
+
+
+async def test_a_client_trickling_a_request_is_dropped_and_others_are_served(tmp_path, nursery):
+    node = await start_node(nursery, node_config(tmp_path, frame_timeout_ms=300))
+    stream = await trio.open_tcp_stream("127.0.0.1", node.http_port)
+    await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    with trio.fail_after(10):
+        data = b""
+        while chunk := await stream.receive_some(4096):
+            data += chunk
+    await stream.aclose()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{node.http_port}") as client:
+        assert (await client.get("/healthz")).status_code == 200
+    assert node.receiver.appended == 0
