@@ -144,7 +144,7 @@ class _NodeCollector(Collector):
         yield _gauge("delayserver_inflight", "Deliveries in flight.", len(ticks.inflight))
         yield _gauge("delayserver_due_waiting", "Due messages waiting for room in flight.", len(ticks.ready))
         yield _gauge("delayserver_retry_waiting", "Deliveries waiting for their retry back-off.",
-                     len(sender._retries))
+                     sender.metrics()["delayserver_retry_waiting"])
         yield from self._groups(sender)
         yield from self._replication(s)
         if self.backlog is not None:

@@ -253,6 +253,9 @@ async def test_a_parked_message_is_listed_and_redriven(tmp_path, nursery, webhoo
         await wait_until(lambda: server.sender.parked_count == 1)
         [parked] = (await client.get("/v1/parked")).json()["parked"]
         assert (parked["id"], parked["handle"]) == ("p-1", sent["handle"]) and "hook" in parked["reason"]
+        with trio.fail_after(10):  # a parked message is settled: no longer pending
+            while [(b["parked"], b["pending"]) for b in (await client.get("/v1/buckets")).json()["buckets"]] != [(1, 0)]:
+                await trio.sleep(0.05)
         webhook_server.respond(200)
         r = await client.post("/v1/parked/redrive")
         assert r.json() == {"code": "OK", "redriven": 1, "remaining": 0}

@@ -142,7 +142,7 @@ class Backlog:
         await self.refresh()
         task_status.started()
         while True:
-            await trio.sleep(self.interval_s)
+            await trio.sleep(max(self.interval_s, 10 * self._pass_s))
             try:
                 await self.refresh()
             except OSError as e:
