@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import ssl
 
 import httpx
@@ -264,30 +263,6 @@ async def test_a_parked_message_is_listed_and_redriven(tmp_path, nursery, webhoo
         assert [p["redriven"] for p in (await client.get("/v1/parked?all=true")).json()["parked"]] == [True]
     delivered = webhook_server.batches[-1]["messages"][0]
     assert delivered["id"] == "p-1" and delivered["headers"]["redriven-from"] == sent["handle"]
-
-
-def test_json_logs_are_one_object_per_line(capsys):
-    import io
-
-    from delayserver.logs import configure
-
-    stream = io.StringIO()
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    try:
-        configure("INFO", "json", stream)
-        logging.getLogger("delayserver.test").warning("disk %s", "full", extra={"bucket": "202611221600"})
-        try:
-            raise ValueError("boom")
-        except ValueError:
-            logging.getLogger("delayserver.test").exception("failed")
-    finally:
-        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
-    first, second = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert first["level"] == "WARNING" and first["logger"] == "delayserver.test"
-    assert first["message"] == "disk full" and first["bucket"] == "202611221600"
-    assert first["time"].endswith("+00:00")
-    assert second["level"] == "ERROR" and "ValueError: boom" in second["exception"]
 
 
 async def test_a_client_trickling_a_request_is_dropped_and_others_are_served(tmp_path, nursery):
