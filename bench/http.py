@@ -4,7 +4,8 @@ One real server process (`flush = "sync"`, temp data directory, HTTP API on) and
 load generator in its own process (`python -m bench.http load ...`): N concurrent clients, each
 on its own keep-alive connection, sending 256-byte messages due in an hour for a fixed time.
 Cases: one message per request and batches of 64, over HTTP (httpx, JSON) and over the binary
-protocol (AsyncProducer). Prints messages/s, request latency P50/P99 and server CPU per message.
+protocol (AsyncProducer). Prints messages/s, request latency P50/P99 and server CPU per message,
+then what the console's refresh costs on the node holding all those messages.
 """
 from __future__ import annotations
 
@@ -99,9 +100,33 @@ def main(argv: list[str]) -> None:
                           f"{r['msgs_per_s']:,.0f} acknowledged msg/s ({r['requests']:,} requests); "
                           f"per request P50 {r['p50_ms']:.1f} ms, P99 {r['p99_ms']:.1f} ms; "
                           f"server CPU {cpu_us:.0f} us per message", flush=True)
+            _console_cost(http_port, cpu)
         finally:
             server.terminate()
             server.wait(30)
+
+
+def _console_cost(http_port: int, cpu) -> None:
+    """What the console's refresh costs on the node now holding every message sent above: one
+    pass over changed buckets, then the cached answer the other pages get within the same second."""
+    import httpx
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=120) as client:
+        before = sum(cpu()[:2])
+        t0 = time.perf_counter()
+        pending = client.get("/v1/buckets").json()
+        first_ms = (time.perf_counter() - t0) * 1000
+        first_cpu_ms = (sum(cpu()[:2]) - before) * 1000
+        held = sum(b["pending"] for b in pending["buckets"])
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            client.get("/v1/overview")
+            times.append((time.perf_counter() - t0) * 1000)
+        times.sort()
+    print(f"console on a node holding {held:,} pending messages: a backlog pass over changed buckets "
+          f"{first_ms:.0f} ms ({first_cpu_ms:.0f} ms server CPU); /v1/overview P50 {percentile(times, 0.5):.1f} ms, "
+          f"max {times[-1]:.1f} ms over 20 requests", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,17 @@ async def test_a_message_sent_over_http_is_stored_and_has_the_same_handle_on_bot
     assert r.json()["schedule_time"] == handle.schedule_time
 
 
+@pytest.mark.parametrize("message_id", ["order/42", "50%off", "a%2Fb", "ünïcode ~ id", "x:y"])
+async def test_a_handle_in_the_url_names_exactly_its_message(api, message_id):
+    sent = (await api.post("/v1/messages", json={"subject": "h.x", "delay_ms": 600_000, "id": message_id})).json()
+    for other in {"order/42", "50%off", "a%2Fb", "ünïcode ~ id", "x:y"} - {message_id}:
+        await api.post("/v1/messages", json={"subject": "h.x", "deliver_at": sent["schedule_time"], "id": other})
+    r = (await api.get(f"/v1/messages/{sent['handle']}")).json()
+    assert (r["state"], r["id"]) == ("pending", message_id)
+    assert (await api.delete(f"/v1/messages/{sent['handle']}")).json()["outcome"] == "cancelled"
+    assert (await api.get(f"/v1/messages/{sent['handle']}")).json()["state"] == "cancelled"
+
+
 async def test_cancel_over_http_wins_and_the_binary_protocol_sees_it(node, api):
     sent = (await api.post("/v1/messages", json={"subject": "s.c", "body": "x", "delay_ms": 600_000})).json()
     r = await api.delete(f"/v1/messages/{sent['handle']}")

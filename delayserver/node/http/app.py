@@ -166,14 +166,11 @@ def send_item(obj) -> SendItem:
 
 
 def parse_handle(text: str) -> Handle:
-    """`<schedule_time>:<id>`: the id as printed (percent-encoded), or already decoded by the URL."""
+    """The handle in a URL path, `<schedule_time>:<id>`, once the server has percent-decoded the
+    path: so the id is raw here (a handle printed as `1795449600000:order%2F42` names `order/42`)."""
     time_text, sep, message_id = text.partition(":")
     if not sep or not time_text.isdigit() or not message_id:
         raise ApiError(ResultCode.BAD_REQUEST, f"not a handle (want <epoch ms>:<id>): {text[:80]!r}")
-    try:
-        return Handle.parse(text)
-    except ValueError:
-        pass
     schedule_time = int(time_text)
     if not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS or not 1 <= len(message_id.encode("utf-8", "replace")) <= 128:
         raise ApiError(ResultCode.BAD_REQUEST, f"not a handle (time or id out of range): {text[:80]!r}")
