@@ -8,8 +8,6 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-log = logging.getLogger("delayserver.http")
-
 
 async def serve_asgi(app, host: str, port: int, *, certfile: str = "", keyfile: str = "",
                      read_timeout_s: float = 10.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -27,5 +25,4 @@ async def serve_asgi(app, host: str, port: int, *, certfile: str = "", keyfile: 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(serve, app, config))
         bound = int(binds[0].rsplit(":", 1)[1])
-        log.info("HTTP on %s", binds[0])
         task_status.started(bound)
