@@ -198,3 +198,17 @@ def test_each_console_page_shows_what_the_node_holds_and_cancel_and_redrive_work
     # The one 401 is the first load, before the token was given.
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and "status of 401" not in e["message"]]
     assert errors == [], errors
+
+
+def test_the_console_loads_nothing_from_outside_the_node():
+    import re
+    from importlib import resources
+
+    static = resources.files("delayserver.node.http") / "static"
+    names = sorted(p.name for p in static.iterdir())
+    assert names == ["console.css", "console.js", "index.html"]
+    for name in names:
+        text = (static / name).read_text()
+        # The only absolute URL is the SVG namespace, which browsers never fetch.
+        urls = set(re.findall(r"(?:https?:)?//[A-Za-z0-9.-]+\.[a-z]{2,}[^\s\"')]*", text))
+        assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
