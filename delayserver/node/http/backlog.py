@@ -104,8 +104,11 @@ class Backlog:
                     continue
                 if parked_by_bucket is None:
                     parked_by_bucket = self._parked(schedule_log.buckets())
-                out[bucket] = count_bucket(schedule_log, dispatch_log, bucket, parked_by_bucket.get(bucket, set()),
-                                           parked_size)
+                try:
+                    out[bucket] = count_bucket(schedule_log, dispatch_log, bucket,
+                                               parked_by_bucket.get(bucket, set()), parked_size)
+                except FileNotFoundError:
+                    continue  # the cleaner deleted it since the listing: nothing of it is pending
             return out
         finally:
             schedule_log.close()
@@ -136,7 +139,10 @@ class Backlog:
         pages asking often cost an idle node little, and a node with big segments at most a tenth
         of one worker thread."""
         if trio.current_time() - self._refreshed_at > max(min_age_s, 10 * self._pass_s):
-            await self.refresh()
+            try:
+                await self.refresh()
+            except OSError as e:
+                log.warning("backlog refresh failed, answering from the last pass: %s", e)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await self.refresh()
