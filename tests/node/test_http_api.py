@@ -41,10 +41,13 @@ async def test_a_message_sent_over_http_is_stored_and_has_the_same_handle_on_bot
     assert r.json()["schedule_time"] == handle.schedule_time
 
 
-@pytest.mark.parametrize("message_id", ["order/42", "50%off", "a%2Fb", "ünïcode ~ id", "x:y"])
+IDS = ["order/42", "50%off", "a%2Fb", "ünïcode ~ id", "x:y", "line\nbreak"]
+
+
+@pytest.mark.parametrize("message_id", IDS)
 async def test_a_handle_in_the_url_names_exactly_its_message(api, message_id):
     sent = (await api.post("/v1/messages", json={"subject": "h.x", "delay_ms": 600_000, "id": message_id})).json()
-    for other in {"order/42", "50%off", "a%2Fb", "ünïcode ~ id", "x:y"} - {message_id}:
+    for other in set(IDS) - {message_id}:
         await api.post("/v1/messages", json={"subject": "h.x", "deliver_at": sent["schedule_time"], "id": other})
     r = (await api.get(f"/v1/messages/{sent['handle']}")).json()
     assert (r["state"], r["id"]) == ("pending", message_id)
@@ -164,6 +167,8 @@ async def test_a_wrong_or_missing_token_gets_401_and_nothing_is_stored(node, hea
     ("/v1/messages/12:", 400),
     ("/v1/messages/99999999999999999:x", 400),
     ("/v1/messages/1795323209529:nobody", 404),
+    ("/v1/messages/%C2%95%0A%F4%85%80%98", 400),
+    ("/v1/messages/1795323209529:a%0Ab", 404),
 ])
 async def test_status_of_a_bad_or_unknown_handle(api, path, status):
     r = await api.get(path)

@@ -19,6 +19,7 @@ from importlib import resources
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -54,6 +55,21 @@ HTTP_STATUS = {
 assert set(HTTP_STATUS) == set(ResultCode)
 
 MAX_BATCH = 10_000
+
+
+class HandleConvertor(Convertor):
+    """Anything after /v1/messages/, line breaks too: a message id may hold any character."""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("handle", HandleConvertor())
 STATIC = resources.files("delayserver.node.http") / "static"
 
 
@@ -357,8 +373,8 @@ def create_app(ops: NodeOps, *, secret: str = "", metrics=None, backlog=None, ma
         Route("/metrics", prometheus),
         Route("/v1/messages", api(send_one), methods=["POST"]),
         Route("/v1/messages/batch", api(send_batch), methods=["POST"]),
-        Route("/v1/messages/{handle:path}", api(status), methods=["GET"]),
-        Route("/v1/messages/{handle:path}", api(cancel), methods=["DELETE"]),
+        Route("/v1/messages/{handle:handle}", api(status), methods=["GET"]),
+        Route("/v1/messages/{handle:handle}", api(cancel), methods=["DELETE"]),
         Route("/v1/node", api(node)),
         Route("/v1/nodes", api(group_nodes)),
         Route("/v1/broker-groups", api(broker_groups)),
