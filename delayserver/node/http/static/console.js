@@ -131,9 +131,9 @@ function drawBacklog(target, legend, samples) {
   const max = Math.max(1, ...samples.flatMap((s) => buckets.map((b) => s.pending[b] || 0)));
   const x = (t) => left + (W - left - 8) * (t - t0) / (t1 - t0);
   const y = (v) => H - bottom - (H - bottom - top) * v / max;
-  for (const frac of [0, 0.5, 1]) {
-    target.append(svg("line", { x1: left, x2: W - 8, y1: y(max * frac), y2: y(max * frac), stroke: "#e1e4ea" }));
-    target.append(svg("text", { x: left - 6, y: y(max * frac) + 4, "text-anchor": "end" }, fmt(Math.round(max * frac))));
+  for (const v of new Set([0, Math.round(max / 2), max])) {
+    target.append(svg("line", { x1: left, x2: W - 8, y1: y(v), y2: y(v), stroke: "#e1e4ea" }));
+    target.append(svg("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end" }, fmt(v)));
   }
   target.append(svg("text", { x: left, y: H - 6 }, iso(t0)));
   target.append(svg("text", { x: W - 8, y: H - 6, "text-anchor": "end" }, iso(t1)));
