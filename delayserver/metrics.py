@@ -148,10 +148,12 @@ class _NodeCollector(Collector):
         yield from self._groups(sender)
         yield from self._replication(s)
         if self.backlog is not None:
-            pending = GaugeMetricFamily("delayserver_bucket_pending", "Pending messages per bucket (UTC start).",
+            pending = GaugeMetricFamily("delayserver_bucket_pending",
+                                        "Pending messages per bucket (UTC start), for buckets holding any.",
                                         labels=["bucket"])
             for row in self.backlog.rows():
-                pending.add_metric([row["bucket"]], row["pending"])
+                if row["pending"]:  # a drained bucket's series ends rather than staying at 0
+                    pending.add_metric([row["bucket"]], row["pending"])
             yield pending
             yield _gauge("delayserver_pending", "Pending messages in all buckets.", self.backlog.total_pending())
 
