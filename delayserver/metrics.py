@@ -70,7 +70,8 @@ class RecentHistogram:
 
 
 class NodeMetrics:
-    """The registry of one node; `collector(server)` reads the rest at scrape time."""
+    """The registry of one node; `register_node(node)` adds the collector that reads the rest from
+    the node's services (a `NodeView`) at scrape time."""
 
     def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -91,8 +92,12 @@ class NodeMetrics:
             child.observe(ms / 1000)
             recent.observe(ms / 1000)
 
-    def register_node(self, server, backlog=None) -> None:
-        self.registry.register(_NodeCollector(server, backlog))
+    def acknowledged(self, api: str, seconds: float) -> None:
+        """The message operations' hook: a send request through `api` was answered."""
+        self.ack_latency.labels(api).observe(seconds)
+
+    def register_node(self, node, backlog=None) -> None:
+        self.registry.register(_NodeCollector(node, backlog))
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -104,19 +109,19 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class _NodeCollector(Collector):
-    def __init__(self, server, backlog):
-        self.server = server
+    def __init__(self, node, backlog):
+        self.node = node
         self.backlog = backlog
 
     def collect(self):
-        s = self.server
+        s = self.node
         ticks, receiver, replayer, sender = s.ticks, s.receiver, s.replayer, s.sender
         yield _counter("delayserver_received_total", "Messages accepted (durable) by this node.", receiver.appended)
         yield _counter("delayserver_commit_batches_total", "Group-commit batches written.", receiver.batches)
         yield _gauge("delayserver_read_only", "1 while the node refuses writes after a failed fsync.",
                      int(bool(receiver.read_only_reason)))
         yield _gauge("delayserver_disk_full", "1 while new messages are refused for lack of disk space.",
-                     int(bool(receiver.disk_full)))
+                     int(bool(s.disk.full)))
         yield _gauge("delayserver_message_log_end_offset", "End offset of message_log.",
                      s.store.message_log.end_offset)
         yield _gauge("delayserver_message_log_durable_offset", "message_log offset up to which data is fsynced.",
@@ -135,7 +140,7 @@ class _NodeCollector(Collector):
                      ticks.loading_end)
         yield _gauge("delayserver_loaded_cursor_offset", "Offset up to which the loading bucket is in memory.",
                      ticks.loaded_offset)
-        yield _gauge("delayserver_connections", "Open producer connections.", s.connections)
+        yield _gauge("delayserver_connections", "Open producer connections.", s.connections())
         yield _counter("delayserver_delivered_total", "Messages delivered (acknowledged by a broker).",
                        sender.delivered)
         yield _counter("delayserver_retries_total", "Delivery attempts that will be retried.", sender.retried)
@@ -173,10 +178,10 @@ class _NodeCollector(Collector):
                                     "1 for the circuit breaker's current state.", labels=["broker_group", "state"])
         for g in list(sender.groups.values()):
             delivered.add_metric([g.name], g.sent)
-            retried.add_metric([g.name], getattr(g, "retried", 0))
-            parked.add_metric([g.name], getattr(g, "parked", 0))
+            retried.add_metric([g.name], g.retried)
+            parked.add_metric([g.name], g.parked)
             failed.add_metric([g.name], g.failed_batches)
-            inflight.add_metric([g.name], len(g.queue) + getattr(g, "sending", 0))
+            inflight.add_metric([g.name], len(g.queue) + g.sending)
             for state in BREAKER_STATES:
                 breaker.add_metric([g.name, state], int(g.breaker.state == state))
         yield from (delivered, retried, parked, failed, inflight, breaker)
@@ -192,9 +197,9 @@ class _NodeCollector(Collector):
         for node, offset in list(s.master.message_log_offsets.items()):
             lag_bytes.add_metric([node], max(0, durable - offset))
         slave = s.slave
-        if slave is not None and s._is_slave():
-            peer = s._master_address() or ""
-            lag_bytes.add_metric([peer], getattr(slave, "lag_bytes", 0))
-            lag_seconds.add_metric([peer], getattr(slave, "lag_seconds", lambda: 0.0)())
+        if slave is not None and s.role.is_slave():
+            peer = s.role.master_address() or ""
+            lag_bytes.add_metric([peer], slave.lag_bytes)
+            lag_seconds.add_metric([peer], slave.lag_seconds())
         yield lag_bytes
         yield lag_seconds

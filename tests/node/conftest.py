@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from delayserver.config import Config
-from delayserver.server import DelayServer
+from delayserver.node.server import DelayServer
 
 SECRET = "s3cret-token"
 

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from delayserver.client import AsyncProducer
-from delayserver.protocol import Handle, MessageState
+from delayserver.message import Handle, MessageState
 from delayserver.storage.store import bucket_stats
 from tests.node.conftest import SECRET, node_config, start_node
 

@@ -27,12 +27,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from delayserver.client import new_message_id
-from delayserver.errors import ResultCode
+from delayserver.message import MAX_TIME_MS, MIN_TIME_MS, CancelOutcome, Handle, MessageState, ResultCode, TimeSpec
 from delayserver.metrics import LATENESS_BUCKETS
 from delayserver.node.http.openapi import openapi_document
 from delayserver.node.http.ops import NodeOps
-from delayserver.protocol import CancelOutcome, Handle, MessageState, SendItem, TimeSpec
-from delayserver.storage.record import MAX_TIME_MS, MIN_TIME_MS
+from delayserver.protocol import SendItem
 
 log = logging.getLogger("delayserver.http")
 

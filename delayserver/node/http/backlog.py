@@ -18,11 +18,11 @@ from pathlib import Path
 import attrs
 import trio
 
-from delayserver.storage.bucket_log import BucketLog
 from delayserver.sender.parked import iter_parked
+from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.buckets import bucket_name, bucket_start
+from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import DISPATCH_HEAD, SCHEDULED_CANCEL_HEAD, RecordType, scheduled_key
-from delayserver.storage.segment import CorruptSegment, StorageError
 
 log = logging.getLogger("delayserver.backlog")
 

@@ -1,7 +1,7 @@
 """The OpenAPI 3.0 document of the HTTP API, served at /openapi.json."""
 from __future__ import annotations
 
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 
 CODES = [c.name for c in ResultCode]
 SUBJECT_PATTERN = r"^[A-Za-z0-9._:%|-]+$"
