@@ -21,4 +21,5 @@ BENCHMARKS = {
     "deliver": "bench.deliver",
     "compare": "bench.compare",
     "status": "bench.status",
+    "http": "bench.http",
 }

@@ -81,7 +81,7 @@ async def _probe(address: str, mode: str, bucket: int, pending: int, count: int,
     import trio
 
     from delayserver.client import AsyncProducer
-    from delayserver.protocol import CancelOutcome, Handle, MessageState
+    from delayserver.message import CancelOutcome, Handle, MessageState
 
     rng = random.Random(mode)
     lat: list[float] = []

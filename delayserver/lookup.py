@@ -13,15 +13,14 @@ from __future__ import annotations
 import attrs
 import trio
 
-from delayserver.protocol import MessageState
+from delayserver.message import MessageState
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.id_index import DispatchIndex, IdIndex
 from delayserver.storage.record import (
-    HEADER, HEADER_SIZE, RecordError, RecordType, decode_dispatch, parse_record,
+    HEADER_SIZE, RecordError, RecordType, cancel_key, decode_dispatch, parse_record, record_size,
     scheduled_key,
 )
-from delayserver.storage.segment import CorruptSegment
-from delayserver.wheel.tick_manager import cancel_key
+from delayserver.storage.errors import CorruptSegment
 
 READ_GUESS_BYTES = 512
 
@@ -41,7 +40,7 @@ def read_record(bucket_log, bucket: int, offset: int) -> tuple[int, bytes, int, 
     data = bucket_log.read(bucket, offset, offset + READ_GUESS_BYTES)
     if len(data) < HEADER_SIZE:
         raise CorruptSegment(bucket_log.path(bucket), offset, "no record here")
-    need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
+    need = record_size(data, 0)
     if need > len(data):
         data = bucket_log.read(bucket, offset, offset + need)
     try:
@@ -86,7 +85,7 @@ class Lookup:
                 if sched == schedule_time and mid == message_id:
                     offsets.append(offset)
             elif rtype == RecordType.SCHEDULED_CANCEL:
-                if cancel_key(memoryview(data)[s:e]) == (schedule_time, message_id):
+                if cancel_key(data, s) == (schedule_time, message_id):
                     cancels.append(offset)
         if not offsets:
             return Found(MessageState.UNKNOWN)

@@ -35,7 +35,7 @@ from delayserver.sender.breaker import CLOSED, OPEN, CircuitBreaker
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
-from delayserver.storage.segment import DiskFull, StorageError
+from delayserver.storage.errors import DiskFull, StorageError
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
 
@@ -64,6 +64,9 @@ class BrokerGroup:
     sent: int = 0
     failed_batches: int = 0
     split_batches: int = 0
+    retried: int = 0
+    parked: int = 0
+    sending: int = 0  # messages handed to the transport, not settled yet
     scope: trio.CancelScope | None = None
     spec: object = None  # what the group was built from (a meta server's broker group), if anything
 
@@ -106,6 +109,8 @@ class Sender:
         self.no_route = 0
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
+        # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
+        self.on_delivered = lambda group, lateness_ms: None
 
     @property
     def ready(self) -> Wakeup:
@@ -325,7 +330,11 @@ class Sender:
             # Once handed to the transport a batch must finish (acked or requeued), even if the
             # group is being removed: shield it from that cancellation.
             with trio.CancelScope(shield=True):
-                await self._send(group, batch)
+                group.sending += len(batch)
+                try:
+                    await self._send(group, batch)
+                finally:
+                    group.sending -= len(batch)
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
         stale = [d for d in batch if not self.due.is_current(d)]
@@ -369,6 +378,7 @@ class Sender:
                 d.attempt += 1
                 d.tried.add(group.name)
                 self.retried += 1
+                group.retried += 1
         if len(failed) == len(batch):
             group.failed_batches += 1
             group.breaker.record_failure(mono)
@@ -425,10 +435,12 @@ class Sender:
                 if isinstance(e, DiskFull):
                     self.on_disk_full()  # releases the reserve: the retry finds room
                 await trio.sleep(0.5)
+        lateness = [now - d.message.schedule_time for d in acked]
         for d in acked:
             self.due.settle(d)
             self._assign(d, None)
-            self.lateness_ms.append(now - d.message.schedule_time)
+        self.lateness_ms.extend(lateness)
+        self.on_delivered(group.name, lateness)
         group.sent += len(acked)
         self.delivered += len(acked)
 
@@ -438,6 +450,7 @@ class Sender:
         if self.parked is not None:
             await self.parked.park(d, f"{group.name}: {reason}", now)
         self.parked_count += 1
+        group.parked += 1
         self.due.settle(d)
         self._assign(d, None)
 

@@ -41,10 +41,10 @@ import trio
 from crc32c import crc32c
 
 from delayserver.storage.record import (
-    HEADER, OFFSET, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType, iter_checked_records,
-    iter_records,
+    SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType, dispatch_schedule_offset,
+    iter_checked_records, iter_records, record_size,
 )
-from delayserver.storage.segment import CorruptSegment
+from delayserver.storage.errors import CorruptSegment
 
 log = logging.getLogger("delayserver.storage")
 
@@ -256,7 +256,7 @@ class _LogIndex:
         data = self.log.read(bucket, start, min(size, start + max_bytes))
         consumed = self._index(bucket, b, data, start, checked=False)
         if consumed == 0:  # one record bigger than the slice
-            need = HEADER.size + HEADER.unpack_from(data, 0)[1]
+            need = record_size(data, 0)
             data = self.log.read(bucket, start, min(size, start + need))
             consumed = self._index(bucket, b, data, start, checked=False)
             if consumed == 0:
@@ -422,7 +422,7 @@ class DispatchIndex(_LogIndex):
 
     def _add(self, runs: SortedRuns, rtype: int, data, s: int, e: int, offset: int) -> None:
         if rtype == RecordType.DISPATCH:
-            runs.add(OFFSET.unpack_from(data, s)[0], offset)
+            runs.add(dispatch_schedule_offset(data, s), offset)
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
         b.runs.drop_where(lambda keys, vals: vals < np.uint64(size))

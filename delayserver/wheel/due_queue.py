@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from delayserver.storage.record import Message
-from delayserver.storage.segment import CorruptSegment
+from delayserver.storage.errors import CorruptSegment
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.wheel")

@@ -37,11 +37,11 @@ import collections
 import logging
 import time
 
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
-    HEADER, HEADER_SIZE, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType,
+    HEADER_SIZE, RecordError, RecordType, cancel_key, record_size, scheduled_time,
     decode_scheduled, iter_records, parse_record,
 )
-from delayserver.storage.segment import CorruptSegment
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.timingwheel import TimingWheel
@@ -55,13 +55,6 @@ LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
 #: How long one load step may hold the event loop (it stops after the record that passes it).
 LOAD_SLICE_S = 0.001
 _CLOCK_EVERY = 32  # records between two looks at the clock in a load step
-
-
-def cancel_key(payload) -> tuple[int, str]:
-    """(schedule_time, message_id) of a SCHEDULED_CANCEL payload."""
-    _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(payload, 0)
-    start = SCHEDULED_CANCEL_HEAD.size
-    return sched, bytes(payload[start : start + idlen]).decode("utf-8")
 
 
 class TickManager:
@@ -229,7 +222,7 @@ class TickManager:
         log_ = self.store.schedule_log
         data = log_.read(bucket, start, min(self.loading_end, start + max(max_bytes, HEADER_SIZE)))
         if len(data) >= HEADER_SIZE:
-            need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
+            need = record_size(data, 0)
             if need > len(data):  # one record bigger than the chunk
                 data = log_.read(bucket, start, min(self.loading_end, start + need))
         held = self._held
@@ -246,13 +239,13 @@ class TickManager:
                 if rtype == RecordType.SCHEDULED:
                     offset = start + pos
                     if offset not in skip:
-                        sched = SCHEDULED_HEAD.unpack_from(data, s)[2]
+                        sched = scheduled_time(data, s)
                         ref = self.ref(bucket, offset)
                         self.outstanding[bucket] += 1
                         if not self.wheel.add(sched, ref, now):
                             held.append((sched, ref))
                 elif rtype == RecordType.SCHEDULED_CANCEL:
-                    sched, mid = cancel_key(memoryview(data)[s:e])
+                    sched, mid = cancel_key(data, s)
                     self._note_cancel(bucket, start + pos, sched, mid)
                 consumed = e
         except RecordError as err:
@@ -358,7 +351,7 @@ class TickManager:
         data = schedule_log.read(bucket, offset, offset + READ_GUESS_BYTES)
         if len(data) < HEADER_SIZE:
             raise CorruptSegment(schedule_log.path(bucket), offset, "no record here")
-        need = HEADER_SIZE + HEADER.unpack_from(data, 0)[1]
+        need = record_size(data, 0)
         if need > len(data):
             data = schedule_log.read(bucket, offset, offset + need)
         try:

@@ -12,9 +12,9 @@ import trio
 
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
+from delayserver.node.server import DelayServer
 from delayserver.sender.parked import iter_parked
 from delayserver.sender.spool import iter_spool
-from delayserver.server import DelayServer
 
 #: Messages due for the dead group (the issue's figure; smaller with DELAY_TEST_DEAD_DUE for a quick run).
 DEAD_DUE = int(os.environ.get("DELAY_TEST_DEAD_DUE", 100_000))
@@ -106,7 +106,7 @@ async def test_a_message_that_makes_the_broker_fail_is_retried_alone_and_the_res
             await trio.sleep(0.01)
     assert server.sender.parked_count == 0  # a failure is retried, never parked
     assert server.sender.groups["hook"].split_batches >= 1
-    from delayserver.protocol import MessageState
+    from delayserver.message import MessageState
 
     async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
         assert (await prod.status(handles[50])).state == MessageState.PENDING

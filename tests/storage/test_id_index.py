@@ -6,7 +6,7 @@ import random
 import numpy as np
 
 from delayserver.lookup import Lookup
-from delayserver.protocol import MessageState
+from delayserver.message import MessageState
 from delayserver.storage import id_index
 from delayserver.storage.id_index import SortedRuns
 from delayserver.storage.record import RecordType, scheduled_key

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from delayserver.client import Message, Producer
-from delayserver.protocol import MessageState
+from delayserver.message import MessageState
 from tests.procs import ServerProcess, spooled, wait_for
 
 pytestmark = pytest.mark.slow
