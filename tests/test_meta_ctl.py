@@ -203,7 +203,7 @@ def test_the_store_survives_kill_9(meta):
     # and the next grant is epoch 2, never 1 again.
     beat = request(meta.address, "heartbeat", group="g1", node_id="a", session=a["session"])
     assert (beat["role"], beat["epoch"]) == ("master", 1)
-    again = request(meta.address, "register", group="g1", node_id="a", address="h:1")
+    again = request(meta.address, "register", group="g1", node_id="a", address="h:1", previous_session=a["session"])
     assert again["epoch"] == 2
 
 

@@ -154,7 +154,8 @@ async def test_a_restarted_meta_server_gives_nodes_a_lease_before_marking_them_d
 async def test_a_stale_session_is_told_to_register_again(store, autojump_clock):
     async with meta_server(store) as address, client(address) as c:
         first = await c.request("register", group="g1", node_id="a", address="h:1")
-        second = await c.request("register", group="g1", node_id="a", address="h:1")
+        second = await c.request("register", group="g1", node_id="a", address="h:1",
+                                 previous_session=first["session"])
         assert (second["role"], second["epoch"]) == ("master", 2)
         await expect_error(c.request("heartbeat", group="g1", node_id="a", session=first["session"]),
                            ResultCode.NOT_FOUND, "registered again")

@@ -66,6 +66,7 @@ async def serve_meta(
         finally:
             limiter.release()
 
+    await service.start()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_reap_forever, service)
         await nursery.start(trio.serve_listeners, handle, listeners)
@@ -77,7 +78,10 @@ async def _reap_forever(service: MetaService) -> None:
     # Half an interval: a node is marked down at most half an interval after its lease ended.
     while True:
         await trio.sleep(service.heartbeat_interval_ms / 2000)
-        await service.reap()
+        try:
+            await service.reap()
+        except StoreError as exc:
+            log.error("cannot mark down silent nodes now: %s", exc)
 
 
 async def _serve_connection(stream: trio.SocketStream, service: MetaService, idle_timeout_s: float) -> None:
