@@ -19,7 +19,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--listen", help="HOST:PORT to serve producers on (default 127.0.0.1:20801)")
     ap.add_argument("--metrics-listen", help="HOST:PORT for Prometheus metrics (default: off)")
     ap.add_argument("--flush", choices=["sync", "async"], help="fsync before ack (sync) or on a timer (async)")
-    ap.add_argument("--meta", help="meta server HOST:PORT (default: none, embedded routing)")
+    ap.add_argument("--meta", help="meta servers HOST:PORT[,HOST:PORT...] (default: none, embedded routing)")
     ap.add_argument("--group", help="delay group this node belongs to (with --meta)")
     ap.add_argument("--node-id", help="this node's id in its group (with --meta; default: its address)")
     ap.add_argument("--replicate-from", help="run as a slave of the master at HOST:PORT (without --meta)")
@@ -48,7 +48,8 @@ def serve_main(argv: list[str]) -> int:
     overrides = {"data_dir": args.data_dir, "listen": args.listen, "metrics_listen": args.metrics_listen,
                  "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id,
                  "advertised_address": args.advertised_address, "replicate_from": args.replicate_from,
-                 "auth_secret": os.environ.get("DELAYSERVER_SECRET")}
+                 "auth_secret": os.environ.get("DELAYSERVER_SECRET"),
+                 "cluster_secret": os.environ.get("DELAYSERVER_CLUSTER_SECRET")}
     try:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:

@@ -11,6 +11,7 @@ groups and routes cached in DATA_DIR/meta_cache.json) and follows it:
 from __future__ import annotations
 
 import logging
+import ssl
 
 import trio
 
@@ -34,9 +35,11 @@ async def start_meta_agent(server, nursery) -> MetaAgent:
     """Register with the meta server (returns even while it is unreachable) and follow it."""
     c = server.config
     advertised = c.advertised_address or f"{c.listen[0]}:{server.port}"
+    tls = ssl.create_default_context(cafile=c.meta_tls_ca) if c.meta_tls_ca else None
     agent = MetaAgent(c.meta, c.group, c.node_id or advertised, advertised, server.clock,
                       c.data_dir / "meta_cache.json",
-                      deliver_through_meta_outage=c.deliver_through_meta_outage)
+                      deliver_through_meta_outage=c.deliver_through_meta_outage,
+                      cluster_secret=c.cluster_secret, tls=tls)
     server.meta_agent = agent
     await nursery.start(agent.run)
     await apply_broker_groups(server, agent)

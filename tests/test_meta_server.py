@@ -123,7 +123,9 @@ async def test_nodes_on_time_stay_up_and_a_silent_master_is_replaced(store, auto
         old = await c.request("heartbeat", group="g1", node_id="a", session=a["session"])
         assert (old["role"], old["epoch"]) == ("slave", 2)
         groups = (await c.request("list_groups"))["groups"]
+        b_node = next(n for n in (await c.request("list_nodes"))["nodes"] if n["node_id"] == "b")
         assert groups == [{"name": "g1", "read_only": False, "master_epoch": 2,
+                           "lease_expires_ms": b_node["last_heartbeat_ms"] + LEASE_S * 1000,
                            "master": {"node_id": "b", "address": "h:2", "state": "up"}}]
 
 

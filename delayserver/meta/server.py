@@ -6,13 +6,22 @@ well-formed request gets an ERROR response and the connection goes on. A frame t
 protocol (bad magic, crc, a declared length over `max_frame_bytes`) gets an ERROR response with
 request id 0 and the connection is closed; so is a connection idle for `idle_timeout_s`.
 
+With a cluster secret, a connection gives it in an AUTH frame (answered by an empty AUTH response;
+a wrong one by ERROR UNAUTHORIZED, and the connection closes); until then it may ask only what
+producers need (`service.OPEN_OPS`), and anything else is answered UNAUTHORIZED. With a
+certificate, every connection is TLS. Several meta servers may share one PostgreSQL store
+(`--store postgresql://...`); the default is SQLite in `--data-dir`.
+
 Default port: 20800 (`wire.DEFAULT_META_PORT`); the delay server's is 20801.
 """
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
+import os
 import signal
+import ssl
 import sys
 from pathlib import Path
 
@@ -34,18 +43,23 @@ log = logging.getLogger("delayserver.meta")
 
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 1024
+#: The environment variable holding the cluster secret (nodes, delayctl and the meta server).
+CLUSTER_SECRET_ENV = "DELAYSERVER_CLUSTER_SECRET"
 
 
 async def serve_meta(
     store: MetaStore, listen_host: str, listen_port: int, *, clock,
     heartbeat_interval_ms: int = 5000, missed_heartbeats: int = 3,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    cluster_secret: str = "", ssl_context: ssl.SSLContext | None = None,
     run_blocking=trio.to_thread.run_sync, task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the meta protocol on (listen_host, listen_port) until cancelled.
 
     Reports the port actually bound (useful with port 0) through `task_status.started`. Nodes
-    not heard from for `heartbeat_interval_ms * missed_heartbeats` are marked down. Raises
+    not heard from for `heartbeat_interval_ms * missed_heartbeats` are marked down. With
+    `cluster_secret`, only connections that give it may register, heartbeat, change or list
+    anything (see the module docstring); with `ssl_context`, connections are TLS. Raises
     OSError if it cannot listen. Store calls run through `run_blocking` (a worker thread; see
     `MetaService.run_blocking`).
     """
@@ -62,7 +76,16 @@ async def serve_meta(
             await trio.aclose_forcefully(stream)
             return
         try:
-            await _serve_connection(stream, service, idle_timeout_s)
+            if ssl_context is not None:
+                stream = trio.SSLStream(stream, ssl_context, server_side=True)
+                try:
+                    with trio.fail_after(idle_timeout_s):
+                        await stream.do_handshake()
+                except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+                    log.info("meta connection failed its TLS handshake: %r", exc.__cause__ or exc)
+                    await trio.aclose_forcefully(stream)
+                    return
+            await _serve_connection(stream, service, idle_timeout_s, cluster_secret.encode("utf-8"))
         finally:
             limiter.release()
 
@@ -84,8 +107,9 @@ async def _reap_forever(service: MetaService) -> None:
             log.error("cannot mark down silent nodes now: %s", exc)
 
 
-async def _serve_connection(stream: trio.SocketStream, service: MetaService, idle_timeout_s: float) -> None:
+async def _serve_connection(stream, service: MetaService, idle_timeout_s: float, secret: bytes) -> None:
     decoder = FrameDecoder(MAX_REQUEST_BYTES)
+    authenticated = not secret
     async with stream:
         try:
             while True:
@@ -101,7 +125,16 @@ async def _serve_connection(stream: trio.SocketStream, service: MetaService, idl
                     return
                 decoder.feed(data)
                 while (frame := decoder.next_frame()) is not NEED_DATA:
-                    response = await _respond(frame, service)
+                    if frame.command is Command.AUTH and not frame.is_response:
+                        if not secret or not hmac.compare_digest(frame.payload, secret):
+                            log.warning("refused a meta connection: %s",
+                                        "wrong cluster secret" if secret else "AUTH without a cluster secret set")
+                            await _send_unauthorized(stream, frame.request_id, idle_timeout_s, secret)
+                            return
+                        authenticated = True
+                        response = encode(Frame(Command.AUTH, frame.request_id, b"", True))
+                    else:
+                        response = await _respond(frame, service, authenticated)
                     # A peer that does not read its responses must not hold the task forever.
                     with trio.fail_after(idle_timeout_s):
                         await stream.send_all(response)
@@ -114,7 +147,17 @@ async def _serve_connection(stream: trio.SocketStream, service: MetaService, idl
             log.info("meta connection lost: %r", exc)
 
 
-async def _respond(frame: Frame, service: MetaService) -> bytes:
+async def _send_unauthorized(stream, request_id: int, timeout_s: float, secret: bytes) -> None:
+    message = "wrong cluster secret" if secret else "this meta server has no cluster secret: do not send one"
+    error = encode(Frame(Command.ERROR, request_id, encode_error(ErrorResult(ResultCode.UNAUTHORIZED, message)), True))
+    with trio.move_on_after(timeout_s):
+        try:
+            await stream.send_all(error)
+        except trio.BrokenResourceError:
+            pass
+
+
+async def _respond(frame: Frame, service: MetaService, authenticated: bool) -> bytes:
     """The bytes answering one well-formed frame."""
     if frame.is_response or frame.command is not Command.META:
         what = "a response" if frame.is_response else f"a {frame.command.name} request"
@@ -125,7 +168,7 @@ async def _respond(frame: Frame, service: MetaService) -> bytes:
     except RemoteProtocolError as exc:
         response = {"code": int(ResultCode.BAD_REQUEST), "message": str(exc)}
     else:
-        response = await service.handle(request)
+        response = await service.handle(request, authenticated=authenticated)
     try:
         return encode(Frame(Command.META, frame.request_id, encode_json(response), True), MAX_RESPONSE_BYTES)
     except LocalProtocolError as exc:
@@ -135,9 +178,19 @@ async def _respond(frame: Frame, service: MetaService) -> bytes:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="delayserver meta", description="Run the meta server.")
-    parser.add_argument("--data-dir", required=True, type=Path,
-                        help="directory of the store (meta.sqlite3); created if missing")
+    parser = argparse.ArgumentParser(
+        prog="delayserver meta", description="Run the meta server.",
+        epilog=f"The cluster secret is read from ${CLUSTER_SECRET_ENV} or --cluster-secret-file; without one, "
+               "anyone who reaches the port can change the cluster.")
+    parser.add_argument("--data-dir", type=Path,
+                        help="directory of the embedded SQLite store (meta.sqlite3); created if missing")
+    parser.add_argument("--store", metavar="URL",
+                        help="a PostgreSQL store shared by several meta servers: postgresql://USER@HOST:PORT/DB "
+                             "(instead of --data-dir)")
+    parser.add_argument("--cluster-secret-file", type=Path, metavar="PATH",
+                        help="file holding the cluster secret that nodes and operators must give")
+    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
+    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_META_PORT}", metavar="HOST:PORT",
                         help=f"address to listen on (default 127.0.0.1:{DEFAULT_META_PORT}; port 0: any free port)")
     parser.add_argument("--heartbeat-interval-ms", type=_positive_int, default=5000,
@@ -146,6 +199,25 @@ def _parser() -> argparse.ArgumentParser:
                         help="heartbeats a node may miss before it is marked down (default 3)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
+
+
+def _cluster_secret(path: Path | None) -> str:
+    """The secret from `path` (its first line) or the environment; "" for none."""
+    if path is not None:
+        secret = path.read_text(encoding="utf-8").splitlines()[0].strip() if path.stat().st_size else ""
+        if not secret:
+            raise ValueError(f"--cluster-secret-file: {path} is empty")
+        return secret
+    return os.environ.get(CLUSTER_SECRET_ENV, "")
+
+
+def _open_store(args: argparse.Namespace) -> MetaStore:
+    if args.store is not None:
+        from delayserver.meta.pgstore import PostgresMetaStore
+
+        return PostgresMetaStore.open(args.store)
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    return SqliteMetaStore.open(args.data_dir / "meta.sqlite3")
 
 
 def _positive_int(text: str) -> int:
@@ -161,16 +233,33 @@ def main_meta(argv: list[str]) -> int:
     Returns 1 (after saying why on stderr) when the store cannot be opened or the address cannot
     be listened on; argparse exits 2 on bad arguments.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         host, port = parse_address(args.listen, allow_port_zero=True)
     except ValueError as exc:
-        _parser().error(f"--listen: {exc}")
+        parser.error(f"--listen: {exc}")
+    if (args.data_dir is None) == (args.store is None):
+        parser.error("give --data-dir (the embedded SQLite store) or --store postgresql://... (shared)")
+    if args.store is not None and not args.store.startswith(("postgresql://", "postgres://")):
+        parser.error(f"--store: want a postgresql:// URL, not {args.store!r}")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        args.data_dir.mkdir(parents=True, exist_ok=True)
-        store = SqliteMetaStore.open(args.data_dir / "meta.sqlite3")
+        args.cluster_secret = _cluster_secret(args.cluster_secret_file)
+        args.ssl_context = None
+        if args.tls_cert is not None:
+            args.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            args.ssl_context.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    if not args.cluster_secret:
+        log.warning("no cluster secret: anyone who reaches this port can register nodes and change routes")
+    try:
+        store = _open_store(args)
     except (OSError, StoreError) as exc:
         log.error("cannot open the meta store: %s", exc)
         return 1
@@ -193,7 +282,8 @@ async def _run(store: MetaStore, host: str, port: int, args: argparse.Namespace)
                 await nursery.start(
                     lambda task_status: serve_meta(
                         store, host, port, clock=clock, heartbeat_interval_ms=args.heartbeat_interval_ms,
-                        missed_heartbeats=args.missed_heartbeats, task_status=task_status,
+                        missed_heartbeats=args.missed_heartbeats, cluster_secret=args.cluster_secret,
+                        ssl_context=args.ssl_context, task_status=task_status,
                     )
                 )
             except OSError as exc:

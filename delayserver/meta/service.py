@@ -315,11 +315,12 @@ class MetaService:
         return {"epochs": [{"epoch": e, "node_id": n, "granted_ms": t} for e, n, t in rows]}
 
     async def op_list_groups(self, args: _Args) -> dict:
-        """list_groups() -> groups: [{name, read_only, master_epoch, master}]."""
+        """list_groups() -> groups: [{name, read_only, master_epoch, lease_expires_ms, master}]."""
         args.finish()
         groups, nodes = await self._call(lambda: (self.store.list_groups(), self.store.list_nodes()))
         return {"groups": [
             {"name": g.name, "read_only": g.read_only, "master_epoch": g.master_epoch,
+             "lease_expires_ms": g.lease_expires_ms,
              "master": _master_json(roles.master_of([n for n in nodes if n.group == g.name]))}
             for g in groups
         ]}

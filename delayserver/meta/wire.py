@@ -38,3 +38,19 @@ def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int
 def format_address(host: str, port: int) -> str:
     """The text `parse_address` reads back as (host, port)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address_list(text: str | list | tuple) -> list[str]:
+    """The addresses of ``A,B,C`` (or a list of them), each checked by `parse_address`.
+
+    Raises ValueError for an empty list, a bad address or one named twice.
+    """
+    items = text.split(",") if isinstance(text, str) else list(text)
+    addresses = [item.strip() for item in items if isinstance(item, str) and item.strip()]
+    if not addresses or len(addresses) != len(items):
+        raise ValueError(f"want HOST:PORT[,HOST:PORT...], not {text!r}")
+    for address in addresses:
+        parse_address(address)
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"an address is named twice in {text!r}")
+    return addresses
