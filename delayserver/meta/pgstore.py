@@ -178,7 +178,7 @@ class PostgresMetaStore(MetaStore):
             cur.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE group_name = %s ORDER BY node_id", (name,))
             return _delay_group(row), [_node(r) for r in cur.fetchall()]
 
-    def save_group(self, group: DelayGroup, nodes: Iterable[Node]) -> DelayGroup:
+    def save_group(self, group: DelayGroup, nodes: Iterable[Node], *, now_ms: int = 0) -> DelayGroup:
         nodes = list(nodes)
         with self._transaction() as cur:
             if group.version == 0:
@@ -200,7 +200,7 @@ class PostgresMetaStore(MetaStore):
                                 (group.read_only, group.master_epoch, group.lease_expires_ms, group.name))
             if row is None:
                 raise Conflict(f"delay group {group.name!r} changed since it was read (version {group.version})")
-            grant = _grant_of(group, nodes, row[0])
+            grant = _grant_of(group, nodes, row[0], now_ms)
             if grant is not None:
                 cur.execute("INSERT INTO epochs (group_name, epoch, node_id, granted_ms) "
                             "VALUES (%s, %s, %s, %s)", grant)

@@ -179,7 +179,7 @@ class MetaService:
                 new_group, new_nodes = change(group, nodes, now)
                 new_group = self._with_lease(group, nodes, new_group, new_nodes, now)
                 try:
-                    saved = self.store.save_group(new_group, _changed_nodes(nodes, new_nodes))
+                    saved = self.store.save_group(new_group, _changed_nodes(nodes, new_nodes), now_ms=now)
                 except Conflict:
                     log.info("delay group %s changed under us (another meta server): deciding again", name)
                     continue

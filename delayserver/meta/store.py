@@ -163,11 +163,12 @@ class MetaStore(abc.ABC):
         """The group (None if unknown) and all its nodes."""
 
     @abc.abstractmethod
-    def save_group(self, group: DelayGroup, nodes: Iterable[Node]) -> DelayGroup:
+    def save_group(self, group: DelayGroup, nodes: Iterable[Node], *, now_ms: int = 0) -> DelayGroup:
         """Insert or replace the group and the given nodes of it, in one transaction, if the
         stored group still has `group.version` (0: there is none yet); the group as saved, with
         its new version. Raises Conflict otherwise. A `master_epoch` above the stored one is a
-        grant: it is recorded in the epoch history with the node of `nodes` that holds it."""
+        grant: it is recorded in the epoch history with the node of `nodes` that holds it, at
+        `now_ms` (the time of the decision; 0: that node's last heartbeat)."""
 
     @abc.abstractmethod
     def list_epochs(self, group: str) -> list[tuple[int, str, int]]:
@@ -346,7 +347,7 @@ class SqliteMetaStore(MetaStore):
             return None, []
         return _delay_group(rows[0]), self.list_nodes(name)
 
-    def save_group(self, group: DelayGroup, nodes: Iterable[Node]) -> DelayGroup:
+    def save_group(self, group: DelayGroup, nodes: Iterable[Node], *, now_ms: int = 0) -> DelayGroup:
         nodes = list(nodes)
         stored_epoch = 0
 
@@ -358,7 +359,7 @@ class SqliteMetaStore(MetaStore):
             if stored_version != group.version:
                 raise Conflict(f"delay group {group.name!r} changed since it was read "
                                f"(version {stored_version}, not {group.version})")
-            grant = _grant_of(group, nodes, stored_epoch)
+            grant = _grant_of(group, nodes, stored_epoch, now_ms)
             if grant is not None:
                 statements.append(("INSERT INTO epochs (group_name, epoch, node_id, granted_ms) "
                                    "VALUES (?, ?, ?, ?)", grant))
@@ -447,13 +448,13 @@ def _migrate_sqlite(db: sqlite3.Connection, path: Path) -> None:
             raise
 
 
-def _grant_of(group: DelayGroup, nodes: list[Node], stored_epoch: int) -> tuple | None:
+def _grant_of(group: DelayGroup, nodes: list[Node], stored_epoch: int, now_ms: int) -> tuple | None:
     """The epochs row for a grant `group` makes over the stored epoch, if it makes one."""
     if group.master_epoch <= stored_epoch:
         return None
     holder = next((n for n in nodes if n.role is Role.MASTER and n.epoch == group.master_epoch), None)
     assert holder is not None, (group, nodes)  # a new epoch is always granted to a node
-    return group.name, group.master_epoch, holder.node_id, holder.last_heartbeat_ms
+    return group.name, group.master_epoch, holder.node_id, now_ms or holder.last_heartbeat_ms
 
 
 _GROUP_COLUMNS = "name, read_only, master_epoch, lease_expires_ms, version"
