@@ -308,9 +308,10 @@ class Producer:
 
     def __init__(self, address: str | None = None, *, meta: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  **options):
-        """Connect to one delay server (`address`), or to the delay groups a meta server lists
-        (`meta`: sends are spread over them and a dead group is skipped). `options` (`secret`,
-        `tls`) go to each connection, as for AsyncProducer."""
+        """Connect to one delay server (`address`), or to the delay groups the meta servers list
+        (`meta`: ``HOST:PORT[,HOST:PORT...]``, asked in turn; sends are spread over the groups and
+        a dead group is skipped; `meta_tls` is an SSLContext for TLS to the meta servers).
+        `options` (`secret`, `tls`) go to each connection, as for AsyncProducer."""
         if (address is None) == (meta is None):
             raise ValueError("give either address or meta")
         self._address, self._meta, self._timeout, self._options = address, meta, timeout, options
