@@ -13,6 +13,7 @@ answer.
 from __future__ import annotations
 
 import itertools
+import logging
 import ssl
 from typing import Any, Sequence
 
@@ -25,6 +26,8 @@ from delayserver.protocol import (
 )
 
 DEFAULT_TIMEOUT_S = 5.0
+
+log = logging.getLogger("delayserver.meta.client")
 
 
 class MetaError(DelayServerError):
@@ -98,6 +101,8 @@ class MetaClient:
                     failures.append(f"meta server {self.address}: {exc}")
                 await self.aclose()
                 self._current = (self._current + 1) % len(self.addresses)
+                if len(self.addresses) > 1:
+                    log.info("%s; trying meta server %s", failures[-1], self.address)
             raise MetaUnavailable("; ".join(failures))
 
     async def _request_one(self, payload: bytes, timeout_s: float) -> dict:

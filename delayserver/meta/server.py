@@ -33,7 +33,7 @@ from delayserver.meta.wire import (
     DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, format_address, parse_address,
 )
 from delayserver.meta.service import MetaService
-from delayserver.meta.store import MetaStore, SqliteMetaStore, StoreError
+from delayserver.meta.store import MetaStore, SqliteMetaStore, StoreError, StoreUnavailable
 from delayserver.protocol import (
     NEED_DATA, Command, ErrorResult, Frame, FrameDecoder, LocalProtocolError, RemoteProtocolError, decode_json,
     encode, encode_error, encode_json,
@@ -103,6 +103,8 @@ async def _reap_forever(service: MetaService) -> None:
         await trio.sleep(service.heartbeat_interval_ms / 2000)
         try:
             await service.reap()
+        except StoreUnavailable:
+            pass  # logged once by the service; reaping resumes a lease after the store is back
         except StoreError as exc:
             log.error("cannot mark down silent nodes now: %s", exc)
 
@@ -144,7 +146,9 @@ async def _serve_connection(stream, service: MetaService, idle_timeout_s: float,
             with trio.move_on_after(idle_timeout_s):
                 await stream.send_all(error)
         except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            log.info("meta connection lost: %r", exc)
+            # A TLS client that hangs up between requests without close_notify is not news.
+            level = logging.INFO if decoder.buffered_bytes or isinstance(exc, trio.TooSlowError) else logging.DEBUG
+            log.log(level, "meta connection lost: %r", exc)
 
 
 async def _send_unauthorized(stream, request_id: int, timeout_s: float, secret: bytes) -> None:

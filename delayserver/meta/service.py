@@ -112,7 +112,7 @@ class MetaService:
     # When this meta server last began to reach its store (start, or the end of an outage), on the
     # store's clock; None while it cannot. Nodes could not heartbeat through it before then.
     _reachable_since_ms: int | None = attrs.field(default=None, init=False)
-    _store_down: bool = attrs.field(default=True, init=False)
+    _store_down: bool | None = attrs.field(default=None, init=False)  # None: not tried yet
 
     @property
     def lease_ms(self) -> int:
@@ -136,8 +136,7 @@ class MetaService:
             return {"code": int(ResultCode.OK), "message": result.pop("message", "ok"), **result}
         except DelayServerError as exc:
             return {"code": int(exc.code), "message": exc.message}
-        except StoreUnavailable as exc:
-            log.error("meta store unreachable: %s", exc)
+        except StoreUnavailable as exc:  # logged once by _call
             return {"code": int(ResultCode.UNAVAILABLE), "message": str(exc)}
         except StoreError as exc:
             log.error("meta store failed: %s", exc)
@@ -152,11 +151,15 @@ class MetaService:
             fallback_ms = self.clock.now_ms()
             try:
                 result = await self.run_blocking(fn, *args)
-            except StoreUnavailable:
+            except StoreUnavailable as exc:
+                if not self._store_down:
+                    log.error("meta store unreachable (answering UNAVAILABLE until it is back): %s", exc)
                 self._store_down = True
                 self._reachable_since_ms = None
                 raise
-            if self._store_down:
+            if self._store_down is not False:
+                if self._store_down:
+                    log.warning("meta store reachable again; no node is marked down for a lease")
                 self._store_down = False
                 self._reachable_since_ms = await self.run_blocking(self._now_ms, fallback_ms)
             return result
@@ -212,8 +215,8 @@ class MetaService:
         """Note when this meta server began to reach its store (see `reap`); never raises."""
         try:
             await self._call(self.store.list_groups)
-        except StoreError as exc:
-            log.error("meta store unreachable at start: %s", exc)
+        except StoreError:
+            pass  # logged by _call
 
     # --- nodes --------------------------------------------------------------------------------
 
