@@ -64,7 +64,8 @@ class SharedMetaProcess:
 
 @attrs.define(eq=False)
 class ProxyProcess:
-    """`tests.meta.tcp_proxy` forwarding to `target`; `cut()` partitions, `heal()` ends it."""
+    """`tests.meta.tcp_proxy` forwarding to `target`; `cut()` and `stall()` partition (by reset, by
+    silence), `heal()` ends either."""
 
     target: str
     process: subprocess.Popen | None = None
@@ -83,6 +84,10 @@ class ProxyProcess:
     def cut(self) -> None:
         self.process.send_signal(signal.SIGUSR1)
         assert self.process.stdout.readline().strip() == "cut"
+
+    def stall(self) -> None:
+        self.process.send_signal(signal.SIGHUP)
+        assert self.process.stdout.readline().strip() == "stalled"
 
     def heal(self) -> None:
         self.process.send_signal(signal.SIGUSR2)

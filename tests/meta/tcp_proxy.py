@@ -5,7 +5,9 @@
 Prints ``proxy listening on 127.0.0.1:PORT`` once it listens, then forwards each connection to the
 target. SIGUSR1 cuts: every forwarded connection is closed and new ones are closed as soon as they
 are accepted (a partition the peer sees at once, as a firewall rejecting packets makes it).
-SIGUSR2 heals. SIGTERM stops it.
+SIGHUP stalls: connections stay open but nothing is forwarded either way, and new ones wait (a
+partition the peer only sees by its timeouts, as one dropping packets makes it). SIGUSR2 heals
+either. SIGTERM stops it.
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ class Proxy:
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
         self.cut = False
+        self.flowing = trio.Event()
+        self.flowing.set()
         self.scopes: set[trio.CancelScope] = set()
 
     async def handle(self, client: trio.SocketStream) -> None:
+        await self.flowing.wait()
         if self.cut:
             await trio.aclose_forcefully(client)
             return
@@ -41,21 +46,26 @@ class Proxy:
         await trio.aclose_forcefully(client)
         await trio.aclose_forcefully(upstream)
 
-    @staticmethod
-    async def pump(source, sink, scope: trio.CancelScope) -> None:
+    async def pump(self, source, sink, scope: trio.CancelScope) -> None:
         try:
             while data := await source.receive_some(65536):
+                await self.flowing.wait()
                 await sink.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         scope.cancel()
 
     async def follow_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGTERM) as signals:
             async for signum in signals:
                 if signum == signal.SIGTERM:
                     raise SystemExit(0)
+                if signum == signal.SIGHUP:
+                    self.flowing = trio.Event()
+                    print("stalled", flush=True)
+                    continue
                 self.cut = signum == signal.SIGUSR1
+                self.flowing.set()
                 print("cut" if self.cut else "healed", flush=True)
                 if self.cut:
                     for scope in list(self.scopes):

@@ -2,7 +2,7 @@
 it (cluster secret and TLS on each), a delay group of two nodes naming all three, and a producer
 sending throughout with a ledger of every acknowledged id. Faults, in turn: kill -9 a meta
 server, then another; kill -9 the master while a meta server is down; restart PostgreSQL;
-partition a meta server from the database.
+partition a meta server from the database, first by resetting its connections, then by silence.
 
 Checks: the only grants of mastership are the first and the one the master's death called for
 (meta server deaths, the database restart and the partition promote no one); that promotion
@@ -168,6 +168,12 @@ def test_the_meta_tier_survives_meta_deaths_a_master_death_a_database_restart_an
         proxy.cut()
         time.sleep(2 * LEASE_MS / 1000)
         assert "lost the meta store database" in metas[2].log() or "cannot connect" in metas[2].log()
+        assert tier.roles()["n2"] == ("master", "up")
+        proxy.heal()
+        time.sleep(2 * INTERVAL_MS / 1000)
+        # The same by silence: that meta server hangs on its database; its clients time out and move.
+        proxy.stall()
+        time.sleep(2 * LEASE_MS / 1000)
         assert tier.roles()["n2"] == ("master", "up")
         proxy.heal()
         time.sleep(2 * INTERVAL_MS / 1000)
