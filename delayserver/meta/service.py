@@ -308,6 +308,8 @@ class MetaService:
                 _log_changes(*await self._update_group(name, expire))
             except _Changes:
                 pass
+            except DelayServerError as exc:  # a promotion that must wait (BUSY): the next round tries again
+                log.warning("delay group %s: %s", name, exc)
 
     async def op_epoch_history(self, args: _Args) -> dict:
         """epoch_history(group) -> epochs: [{epoch, node_id, granted_ms}]: every grant of

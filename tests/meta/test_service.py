@@ -66,6 +66,22 @@ async def test_no_promotion_while_the_lease_in_the_group_row_runs(store, autojum
     assert (reply["code"], reply["role"], reply["epoch"]) == (ResultCode.OK, "master", 2)
 
 
+async def test_the_reaper_meets_the_same_refusal_and_goes_on(store, autojump_clock, caplog):
+    now = EPOCH_MS
+    a = Node("g", "a", "h:1", Role.MASTER, NodeState.DOWN, now - 100, 1, True, "sa")
+    b = Node("g", "b", "h:2", Role.SLAVE, NodeState.UP, now + 3500, 1, True, "sb")  # a writer's clock ahead
+    store.save_group(DelayGroup("g", master_epoch=1, lease_expires_ms=now + 10_000), [a, b])
+    meta = service(store)
+    await meta.start()
+    await trio.sleep(3.1)
+    await meta.reap()
+    assert "no promotion before it ends" in caplog.text
+    assert store.load_group("g")[0].master_epoch == 1
+    await trio.sleep(7)
+    await meta.handle({"op": "heartbeat", "group": "g", "node_id": "b", "session": "sb"})
+    assert [(e, n) for e, n, _ in store.list_epochs("g")] == [(1, "a"), (2, "b")]
+
+
 async def test_after_a_store_outage_no_node_is_marked_down_for_a_lease(store, autojump_clock):
     flaky = FlakyStore(store)
     meta = service(flaky)
