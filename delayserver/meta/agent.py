@@ -61,7 +61,8 @@ class MetaAgent:
     ):
         """`want_role` "slave" registers a node that is never made master. `meta_address`: one
         meta server or several (``a,b,c``). `cluster_secret` and `tls` go to each connection
-        to them (see MetaClient). The session is kept in `session.json` beside `cache_path`.
+        to them (see MetaClient). The session is kept in `<cache name>.session.json` beside
+        `cache_path`.
 
         `deliver_through_meta_outage`: by default a master stops delivering when its lease runs
         out, which a meta server outage longer than the lease causes too. With True, a master that

@@ -107,6 +107,8 @@ async def _reap_forever(service: MetaService) -> None:
             pass  # logged once by the service; reaping resumes a lease after the store is back
         except StoreError as exc:
             log.error("cannot mark down silent nodes now: %s", exc)
+        except Exception:  # a bug in one round must not stop the meta server
+            log.exception("reaping silent nodes failed")
 
 
 async def _serve_connection(stream, service: MetaService, idle_timeout_s: float, secret: bytes) -> None:
