@@ -84,12 +84,16 @@ async def test_a_wrong_secret_is_refused_and_the_connection_closed(store, autoju
         stream = await trio.open_tcp_stream("127.0.0.1", int(address.rsplit(":", 1)[1]))
         async with stream:
             await stream.send_all(encode(Frame(Command.AUTH, 7, b"guess")))
-            await stream.send_all(encode(Frame(Command.META, 8, encode_json({"op": "list_groups"}))))
             decoder, frames = FrameDecoder(1 << 20), []
             while data := await stream.receive_some(65536):
                 decoder.feed(data)
                 while (frame := decoder.next_frame()) is not NEED_DATA:
                     frames.append(frame)
+            # Closed: nothing more is read from it.
+            with pytest.raises(trio.BrokenResourceError):
+                for _ in range(10):
+                    await stream.send_all(encode(Frame(Command.META, 8, encode_json({"op": "list_groups"}))))
+                    await trio.sleep(0.05)
         assert [(f.command, f.request_id) for f in frames] == [(Command.ERROR, 7)]
         assert decode_error(frames[0].payload).code == ResultCode.UNAUTHORIZED
 
