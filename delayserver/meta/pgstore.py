@@ -5,10 +5,9 @@ after the database restarts or the network drops it (the call that met the failu
 StoreUnavailable; the next one reconnects). Group changes are compare-and-set on the group row's
 `version` under READ COMMITTED: of two meta servers writing one group from the same version, the
 second's `SELECT ... FOR UPDATE` waits for the first's row lock, then finds a newer version and
-raises Conflict. Reads
-of a group and its nodes share one REPEATABLE READ snapshot. `clock_ms` is the database server's
-clock, so heartbeat times and lease deadlines written by different meta servers are on one
-clock.
+raises Conflict. A group, its nodes and the clock are read by one statement: one snapshot, one
+round trip. `clock_ms` is the database server's clock, so heartbeat times and lease deadlines
+written by different meta servers are on one clock.
 
 The schema is created and migrated on open under a transaction-scoped advisory lock, so meta
 servers starting together migrate it once; its version is the row of `schema_version`.
@@ -147,13 +146,18 @@ class PostgresMetaStore(MetaStore):
                 raise StoreUnavailable(f"cannot connect to the meta store database: {_first_line(exc)}") from None
         return self._conn
 
-    def _transaction(self, isolation: str | None = None):
-        return _Transaction(self, isolation)
+    def _transaction(self):
+        return _Transaction(self)
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._transaction() as cur:
-            cur.execute(sql, args)
-            return cur.fetchall()
+        """The rows of one statement, outside any transaction: one round trip, one snapshot."""
+        conn = self._connection()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, args)
+                return cur.fetchall()
+        except psycopg.Error as exc:
+            raise self._failed(exc) from None
 
     def _failed(self, exc: Exception) -> StoreError:
         """The StoreError for a psycopg error; drops a connection that is no longer usable."""
@@ -170,13 +174,24 @@ class PostgresMetaStore(MetaStore):
     # --- groups and nodes ---------------------------------------------------------------------
 
     def load_group(self, name: str) -> tuple[DelayGroup | None, list[Node]]:
-        with self._transaction("REPEATABLE READ") as cur:
-            cur.execute(f"SELECT {_GROUP_COLUMNS} FROM delay_groups WHERE name = %s", (name,))
-            row = cur.fetchone()
-            if row is None:
-                return None, []
-            cur.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE group_name = %s ORDER BY node_id", (name,))
-            return _delay_group(row), [_node(r) for r in cur.fetchall()]
+        group, nodes, _ = self.load_group_at(name)
+        return group, nodes
+
+    def load_group_at(self, name: str) -> tuple[DelayGroup | None, list[Node], int]:
+        # One statement: the group, its nodes and the clock from one snapshot, in one round trip.
+        group_columns = ", ".join(f"g.{c.strip()}" for c in _GROUP_COLUMNS.split(","))
+        node_columns = ", ".join(f"n.{c.strip()}" for c in _NODE_COLUMNS.split(","))
+        rows = self._read(
+            f"SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint, {group_columns}, {node_columns} "
+            "FROM (SELECT 1) AS one LEFT JOIN delay_groups AS g ON g.name = %s "
+            "LEFT JOIN nodes AS n ON n.group_name = g.name ORDER BY n.node_id",
+            (name,),
+        )
+        now, width = rows[0][0], len(_GROUP_COLUMNS.split(","))
+        if rows[0][1] is None:
+            return None, [], now
+        nodes = [_node(row[1 + width:]) for row in rows if row[1 + width] is not None]
+        return _delay_group(rows[0][1:1 + width]), nodes, now
 
     def save_group(self, group: DelayGroup, nodes: Iterable[Node], *, now_ms: int = 0) -> DelayGroup:
         nodes = list(nodes)
@@ -190,14 +205,18 @@ class PostgresMetaStore(MetaStore):
                 row = cur.fetchone()
             else:
                 # The compare-and-set, under the row's lock: a writer that got there first has
-                # committed a newer version by the time this one reads it.
-                cur.execute("SELECT master_epoch FROM delay_groups WHERE name = %s AND version = %s FOR UPDATE",
-                            (group.name, group.version))
+                # committed a newer version by the time this one's FOR UPDATE gets the row, and
+                # the row no longer matches (READ COMMITTED re-checks it). The stored epoch comes
+                # back, to tell a grant.
+                cur.execute(
+                    "WITH old AS (SELECT master_epoch FROM delay_groups WHERE name = %s AND version = %s "
+                    "FOR UPDATE) UPDATE delay_groups AS g SET read_only = %s, master_epoch = %s, "
+                    "lease_expires_ms = %s, version = g.version + 1 FROM old WHERE g.name = %s "
+                    "RETURNING old.master_epoch",
+                    (group.name, group.version, group.read_only, group.master_epoch, group.lease_expires_ms,
+                     group.name),
+                )
                 row = cur.fetchone()
-                if row is not None:
-                    cur.execute("UPDATE delay_groups SET read_only = %s, master_epoch = %s, lease_expires_ms = %s, "
-                                "version = version + 1 WHERE name = %s",
-                                (group.read_only, group.master_epoch, group.lease_expires_ms, group.name))
             if row is None:
                 raise Conflict(f"delay group {group.name!r} changed since it was read (version {group.version})")
             grant = _grant_of(group, nodes, row[0], now_ms)
@@ -206,15 +225,16 @@ class PostgresMetaStore(MetaStore):
                             "VALUES (%s, %s, %s, %s)", grant)
             for node in nodes:
                 assert node.group == group.name, (node, group)
-                cur.execute(
+            if nodes:
+                cur.executemany(
                     "INSERT INTO nodes (group_name, node_id, address, role, state, last_heartbeat_ms, epoch, "
                     "eligible, session) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (group_name, node_id) DO UPDATE SET address = excluded.address, "
                     "role = excluded.role, state = excluded.state, "
                     "last_heartbeat_ms = excluded.last_heartbeat_ms, epoch = excluded.epoch, "
                     "eligible = excluded.eligible, session = excluded.session",
-                    (node.group, node.node_id, node.address, node.role.value, node.state.value,
-                     node.last_heartbeat_ms, node.epoch, node.eligible, node.session),
+                    [(n.group, n.node_id, n.address, n.role.value, n.state.value, n.last_heartbeat_ms, n.epoch,
+                      n.eligible, n.session) for n in nodes],
                 )
         return attrs.evolve(group, version=group.version + 1)
 
@@ -278,9 +298,8 @@ class _Transaction:
     """``with store._transaction() as cur``: one database transaction; psycopg errors leave as
     StoreError (StoreUnavailable when the connection is gone)."""
 
-    def __init__(self, store: PostgresMetaStore, isolation: str | None):
+    def __init__(self, store: PostgresMetaStore):
         self.store = store
-        self.isolation = isolation
         self._tx = None
         self._cur = None
 
@@ -290,8 +309,6 @@ class _Transaction:
             self._tx = conn.transaction()
             self._tx.__enter__()
             self._cur = conn.cursor()
-            if self.isolation:
-                self._cur.execute(f"SET TRANSACTION ISOLATION LEVEL {self.isolation}")
         except psycopg.Error as exc:
             raise self.store._failed(exc) from None
         return self._cur

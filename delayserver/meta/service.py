@@ -177,8 +177,8 @@ class MetaService:
 
         def update():
             for _ in range(MAX_CONFLICTS):
-                now = self._now_ms(fallback_ms)
-                group, nodes = self.store.load_group(name)
+                group, nodes, now = self.store.load_group_at(name)
+                now = fallback_ms if now is None else now
                 new_group, new_nodes = change(group, nodes, now)
                 new_group = self._with_lease(group, nodes, new_group, new_nodes, now)
                 try:

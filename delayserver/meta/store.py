@@ -174,6 +174,13 @@ class MetaStore(abc.ABC):
     def list_epochs(self, group: str) -> list[tuple[int, str, int]]:
         """(epoch, node_id, granted_ms) of every grant of mastership in `group`, oldest first."""
 
+    def load_group_at(self, name: str) -> tuple[DelayGroup | None, list[Node], int | None]:
+        """`load_group(name)` and `clock_ms()`, read together (in one round trip where the
+        database allows)."""
+        now = self.clock_ms()
+        group, nodes = self.load_group(name)
+        return group, nodes, now
+
     def clock_ms(self) -> int | None:
         """Epoch milliseconds on a clock every meta server on this store shares (the database
         server's); None when the store has none and each meta server uses its own."""
