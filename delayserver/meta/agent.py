@@ -21,6 +21,7 @@ so the former master's lease has run out before its successor is told it is mast
 from __future__ import annotations
 
 import logging
+import secrets
 import ssl
 from pathlib import Path
 from typing import Callable, Sequence
@@ -86,6 +87,7 @@ class MetaAgent:
         self.session_path = self.cache_path.with_name(self.cache_path.stem + ".session.json")
         self._client = MetaClient(meta_address, secret=cluster_secret, tls=tls)
         self._previous_session: str | None = None
+        self._proposed_session: str | None = None
 
         self.role: Role | None = None
         self.epoch = 0
@@ -168,11 +170,14 @@ class MetaAgent:
                 return False
         sent = trio.current_time()
         previous = {"previous_session": self._previous_session} if self._previous_session else {}
-        reply = await self._ask("register", group=self.group, node_id=self.node_id,
+        # Kept until an answer comes: a retry after a lost answer is the same registration.
+        self._proposed_session = self._proposed_session or secrets.token_hex(16)
+        reply = await self._ask("register", group=self.group, node_id=self.node_id, session=self._proposed_session,
                                 address=self.advertised_address, want_role=self.want_role, **previous)
         if reply is None:
             return False
         self._session = self._previous_session = reply["session"]
+        self._proposed_session = None
         self._apply(reply, sent)
         try:
             await self.run_blocking(write_checkpoint, self.session_path,

@@ -14,6 +14,8 @@ Rules (each function takes the group and its nodes and returns them changed):
 - A node id is bound to its session while the node is live (up, heard from after `live_after_ms`):
   registering it again needs that session (`previous_session`: the same node, restarted), and is
   refused otherwise (`NodeIdTaken`), so no one can take over a live node's id and role.
+- A registration repeated with the session it proposed (a retry, maybe through another meta
+  server, of one whose answer was lost) is a heartbeat: the node keeps that registration.
 - A down node that heartbeats with its current session is up again, in whatever role its record
   has: a master that was marked down while no other node could take over is still the only holder
   of the current epoch, so it may go on.
@@ -51,6 +53,8 @@ def register(
     heard from after `live_after_ms`, and whose session is not `previous_session`."""
     group = group or DelayGroup(name)
     old = next((n for n in nodes if n.node_id == node_id), None)
+    if old is not None and old.session == session:
+        return heartbeat(group, nodes, node_id=node_id, session=session, now_ms=now_ms)
     if (live_after_ms is not None and old is not None and old.state is NodeState.UP
             and old.last_heartbeat_ms > live_after_ms and old.session != previous_session):
         raise NodeIdTaken(f"node id {node_id!r} of delay group {name!r} is held by a live node "

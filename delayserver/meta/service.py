@@ -41,6 +41,7 @@ MAX_WEIGHT = 1_000_000
 MAX_BROKER_ADDRESS = 1024
 MAX_OPTIONS_JSON = 16 * 1024
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_SESSION_RE = re.compile(r"[0-9a-f]{32}")
 #: What a connection that has not given the cluster secret may ask: producers find delay groups.
 OPEN_OPS = frozenset({"live_delay_groups"})
 #: Reads and decisions again after this many Conflicts in a row, then gives up with INTERNAL.
@@ -221,18 +222,23 @@ class MetaService:
     # --- nodes --------------------------------------------------------------------------------
 
     async def op_register(self, args: _Args) -> dict:
-        """register(group, node_id, address, want_role="master"|"slave", previous_session=None)
-        -> role, epoch, session, heartbeat_interval_ms, missed_heartbeats, read_only, master.
-        A node wanting "slave" is never made master. NODE_ID_TAKEN while a live node holds
-        `node_id` under a session other than `previous_session`."""
+        """register(group, node_id, address, want_role="master"|"slave", previous_session=None,
+        session=None) -> role, epoch, session, heartbeat_interval_ms, missed_heartbeats,
+        read_only, master. A node wanting "slave" is never made master. NODE_ID_TAKEN while a
+        live node holds `node_id` under a session other than `previous_session`. `session`, 32
+        random hex digits the node proposes, makes a retry idempotent: registering again with it
+        answers the registration already made (default: the meta server draws one)."""
         name, node_id = args.name("group"), args.name("node_id")
         address = _node_address(args)
         want = args.get("want_role", str, "master")
         if want not in (Role.MASTER.value, Role.SLAVE.value):
             raise BadRequest(f"register: want_role must be 'master' or 'slave', not {want!r}")
         previous = args.get("previous_session", str, None)
+        session = args.get("session", str, None)
+        if session is not None and not _SESSION_RE.fullmatch(session):
+            raise BadRequest("register: session must be 32 hex digits, drawn at random by the node")
         args.finish()
-        session = secrets.token_hex(16)
+        session = session or secrets.token_hex(16)
 
         def register(group, nodes, now):
             try:

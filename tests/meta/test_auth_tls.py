@@ -137,6 +137,20 @@ async def test_a_live_node_id_cannot_be_taken_over_by_registering_again(store, a
         assert taken["master"]["address"] == "10.0.0.9:20801"
 
 
+async def test_a_registration_retried_with_its_session_is_the_same_registration(store, autojump_clock):
+    proposed = "0123456789abcdef" * 2
+    async with meta_server(store) as address, MetaClient(address) as c:
+        first = await c.request("register", group="g1", node_id="a", address="h:1", session=proposed)
+        # Its answer was lost: the node asks again (maybe another meta server) with the same session.
+        retry = await c.request("register", group="g1", node_id="a", address="h:1", session=proposed)
+        assert (first["session"], first["epoch"]) == (retry["session"], retry["epoch"]) == (proposed, 1)
+        assert retry["role"] == "master" and [e for e, _, _ in store.list_epochs("g1")] == [1]
+        await refused(c.request("register", group="g1", node_id="a", address="h:9", session="f" * 32),
+                      ResultCode.NODE_ID_TAKEN, "held by a live node")
+        await refused(c.request("register", group="g1", node_id="b", address="h:2", session="not-hex"),
+                      ResultCode.BAD_REQUEST, "32 hex digits")
+
+
 async def test_a_restarted_node_registers_again_at_once_with_its_kept_session(store, tmp_path, autojump_clock):
     async with meta_server(store) as address:
         def agent():
