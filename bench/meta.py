@@ -1,8 +1,9 @@
 """`ops/bench meta`: heartbeats per second one meta server answers, and their latency, over its
 embedded SQLite store and over PostgreSQL.
 
-N nodes (default 300, in 10 delay groups) register, then heartbeat as fast as answers come, each
-over its own connection to a meta server on 127.0.0.1, for --seconds (default 10). With two or
+N nodes (default 300, in 10 delay groups) register, then, once all have, heartbeat as fast as
+answers come, each over its own connection to a meta server on 127.0.0.1, for --seconds (default
+10). The nodes and the meta servers run in this one process (trio), so they share its CPU. With two or
 more --servers over PostgreSQL, the nodes spread over them, so groups are written by several meta
 servers at once (compare-and-set conflicts are counted: each costs a re-read). The figure to
 compare with is what a cluster needs: one heartbeat per node every heartbeat interval (5 s by
@@ -87,23 +88,33 @@ async def _run(stores, args) -> tuple[int, list[float]]:
                 serve_meta, store, "127.0.0.1", 0, clock=WallClock(), heartbeat_interval_ms=60_000))
             addresses.append(f"127.0.0.1:{port}")
         latencies: list[float] = []
-        deadline = trio.current_time() + args.seconds
+        registered, go = trio.CapacityLimiter(args.nodes), trio.Event()
+        window = {}
         async with trio.open_nursery() as nodes:
             for i in range(args.nodes):
-                nodes.start_soon(_node, addresses[i % len(addresses)], f"g{i % args.groups}", f"n{i}",
-                                 deadline, latencies)
+                # Node i is in group i % groups, and each group has nodes on every meta server.
+                address = addresses[(i // args.groups) % len(addresses)]
+                nodes.start_soon(_node, address, f"g{i % args.groups}", f"n{i}", registered, go, window, latencies)
+            # Every node registers first; the measured window starts after the last one.
+            while registered.borrowed_tokens < args.nodes:
+                await trio.sleep(0.01)
+            window["end"] = trio.current_time() + args.seconds
+            go.set()
         nursery.cancel_scope.cancel()
     return len(latencies), latencies
 
 
-async def _node(address: str, group: str, node_id: str, deadline: float, latencies: list[float]) -> None:
-    async with MetaClient(address, timeout_s=30) as client:
-        reply = await client.request("register", group=group, node_id=node_id, address=f"10.0.0.1:{20000}")
+async def _node(address: str, group: str, node_id: str, registered: trio.CapacityLimiter, go: trio.Event,
+                window: dict, latencies: list[float]) -> None:
+    async with MetaClient(address, timeout_s=60) as client:
+        reply = await client.request("register", group=group, node_id=node_id, address="10.0.0.1:20000")
         session = reply["session"]
-        while trio.current_time() < deadline:
+        registered.acquire_on_behalf_of_nowait(node_id)
+        await go.wait()
+        while trio.current_time() < window["end"]:
             start = time.perf_counter()
             await client.request("heartbeat", group=group, node_id=node_id, session=session)
-            if trio.current_time() < deadline:
+            if trio.current_time() < window["end"]:
                 latencies.append(time.perf_counter() - start)
 
 
