@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 
+import attrs
 import pytest
 
 from delayserver.meta.store import (
@@ -71,15 +72,9 @@ def test_a_save_from_a_stale_read_is_a_conflict_and_writes_nothing(any_store):
 def test_every_grant_is_in_the_epoch_history_once(any_store):
     saved = any_store.save_group(DelayGroup("g1", master_epoch=1), [master("a", epoch=1, heartbeat=10)])
     saved = any_store.save_group(saved, [master("a", epoch=1, heartbeat=20)])  # a heartbeat: no grant
-    saved = any_store.save_group(attrs_evolve(saved, master_epoch=2), [master("b", epoch=2, heartbeat=30)])
+    saved = any_store.save_group(attrs.evolve(saved, master_epoch=2), [master("b", epoch=2, heartbeat=30)])
     assert any_store.list_epochs("g1") == [(1, "a", 10), (2, "b", 30)]
     assert any_store.list_epochs("other") == []
-
-
-def attrs_evolve(group, **changes):
-    import attrs
-
-    return attrs.evolve(group, **changes)
 
 
 def test_a_failed_group_save_changes_nothing(any_store):
@@ -187,7 +182,7 @@ def test_a_store_of_the_first_release_is_migrated_with_its_data(path):
         assert group == DelayGroup("g1", False, 4, 0) and group.version == 1
         assert nodes == [Node("g1", "a", "h:1", Role.MASTER, NodeState.UP, 77, 4, True, "old-session")]
         assert store.list_routes() == [Route("x.*", ("b",))]
-        store.save_group(attrs_evolve(group, master_epoch=5), [attrs_evolve(nodes[0], epoch=5)])
+        store.save_group(attrs.evolve(group, master_epoch=5), [attrs.evolve(nodes[0], epoch=5)])
         assert store.list_epochs("g1") == [(5, "a", 77)]
     finally:
         store.close()
@@ -279,7 +274,7 @@ def test_concurrent_writers_of_one_group_on_two_connections_never_both_win(postg
         def promote(store, node_id):
             barrier.wait()
             try:
-                store.save_group(attrs_evolve(base, master_epoch=2), [master(node_id, epoch=2)])
+                store.save_group(attrs.evolve(base, master_epoch=2), [master(node_id, epoch=2)])
                 results.append(node_id)
             except Conflict:
                 results.append("conflict")
