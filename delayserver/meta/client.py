@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import trio
 
-from delayserver.errors import DelayServerError, ResultCode
-from delayserver.meta.wire import MAX_RESPONSE_BYTES, parse_address, parse_address_list
+from delayserver.message import DelayServerError, ResultCode, parse_address
+from delayserver.meta.wire import MAX_RESPONSE_BYTES, parse_address_list
 from delayserver.protocol import (
     NEED_DATA, Command, Frame, FrameDecoder, RemoteProtocolError, decode_error, decode_json, encode, encode_json,
 )

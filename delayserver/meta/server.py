@@ -1,15 +1,16 @@
 """The meta server process: a trio TCP service speaking META frames, and `delayserver meta`.
 
-Each connection is a short pump around `protocol.FrameDecoder`: one request at a time, answered
-in order. A META request carries a JSON object and gets a META response (see `service`). Any other
-well-formed request gets an ERROR response and the connection goes on. A frame that breaks the
-protocol (bad magic, crc, a declared length over `max_frame_bytes`) gets an ERROR response with
-request id 0 and the connection is closed; so is a connection idle for `idle_timeout_s`.
+Each connection is served by the shared connection pump (`delayserver.node.pump`): one request at
+a time, answered in order. A META request carries a JSON object and gets a META response (see
+`service`). Any other well-formed request gets an ERROR response and the connection goes on. A
+frame that breaks the protocol (bad magic, crc, a declared length over `max_frame_bytes`) gets an
+ERROR response and the connection is closed; so is a connection idle for `idle_timeout_s`.
 
 With a cluster secret, a connection gives it in an AUTH frame (answered by an empty AUTH response;
 a wrong one by ERROR UNAUTHORIZED, and the connection closes); until then it may ask only what
-producers need (`service.OPEN_OPS`), and anything else is answered UNAUTHORIZED. With a
-certificate, every connection is TLS. Several meta servers may share one PostgreSQL store
+producers need (`service.OPEN_OPS`), and anything else is answered UNAUTHORIZED. This is the
+pump's gate: it sees every frame, in line, until AUTH lets the connection in. With a certificate,
+every connection is TLS. Several meta servers may share one PostgreSQL store
 (`--store postgresql://...`); the default is SQLite in `--data-dir`.
 
 Default port: 20800 (`wire.DEFAULT_META_PORT`); the delay server's is 20801.
@@ -17,6 +18,7 @@ Default port: 20800 (`wire.DEFAULT_META_PORT`); the delay server's is 20801.
 from __future__ import annotations
 
 import argparse
+import functools
 import hmac
 import logging
 import os
@@ -28,15 +30,14 @@ from pathlib import Path
 import trio
 
 from delayserver.clock import TrioClock, WallClock
-from delayserver.errors import ResultCode
-from delayserver.meta.wire import (
-    DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, format_address, parse_address,
-)
+from delayserver.message import ResultCode, format_address, parse_address
 from delayserver.meta.service import MetaService
 from delayserver.meta.store import MetaStore, SqliteMetaStore, StoreError, StoreUnavailable
+from delayserver.meta.wire import DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
+from delayserver.node.pump import PumpLimits, error_frame, pump
 from delayserver.protocol import (
-    NEED_DATA, Command, ErrorResult, Frame, FrameDecoder, LocalProtocolError, RemoteProtocolError, decode_json,
-    encode, encode_error, encode_json,
+    Command, ErrorResult, Frame, LocalProtocolError, RemoteProtocolError, decode_json, encode, encode_error,
+    encode_json,
 )
 
 log = logging.getLogger("delayserver.meta")
@@ -111,60 +112,39 @@ async def _reap_forever(service: MetaService) -> None:
             log.exception("reaping silent nodes failed")
 
 
-async def _serve_connection(stream, service: MetaService, idle_timeout_s: float, secret: bytes) -> None:
-    decoder = FrameDecoder(MAX_REQUEST_BYTES)
-    authenticated = not secret
+async def _serve_connection(stream: trio.abc.Stream, service: MetaService, idle_timeout_s: float,
+                             secret: bytes) -> None:
+    # Requests are answered in order, one at a time; an idle connection is closed without a word.
+    limits = PumpLimits(MAX_REQUEST_BYTES, idle_timeout_s, send_timeout_s=idle_timeout_s, max_in_flight=1,
+                        say_timeout=False)
+    gate = functools.partial(_authenticate, service=service, secret=secret) if secret else None
     async with stream:
-        try:
-            while True:
-                data = None
-                with trio.move_on_after(idle_timeout_s):
-                    data = await stream.receive_some(65536)
-                if data is None:
-                    log.info("closing a meta connection idle for %ss", idle_timeout_s)
-                    return
-                if not data:
-                    if decoder.buffered_bytes:
-                        log.warning("meta connection closed inside a frame (%d bytes)", decoder.buffered_bytes)
-                    return
-                decoder.feed(data)
-                while (frame := decoder.next_frame()) is not NEED_DATA:
-                    if frame.command is Command.AUTH and not frame.is_response:
-                        if not secret or not hmac.compare_digest(frame.payload, secret):
-                            log.warning("refused a meta connection: %s",
-                                        "wrong cluster secret" if secret else "AUTH without a cluster secret set")
-                            await _send_unauthorized(stream, frame.request_id, idle_timeout_s, secret)
-                            return
-                        authenticated = True
-                        response = encode(Frame(Command.AUTH, frame.request_id, b"", True))
-                    else:
-                        response = await _respond(frame, service, authenticated)
-                    # A peer that does not read its responses must not hold the task forever.
-                    with trio.fail_after(idle_timeout_s):
-                        await stream.send_all(response)
-        except RemoteProtocolError as exc:
-            log.warning("meta connection broke the protocol: %s", exc)
-            error = encode(Frame(Command.ERROR, 0, encode_error(ErrorResult(exc.code, str(exc))), True))
-            with trio.move_on_after(idle_timeout_s):
-                await stream.send_all(error)
-        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            # A TLS client that hangs up between requests without close_notify is not news.
-            level = logging.INFO if decoder.buffered_bytes or isinstance(exc, trio.TooSlowError) else logging.DEBUG
-            log.log(level, "meta connection lost: %r", exc)
+        await pump(stream, limits, functools.partial(_respond, service=service, authenticated=True, secret=secret),
+                   gate=gate, what="a meta connection")
 
 
-async def _send_unauthorized(stream, request_id: int, timeout_s: float, secret: bytes) -> None:
-    message = "wrong cluster secret" if secret else "this meta server has no cluster secret: do not send one"
-    error = encode(Frame(Command.ERROR, request_id, encode_error(ErrorResult(ResultCode.UNAUTHORIZED, message)), True))
-    with trio.move_on_after(timeout_s):
-        try:
-            await stream.send_all(error)
-        except trio.BrokenResourceError:
-            pass
+async def _authenticate(frame: Frame, send, service: MetaService, secret: bytes) -> bool | None:
+    """The pump's gate with a cluster secret: AUTH with the secret lets the connection in (True), a
+    wrong one closes it (False); any other request before it is answered as anonymous (None)."""
+    if frame.command is Command.AUTH and not frame.is_response:
+        if hmac.compare_digest(frame.payload, secret):
+            await send(encode(Frame(Command.AUTH, frame.request_id, b"", True)))
+            return True
+        log.warning("refused a meta connection: wrong cluster secret")
+        await send(error_frame(frame.request_id, ResultCode.UNAUTHORIZED, "wrong cluster secret"))
+        return False
+    await send(await _respond(frame, service, authenticated=False, secret=secret))
+    return None
 
 
-async def _respond(frame: Frame, service: MetaService, authenticated: bool) -> bytes:
+async def _respond(frame: Frame, service: MetaService, authenticated: bool, secret: bytes) -> bytes:
     """The bytes answering one well-formed frame."""
+    if frame.command is Command.AUTH and not frame.is_response:
+        # Past the gate (or with no secret at all): AUTH again, or AUTH a server without a secret.
+        if secret and hmac.compare_digest(frame.payload, secret):
+            return encode(Frame(Command.AUTH, frame.request_id, b"", True))
+        message = "wrong cluster secret" if secret else "this meta server has no cluster secret: do not send one"
+        return error_frame(frame.request_id, ResultCode.UNAUTHORIZED, message)
     if frame.is_response or frame.command is not Command.META:
         what = "a response" if frame.is_response else f"a {frame.command.name} request"
         error = ErrorResult(ResultCode.BAD_REQUEST, f"the meta server answers META requests only, not {what}")

@@ -25,14 +25,12 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from delayserver.errors import DelayServerError, ResultCode
+from delayserver.message import SUBJECT_RE, DelayServerError, ResultCode, parse_address
 from delayserver.meta import roles, routing
-from delayserver.meta.wire import parse_address
 from delayserver.meta.store import (
-    BrokerGroupSpec, Conflict, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, StoreUnavailable,
-    Transport,
+    Conflict, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, StoreUnavailable,
 )
-from delayserver.storage.record import SUBJECT_RE
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 log = logging.getLogger("delayserver.meta")
 
@@ -523,11 +521,11 @@ def _node_address(args: _Args) -> str:
     return address
 
 
-def _transport(value: str) -> Transport:
+def _transport(value: str) -> TransportKind:
     try:
-        return Transport(value)
+        return TransportKind(value)
     except ValueError:
-        raise BadRequest(f"transport must be one of {', '.join(t.value for t in Transport)}, "
+        raise BadRequest(f"transport must be one of {', '.join(t.value for t in TransportKind)}, "
                          f"not {value!r}") from None
 
 

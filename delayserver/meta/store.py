@@ -33,6 +33,8 @@ from typing import Any, Iterable, Mapping
 
 import attrs
 
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+
 
 class Role(str, enum.Enum):
     MASTER = "master"
@@ -42,12 +44,6 @@ class Role(str, enum.Enum):
 class NodeState(str, enum.Enum):
     UP = "up"
     DOWN = "down"
-
-
-class Transport(str, enum.Enum):
-    SPOOL = "spool"
-    REDIS = "redis"
-    HTTP = "http"
 
 
 class StoreError(Exception):
@@ -100,40 +96,6 @@ class Node:
     epoch: int = 0
     eligible: bool = True
     session: str = ""
-
-
-@attrs.frozen
-class BrokerGroupSpec:
-    """How to reach a broker group: its transport, address, weight and transport options."""
-
-    name: str
-    transport: Transport
-    address: str
-    weight: int = 1
-    read_only: bool = False
-    options: Mapping[str, Any] = attrs.field(factory=dict)
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "transport": self.transport.value,
-            "address": self.address,
-            "weight": self.weight,
-            "read_only": self.read_only,
-            "options": dict(self.options),
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> BrokerGroupSpec:
-        """Raises KeyError, TypeError or ValueError for an object not made by `to_json`."""
-        return cls(
-            name=str(obj["name"]),
-            transport=Transport(obj["transport"]),
-            address=str(obj["address"]),
-            weight=int(obj["weight"]),
-            read_only=bool(obj["read_only"]),
-            options=dict(obj["options"]),
-        )
 
 
 @attrs.frozen
@@ -490,7 +452,7 @@ def _broker_group(row: tuple) -> BrokerGroupSpec:
     name, transport, address, weight, read_only, options = row
     if isinstance(options, str):
         options = json.loads(options)
-    return BrokerGroupSpec(name, Transport(transport), address, weight, bool(read_only), options)
+    return BrokerGroupSpec(name, TransportKind(transport), address, weight, bool(read_only), options)
 
 
 def _node(row: tuple) -> Node:

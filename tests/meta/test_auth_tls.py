@@ -11,7 +11,7 @@ import trio
 import trustme
 
 from delayserver.clock import TrioClock
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 from delayserver.meta.agent import MetaAgent
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable, discover_delay_groups
 from delayserver.meta.server import serve_meta

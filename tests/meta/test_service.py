@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from delayserver.clock import TrioClock
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 from delayserver.meta.service import MetaService
 from delayserver.meta.store import DelayGroup, Node, NodeState, Role, SqliteMetaStore, StoreUnavailable
 

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from delayserver.clock import WallClock
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 from delayserver.meta.pgstore import PostgresMetaStore
 from delayserver.meta.service import MetaService
 

@@ -10,9 +10,10 @@ import attrs
 import pytest
 
 from delayserver.meta.store import (
-    SCHEMA_VERSION, BrokerGroupSpec, Conflict, DelayGroup, Node, NodeState, Role, Route, SchemaTooNew,
-    SqliteMetaStore, StoreError, StoreLocked, StoreUnavailable, Transport,
+    SCHEMA_VERSION, Conflict, DelayGroup, Node, NodeState, Role, Route, SchemaTooNew, SqliteMetaStore,
+    StoreError, StoreLocked, StoreUnavailable,
 )
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 
 def master(node_id="a", epoch=1, heartbeat=1000, session="s1"):
@@ -97,12 +98,12 @@ def _with_raw_role(node):
 
 
 def test_broker_groups_crud(any_store):
-    spool = BrokerGroupSpec("local", Transport.SPOOL, "var/spool")
-    redis = BrokerGroupSpec("r1", Transport.REDIS, "redis://127.0.0.1:6379/0", 5, True, {"stream": "s:{subject}"})
+    spool = BrokerGroupSpec("local", TransportKind.SPOOL, "var/spool")
+    redis = BrokerGroupSpec("r1", TransportKind.REDIS, "redis://127.0.0.1:6379/0", 5, True, {"stream": "s:{subject}"})
     any_store.put_broker_group(redis)
     any_store.put_broker_group(spool)
     assert any_store.list_broker_groups() == [spool, redis]
-    changed = BrokerGroupSpec("r1", Transport.HTTP, "http://h/hook", 2)
+    changed = BrokerGroupSpec("r1", TransportKind.HTTP, "http://h/hook", 2)
     any_store.put_broker_group(changed)
     assert any_store.list_broker_groups() == [spool, changed]
     assert any_store.remove_broker_group("r1") is True
@@ -125,12 +126,12 @@ def test_everything_survives_a_reopen(open_store):
     store = open_store()
     node = master(epoch=7, heartbeat=5)
     store.save_group(DelayGroup("g1", True, 7, 3005), [node])
-    store.put_broker_group(BrokerGroupSpec("b", Transport.SPOOL, "x", options={"k": [1, "v"]}))
+    store.put_broker_group(BrokerGroupSpec("b", TransportKind.SPOOL, "x", options={"k": [1, "v"]}))
     store.put_route(Route("a.?", ("b",)))
     store.close()
     store = open_store()
     assert store.load_group("g1") == (DelayGroup("g1", True, 7, 3005), [node])
-    assert store.list_broker_groups() == [BrokerGroupSpec("b", Transport.SPOOL, "x", options={"k": [1, "v"]})]
+    assert store.list_broker_groups() == [BrokerGroupSpec("b", TransportKind.SPOOL, "x", options={"k": [1, "v"]})]
     assert store.list_routes() == [Route("a.?", ("b",))]
     assert store.list_epochs("g1") == [(7, "a", 5)]
 
@@ -214,7 +215,7 @@ def test_an_unopenable_store_raises_store_error(tmp_path):
 
 
 def test_json_forms_round_trip():
-    spec = BrokerGroupSpec("r1", Transport.REDIS, "redis://h:1/0", 3, True, {"a": 1})
+    spec = BrokerGroupSpec("r1", TransportKind.REDIS, "redis://h:1/0", 3, True, {"a": 1})
     assert BrokerGroupSpec.from_json(spec.to_json()) == spec
     route = Route("x.*", ("r1", "r2"))
     assert Route.from_json(route.to_json()) == route
