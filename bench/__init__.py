@@ -21,4 +21,5 @@ BENCHMARKS = {
     "deliver": "bench.deliver",
     "compare": "bench.compare",
     "meta": "bench.meta",
+    "http": "bench.http",
 }

@@ -228,3 +228,21 @@ def test_bad_address_lists_are_refused():
     for text in ["", "a:1,", "a:1,a:1", "a", "a:1,b"]:
         with pytest.raises(ValueError):
             MetaClient(text)
+
+
+# --- a node's HTTP API asks the meta servers with the cluster secret ----------------------------
+
+
+async def test_the_http_api_lists_the_group_from_a_meta_server_that_wants_the_secret(store, tmp_path, nursery):
+    import httpx
+
+    from tests.node.conftest import node_config, start_node
+
+    async with meta_server(store, cluster_secret=SECRET) as address:
+        node = await start_node(nursery, node_config(tmp_path, meta=address, group="g1", node_id="n1",
+                                                     cluster_secret=SECRET))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{node.http_port}", timeout=30) as api:
+            r = await api.get("/v1/nodes")
+        assert r.status_code == 200, r.text
+        assert [(n["node_id"], n["role"], n["source"]) for n in r.json()["nodes"]] == [("n1", "master", "meta")]
+        nursery.cancel_scope.cancel()
