@@ -21,5 +21,6 @@ BENCHMARKS = {
     "deliver": "bench.deliver",
     "compare": "bench.compare",
     "status": "bench.status",
+    "meta": "bench.meta",
     "http": "bench.http",
 }

@@ -21,7 +21,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-listen", help="HOST:PORT for Prometheus metrics (default: off)")
     ap.add_argument("--http-listen", help="HOST:PORT for the HTTP API and web console (default: off)")
     ap.add_argument("--flush", choices=["sync", "async"], help="fsync before ack (sync) or on a timer (async)")
-    ap.add_argument("--meta", help="meta server HOST:PORT (default: none, embedded routing)")
+    ap.add_argument("--meta", help="meta servers HOST:PORT[,HOST:PORT...] (default: none, embedded routing)")
     ap.add_argument("--group", help="delay group this node belongs to (with --meta)")
     ap.add_argument("--node-id", help="this node's id in its group (with --meta; default: its address)")
     ap.add_argument("--replicate-from", help="run as a slave of the master at HOST:PORT (without --meta)")
@@ -54,7 +54,8 @@ def serve_main(argv: list[str]) -> int:
                  "http_listen": args.http_listen, "log_format": args.log_format,
                  "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id,
                  "advertised_address": args.advertised_address, "replicate_from": args.replicate_from,
-                 "auth_secret": os.environ.get("DELAYSERVER_SECRET")}
+                 "auth_secret": os.environ.get("DELAYSERVER_SECRET"),
+                 "cluster_secret": os.environ.get("DELAYSERVER_CLUSTER_SECRET")}
     try:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:

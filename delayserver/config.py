@@ -110,6 +110,10 @@ class Config:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # Shared by the nodes, the meta servers and operators (not producers): the meta server
+    # requires it for registrations, heartbeats and changes.
+    cluster_secret: str = ""
+    meta_tls_ca: str = ""
     deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
 
@@ -197,16 +201,17 @@ class Config:
         if raw.get("advertised_address"):
             parse_address(raw["advertised_address"], "advertised_address")
         if raw.get("meta"):
-            parse_address(raw["meta"], "meta", 20800)
+            for address in str(raw["meta"]).split(","):
+                parse_address(address.strip(), "meta", 20800)
         if raw.get("replicate_from"):
             parse_address(raw["replicate_from"], "replicate_from")
         if bool(raw.get("tls_cert")) != bool(raw.get("tls_key")):
             raise ConfigError("tls_cert: tls_cert and tls_key go together (PEM certificate chain and its key)")
-        for name in ("tls_cert", "tls_key", "tls_ca"):
+        for name in ("tls_cert", "tls_key", "tls_ca", "meta_tls_ca"):
             if raw.get(name) and not Path(raw[name]).is_file():
                 raise ConfigError(f"{name}: no such file {raw[name]!r}")
         for name in ("meta", "group", "node_id", "advertised_address", "replicate_from", "auth_secret",
-                     "tls_cert", "tls_key", "tls_ca"):
+                     "tls_cert", "tls_key", "tls_ca", "cluster_secret", "meta_tls_ca"):
             if name in raw:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")

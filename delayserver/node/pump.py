@@ -7,9 +7,11 @@ One pump serves every framed connection, the delay server's and the meta server'
 - frames go to `respond`, up to `max_in_flight` at a time (1: one after another, in order), and
   each answer is written whole under one lock, within `send_timeout_s` (a peer that does not read
   its answers does not hold the task forever);
-- an optional `gate` sees every frame, in line, until it lets the connection in (AUTH); before
-  it has, a connection may buffer at most `max_bytes_before_gate` (a peer that streams data
-  without authenticating is refused, not buffered);
+- an optional `gate` sees every frame, in line, until it lets the connection in (AUTH): it answers
+  the frame itself and returns True (let in), False (refused: close) or None (answered, not in
+  yet: the next frame goes to the gate too, as the meta server's open requests before AUTH do);
+  until it lets a connection in, that connection may buffer at most `max_bytes_before_gate` (a
+  peer that streams data without authenticating is refused, not buffered);
 - byte limits: each frame's payload is taken from the connection's own budget
   (`max_connection_bytes`) and from an optional shared `budget` (the node's total) before it is
   started, and given back once answered; while either is full the connection is not read, so TCP
@@ -42,7 +44,7 @@ ABUSE_LOG_PER_MINUTE = 20
 LINGER_BYTES = 64 * 1024 * 1024
 
 Respond = Callable[[p.Frame], Awaitable[bytes]]
-Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool]]
+Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool | None]]
 
 
 @attrs.frozen
@@ -204,10 +206,11 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                     break
                 if not admitted:
                     # In line, before any later frame of the same connection.
-                    admitted = await gate(frame, send)
-                    if not admitted:
+                    verdict = await gate(frame, send)
+                    if verdict is False:
                         nursery.cancel_scope.cancel()
                         return
+                    admitted = verdict is True
                     continue
                 await slots.acquire()
                 # Byte limits: this connection's and the shared one. While either is full, this

@@ -50,6 +50,8 @@ HTTP_STATUS = {
     ResultCode.UNAUTHORIZED: 401,
     ResultCode.NOT_FOUND: 404,
     ResultCode.INTERNAL: 500,
+    ResultCode.NODE_ID_TAKEN: 409,
+    ResultCode.UNAVAILABLE: 503,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 

@@ -7,6 +7,7 @@ the `NodeView` the node hands it.
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import Protocol
 
 from delayserver.message import Handle, TimeSpec
@@ -195,7 +196,8 @@ class ServerOps:
                      "address": c.advertised_address or f"{c.listen[0]}:{n.port}", "alive": True, "epoch": 0,
                      "source": "local"}]
         try:
-            async with MetaClient(c.meta, timeout_s=3) as client:
+            tls = ssl.create_default_context(cafile=c.meta_tls_ca) if c.meta_tls_ca else None
+            async with MetaClient(c.meta, timeout_s=3, secret=c.cluster_secret, tls=tls) as client:
                 reply = await client.request("list_nodes", group=c.group)
         except (MetaUnavailable, MetaError, OSError) as e:
             log.warning("cannot list the group's nodes: %s", e)
