@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from delayserver.sender.transport import KINDS as TRANSPORT_KINDS
 from delayserver.storage.buckets import MINUTE_MS
 
 DEFAULT_PORT = 20801
@@ -233,8 +234,8 @@ def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
         if unknown:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown option")
         transport = item.get("transport", "spool")
-        if transport not in ("spool", "redis", "http"):
-            raise ConfigError(f"{where}.transport: expected spool, redis or http, got {transport!r}")
+        if transport not in TRANSPORT_KINDS:
+            raise ConfigError(f"{where}.transport: expected one of {', '.join(TRANSPORT_KINDS)}, got {transport!r}")
         weight = item.get("weight", 1)
         if not isinstance(weight, int) or isinstance(weight, bool) or weight <= 0:
             raise ConfigError(f"{where}.weight: expected a positive integer, got {weight!r}")
@@ -243,7 +244,22 @@ def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
             raise ConfigError(f"{where}.subjects: expected an array of subject names")
         if transport != "spool" and not item.get("address"):
             raise ConfigError(f"{where}.address: required for the {transport} transport")
+        if transport in ("rabbitmq", "nats"):
+            _check_transport(where, transport, item["address"], item.get("options", {}))
         out.append(BrokerGroupConfig(item["name"], transport, str(item.get("address", "")), weight,
                                      tuple(subjects) if subjects is not None else None,
                                      dict(item.get("options", {}))))
     return tuple(out)
+
+
+def _check_transport(where: str, kind: str, address: Any, options: Any) -> None:
+    """Build the transport once (it connects only on its first batch) so that a bad address or
+    option stops the start with a clear message rather than a traceback."""
+    from delayserver.sender.transport import make_transport
+
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where}.options: expected a table")
+    try:
+        make_transport(kind, address, options, Path("."))
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import secrets
+from pathlib import Path
 from typing import Any, Callable
 
 import attrs
@@ -20,6 +21,7 @@ import trio
 from delayserver.errors import DelayServerError, ResultCode
 from delayserver.meta import roles, routing
 from delayserver.meta.wire import parse_address
+from delayserver.sender.transport import make_transport
 from delayserver.meta.store import (
     BrokerGroupSpec, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, Transport,
 )
@@ -287,6 +289,7 @@ class MetaService:
             options=_options(args.get("options", dict, {})),
         )
         args.finish()
+        _check_transport_options(spec)
 
         def add():
             if any(s.name == spec.name for s in self.store.list_broker_groups()):
@@ -319,6 +322,7 @@ class MetaService:
                 raise NotFound(f"no broker group {name!r}")
             options = {k: v for k, v in {**spec.options, **patch}.items() if v is not None}
             spec = attrs.evolve(spec, options=_options(options), **changes)
+            _check_transport_options(spec)
             self.store.put_broker_group(spec)
             return spec
 
@@ -439,6 +443,16 @@ def _options(value: dict) -> dict:
     if len(json.dumps(value)) > MAX_OPTIONS_JSON:
         raise BadRequest(f"options are over {MAX_OPTIONS_JSON} bytes of JSON")
     return value
+
+
+def _check_transport_options(spec: BrokerGroupSpec) -> None:
+    """BAD_REQUEST naming the field when a rabbitmq or nats group's address or options cannot work
+    (building the transport connects nothing)."""
+    if spec.transport.value in ("rabbitmq", "nats"):
+        try:
+            make_transport(spec.transport.value, spec.address, spec.options, Path("."))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
 
 
 def _master_json(master: Node | None) -> dict | None:

@@ -40,6 +40,8 @@ class Transport(str, enum.Enum):
     SPOOL = "spool"
     REDIS = "redis"
     HTTP = "http"
+    RABBITMQ = "rabbitmq"
+    NATS = "nats"
 
 
 class StoreError(Exception):
@@ -192,7 +194,7 @@ CREATE TABLE IF NOT EXISTS nodes (
 );
 CREATE TABLE IF NOT EXISTS broker_groups (
     name TEXT PRIMARY KEY,
-    transport TEXT NOT NULL CHECK (transport IN ('spool', 'redis', 'http')),
+    transport TEXT NOT NULL CHECK (transport IN ('spool', 'redis', 'http', 'rabbitmq', 'nats')),
     address TEXT NOT NULL,
     weight INTEGER NOT NULL,
     read_only INTEGER NOT NULL,
@@ -203,6 +205,26 @@ CREATE TABLE IF NOT EXISTS routes (
     broker_groups TEXT NOT NULL
 );
 """
+
+
+def _widen_transport_check(db: sqlite3.Connection) -> None:
+    """A store made before the rabbitmq and nats transports has a CHECK refusing them: rebuild
+    its broker_groups table (rows kept) with today's schema, in one transaction."""
+    [(sql,)] = db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'broker_groups'").fetchall()
+    if "'nats'" in sql:
+        return
+    create = _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS broker_groups"):]
+    create = create[:create.index(");") + 2]
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("ALTER TABLE broker_groups RENAME TO broker_groups_before_widening")
+        db.execute(create)
+        db.execute("INSERT INTO broker_groups SELECT * FROM broker_groups_before_widening")
+        db.execute("DROP TABLE broker_groups_before_widening")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 class StoreLocked(StoreError):
@@ -232,6 +254,7 @@ class SqliteMetaStore(MetaStore):
                 db.execute("PRAGMA synchronous=FULL")
                 db.execute("PRAGMA foreign_keys=ON")
                 db.executescript(_SCHEMA)
+                _widen_transport_check(db)
             except sqlite3.Error:
                 db.close()
                 raise

@@ -106,12 +106,16 @@ def make_transport(kind: str, address: str, options: Mapping[str, Any], data_dir
 
         return HttpTransport.from_config(address, options)
     if kind == "rabbitmq":
-        from delayserver.sender.rabbitmq import RabbitMqTransport
-
+        try:
+            from delayserver.sender.rabbitmq import RabbitMqTransport
+        except ImportError as e:
+            raise ValueError(f"the rabbitmq transport needs the aio-pika package (pip install 'delayserver[rabbitmq]'): {e}") from None
         return RabbitMqTransport.from_config(address, options)
     if kind == "nats":
-        from delayserver.sender.nats_jetstream import NatsJetStreamTransport
-
+        try:
+            from delayserver.sender.nats_jetstream import NatsJetStreamTransport
+        except ImportError as e:
+            raise ValueError(f"the nats transport needs the nats-py package (pip install 'delayserver[nats]'): {e}") from None
         return NatsJetStreamTransport.from_config(address, options)
     raise ValueError(f"transport kind {kind!r} is not one of {', '.join(map(repr, KINDS))}")
 
