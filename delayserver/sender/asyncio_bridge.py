@@ -11,7 +11,6 @@ The cost of a crossing (one `run` of a coroutine that does nothing) is measured 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -48,24 +47,29 @@ class AsyncioThread:
     async def run(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """`await async_fn(*args)` on the asyncio loop; its result, or the exception it raised.
 
-        Cancelling the trio task cancels the asyncio task too (and waits for it to finish).
+        Cancelling the trio task cancels the asyncio task and waits until it has finished, so
+        nothing it does outlives the call.
         """
         loop = self._start()
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
-        future = asyncio.run_coroutine_threadsafe(async_fn(*args), loop)
-        future.add_done_callback(lambda _: token.run_sync_soon(done.set))
+        started: list[asyncio.Task] = []
+
+        def start() -> None:
+            task = loop.create_task(async_fn(*args))
+            task.add_done_callback(lambda _: token.run_sync_soon(done.set))
+            started.append(task)
+
+        loop.call_soon_threadsafe(start)
         try:
             await done.wait()
         except trio.Cancelled:
-            future.cancel()
+            # call_soon_threadsafe keeps order: start() has run by the time this does.
+            loop.call_soon_threadsafe(lambda: started[0].cancel())
             with trio.CancelScope(shield=True):
                 await done.wait()
             raise
-        try:
-            return future.result()
-        except concurrent.futures.CancelledError:
-            raise asyncio.CancelledError from None
+        return started[0].result()
 
     async def close(self, final: Callable[[], Awaitable[Any]] | None = None) -> None:
         """Run `final()` on the loop if given (errors ignored), then stop the loop and its thread."""
