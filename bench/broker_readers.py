@@ -8,7 +8,8 @@ import time
 import aio_pika
 import nats
 import trio
-from nats.js.api import StreamConfig
+import nats.errors
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from bench.workload import Delivered
 from delayserver.sender.asyncio_bridge import AsyncioThread
@@ -55,28 +56,28 @@ def add_stream(url: str, subject: str) -> None:
 
 
 def stream_reader(url: str, subject: str):
-    """A function returning what JetStream stored on `subject` since its last call; the arrival
-    time is the stream's own timestamp of the message."""
-    state = {"next": 1}
-
+    """A function returning what JetStream stored on `subject` since its last call (through a
+    durable pull consumer without acks); the arrival time is the stream's own timestamp."""
     def more() -> list[Delivered]:
         async def main():
             nc = await nats.connect(url)
             out = []
             try:
                 js = nc.jetstream()
-                stream = subject.replace(".", "_")
-                last = (await js.stream_info(stream)).state.last_seq
-                while state["next"] <= last:
-                    m = await js.get_msg(stream, state["next"])
-                    h = m.headers
-                    arrival = int(m.time.timestamp() * 1000) if m.time else None
-                    out.append(Delivered(h["Nats-Msg-Id"], int(h["delayserver-schedule-time"]),
-                                         int(h["delayserver-dispatch-time"]), arrival))
-                    state["next"] += 1
+                consumer = await js.pull_subscribe(subject, durable="bench", stream=subject.replace(".", "_"),
+                                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+                while True:
+                    try:
+                        messages = await consumer.fetch(5000, timeout=0.5)
+                    except nats.errors.TimeoutError:
+                        return out
+                    for m in messages:
+                        h = m.headers
+                        out.append(Delivered(h["Nats-Msg-Id"], int(h["delayserver-schedule-time"]),
+                                             int(h["delayserver-dispatch-time"]),
+                                             int(m.metadata.timestamp.timestamp() * 1000)))
             finally:
                 await nc.close()
-            return out
         return asyncio.run(main())
     return more
 
