@@ -61,11 +61,18 @@ class RabbitMqProcess:
     epmd_port: int = attrs.field(factory=free_port)
     username: str = "delay"
     password: str = "secret"
+    #: (CA file, certificate file, key file) for an AMQPS listener on `tls_port`, or None.
+    tls: tuple[Path, Path, Path] | None = None
+    tls_port: int = attrs.field(factory=free_port)
     process: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
         return f"{LOCALHOST}:{self.port}"
+
+    @property
+    def tls_url(self) -> str:
+        return f"amqps://{self.username}:{self.password}@{LOCALHOST}:{self.tls_port}/"
 
     @property
     def url(self) -> str:
@@ -99,6 +106,9 @@ class RabbitMqProcess:
             f"listeners.tcp.default = {LOCALHOST}:{self.port}\n"
             f"default_user = {self.username}\ndefault_pass = {self.password}\n"
             "disk_free_limit.absolute = 1MB\n"
+            + (f"listeners.ssl.default = {LOCALHOST}:{self.tls_port}\nssl_options.cacertfile = {self.tls[0]}\n"
+               f"ssl_options.certfile = {self.tls[1]}\nssl_options.keyfile = {self.tls[2]}\n"
+               "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n" if self.tls else "")
         )
         (self.directory / "advanced.config").write_text("[].\n")
         (self.directory / "enabled_plugins").write_text("[].\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import trustme
 
 from bench.brokers import NatsProcess, RabbitMqProcess, nats_executable, rabbitmq_installed
 
@@ -14,7 +15,14 @@ from bench.brokers import NatsProcess, RabbitMqProcess, nats_executable, rabbitm
 def rabbitmq(tmp_path_factory):
     if not rabbitmq_installed():
         pytest.skip("rabbitmq-server is not installed (ops/test installs it)")
-    broker = RabbitMqProcess(tmp_path_factory.mktemp("rabbitmq"))
+    directory = tmp_path_factory.mktemp("rabbitmq")
+    # An AMQPS listener too, with a certificate for 127.0.0.1 from a private CA (ca.pem beside it).
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(directory / "ca.pem")
+    cert.cert_chain_pems[0].write_to_path(directory / "server.pem")
+    cert.private_key_pem.write_to_path(directory / "server.key")
+    broker = RabbitMqProcess(directory, tls=(directory / "ca.pem", directory / "server.pem", directory / "server.key"))
     broker.start()
     try:
         yield broker

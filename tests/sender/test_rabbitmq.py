@@ -179,6 +179,20 @@ async def test_credentials_options_override_the_address(rabbitmq):
     assert result.outcome is Outcome.ACKED
 
 
+async def test_tls_with_a_private_ca(rabbitmq):
+    subject = fresh("secure")
+    declare_queue(rabbitmq, subject)
+    ca_file = str(rabbitmq.tls[0])
+    async with make_transport("rabbitmq", rabbitmq.tls_url, {"tls_ca_file": ca_file}, data_dir=None) as t:
+        [result] = await t.send_batch([outbound(1, subject)])
+    assert result.outcome is Outcome.ACKED
+    async with make_transport("rabbitmq", rabbitmq.tls_url, {"timeout_ms": 2000}, data_dir=None) as t:
+        with trio.fail_after(30):
+            [result] = await t.send_batch([outbound(2, subject)])
+    assert result.outcome is Outcome.RETRY and "CERTIFICATE_VERIFY_FAILED" in result.detail
+    assert [m.message_id for m in drain(rabbitmq, subject)] == ["m1"]
+
+
 async def test_connection_refused_is_retry(unused_port):
     async with make_transport("rabbitmq", f"127.0.0.1:{unused_port}", {"timeout_ms": 1000}, data_dir=None) as t:
         with trio.fail_after(30):
