@@ -1,4 +1,4 @@
-"""Real brokers for the transport tests, one of each per test session (starting RabbitMQ takes
+"""Real brokers for the transport tests, one of each per test run (starting RabbitMQ takes
 seconds): `rabbitmq` (bench.brokers.RabbitMqProcess) and `nats` (bench.brokers.NatsProcess, with
 JetStream). A test that stops or kills one starts it again before it ends (`restarted`)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The NATS JetStream transport against a real nats-server with JetStream (the session's `nats`)."""
+"""The NATS JetStream transport against a real nats-server with JetStream (the `nats` fixture, one per test run)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +21,7 @@ _names = itertools.count()
 
 
 def fresh(prefix: str) -> str:
-    """A subject (and stream) name no other test uses (the server lives for the whole session)."""
+    """A subject (and stream) name no other test uses (the server lives for the whole test run)."""
     return f"{prefix}{next(_names)}"
 
 

@@ -1,4 +1,4 @@
-"""The RabbitMQ transport against a real rabbitmq-server (the session's `rabbitmq` fixture)."""
+"""The RabbitMQ transport against a real rabbitmq-server (the `rabbitmq` fixture, one per test run)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ _names = itertools.count()
 
 
 def fresh(prefix: str) -> str:
-    """A queue or exchange name no other test uses (the broker lives for the whole session)."""
+    """A queue or exchange name no other test uses (the broker lives for the whole test run)."""
     return f"{prefix}.{next(_names)}"
 
 
