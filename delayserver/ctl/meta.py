@@ -25,8 +25,10 @@ from typing import Any
 
 import trio
 
+from delayserver.message import parse_address
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
-from delayserver.meta.wire import DEFAULT_META_PORT, parse_address
+from delayserver.meta.wire import DEFAULT_META_PORT
+from delayserver.sender.groups import TransportKind
 
 LISTINGS = {
     # listing: (op, result key, columns)
@@ -61,7 +63,7 @@ def register(subparsers) -> None:
     actions = broker_group.add_subparsers(metavar="ACTION", required=True)
     add = actions.add_parser("add", help="add a broker group")
     add.add_argument("name")
-    add.add_argument("--transport", required=True, choices=["spool", "redis", "http", "rabbitmq", "nats"])
+    add.add_argument("--transport", required=True, choices=[k.value for k in TransportKind])
     add.add_argument("--address", required=True)
     add.add_argument("--weight", type=int, default=1)
     add.add_argument("--read-only", action="store_true", help="send nothing to it for now")
@@ -69,7 +71,7 @@ def register(subparsers) -> None:
     add.set_defaults(run=run, build=_add_broker_group)
     update = actions.add_parser("update", help="change some fields of a broker group")
     update.add_argument("name")
-    update.add_argument("--transport", choices=["spool", "redis", "http", "rabbitmq", "nats"])
+    update.add_argument("--transport", choices=[k.value for k in TransportKind])
     update.add_argument("--address")
     update.add_argument("--weight", type=int)
     writable = update.add_mutually_exclusive_group()

@@ -12,20 +12,16 @@ import json
 import logging
 import re
 import secrets
-from pathlib import Path
 from typing import Any, Callable
 
 import attrs
 import trio
 
-from delayserver.errors import DelayServerError, ResultCode
+from delayserver.message import SUBJECT_RE, DelayServerError, ResultCode, parse_address
 from delayserver.meta import roles, routing
-from delayserver.meta.wire import parse_address
-from delayserver.sender.transport import make_transport
-from delayserver.meta.store import (
-    BrokerGroupSpec, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, Transport,
-)
-from delayserver.storage.record import SUBJECT_RE
+from delayserver.meta.store import DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+from delayserver.sender.transport import check_options
 
 log = logging.getLogger("delayserver.meta")
 
@@ -419,11 +415,11 @@ def _node_address(args: _Args) -> str:
     return address
 
 
-def _transport(value: str) -> Transport:
+def _transport(value: str) -> TransportKind:
     try:
-        return Transport(value)
+        return TransportKind(value)
     except ValueError:
-        raise BadRequest(f"transport must be one of {', '.join(t.value for t in Transport)}, "
+        raise BadRequest(f"transport must be one of {', '.join(t.value for t in TransportKind)}, "
                          f"not {value!r}") from None
 
 
@@ -446,13 +442,11 @@ def _options(value: dict) -> dict:
 
 
 def _check_transport_options(spec: BrokerGroupSpec) -> None:
-    """BAD_REQUEST naming the field when a rabbitmq or nats group's address or options cannot work
-    (building the transport connects nothing)."""
-    if spec.transport.value in ("rabbitmq", "nats"):
-        try:
-            make_transport(spec.transport.value, spec.address, spec.options, Path("."))
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+    """BAD_REQUEST naming the field when the group's address or options cannot work."""
+    try:
+        check_options(spec)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _master_json(master: Node | None) -> dict | None:

@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+
 
 @attrs.frozen
 class OutboundMessage:
@@ -81,14 +83,10 @@ class Transport(abc.ABC):
         await self.aclose()
 
 
-#: The transport kinds a broker group can have.
-KINDS = ("spool", "redis", "http", "rabbitmq", "nats")
-
-
 def make_transport(kind: str, address: str, options: Mapping[str, Any], data_dir: Path) -> Transport:
     """Build the transport of a broker group from its configuration.
 
-    `kind` is one of KINDS. Raises ValueError naming the bad field (kind, address or the option)
+    `kind` is a TransportKind value. Raises ValueError naming the bad field (kind, address or the option)
     for a configuration that cannot work; nothing connects until the first batch. The modules of
     the other transports are imported only when used, since their client libraries are optional
     extras.
@@ -117,7 +115,21 @@ def make_transport(kind: str, address: str, options: Mapping[str, Any], data_dir
         except ImportError as e:
             raise ValueError(f"the nats transport needs the nats-py package (pip install 'delayserver[nats]'): {e}") from None
         return NatsJetStreamTransport.from_config(address, options)
-    raise ValueError(f"transport kind {kind!r} is not one of {', '.join(map(repr, KINDS))}")
+    raise ValueError(f"transport kind {kind!r} is not one of {', '.join(repr(k.value) for k in TransportKind)}")
+
+
+#: The kinds whose address and options `check_options` judges by building the transport: their
+#: constructors connect nothing and touch no file.
+_CHECKED_UP_FRONT = (TransportKind.RABBITMQ, TransportKind.NATS)
+
+
+def check_options(spec: BrokerGroupSpec) -> None:
+    """Raise ValueError naming the field when a broker group's address or options cannot work, so
+    a node's start and the meta server's add/update refuse it before any delivery is tried.
+
+    Done for the rabbitmq and nats kinds (built once here and dropped; nothing connects)."""
+    if spec.transport in _CHECKED_UP_FRONT:
+        make_transport(spec.transport.value, spec.address, spec.options, Path("."))
 
 
 # --- option checking shared by the transports ---------------------------------------------------

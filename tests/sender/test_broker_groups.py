@@ -7,9 +7,10 @@ import sqlite3
 import pytest
 
 from delayserver.config import Config, ConfigError
-from delayserver.errors import ResultCode
-from delayserver.meta.store import BrokerGroupSpec, SqliteMetaStore, Transport
-from tests.test_meta_server import client, expect_error, meta_server
+from delayserver.message import ResultCode
+from delayserver.meta.store import SqliteMetaStore
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+from tests.meta.test_server import client, expect_error, meta_server
 
 
 def write(tmp_path, text: str):
@@ -64,10 +65,10 @@ def test_a_store_made_before_the_new_transports_takes_them_and_keeps_its_rows(tm
 
     store = SqliteMetaStore.open(path)
     try:
-        store.put_broker_group(BrokerGroupSpec("jetstream", Transport.NATS, "127.0.0.1:4222"))
+        store.put_broker_group(BrokerGroupSpec("jetstream", TransportKind.NATS, "127.0.0.1:4222"))
         assert store.list_broker_groups() == [
-            BrokerGroupSpec("jetstream", Transport.NATS, "127.0.0.1:4222"),
-            BrokerGroupSpec("r", Transport.REDIS, "127.0.0.1:6379", 2, False, {"maxlen": 5}),
+            BrokerGroupSpec("jetstream", TransportKind.NATS, "127.0.0.1:4222"),
+            BrokerGroupSpec("r", TransportKind.REDIS, "127.0.0.1:6379", 2, False, {"maxlen": 5}),
         ]
     finally:
         store.close()
