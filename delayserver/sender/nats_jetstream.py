@@ -117,6 +117,9 @@ class NatsJetStreamTransport(Transport):
     _jetstream: Any = attrs.field(init=False, default=None)
     _connecting: asyncio.Lock | None = attrs.field(init=False, default=None)
     _last_error: str = attrs.field(init=False, default="")
+    #: The last error the server itself stated (a refused login), kept when a connection reset
+    #: that follows it becomes the last error.
+    _server_error: str = attrs.field(init=False, default="")
 
     def __attrs_post_init__(self) -> None:
         self._thread = AsyncioThread(self.name)
@@ -171,6 +174,8 @@ class NatsJetStreamTransport(Transport):
             detail = f"{self.name}: cannot connect: {type(e).__name__}: {e}"
             if self._last_error:
                 detail += f" (last error: {self._last_error})"
+            if self._server_error and self._server_error != self._last_error:
+                detail += f" (the server said: {self._server_error})"
             return [DeliveryResult(Outcome.REJECTED, p) if p else DeliveryResult(Outcome.RETRY, detail) for p in problems]
         replies = await asyncio.gather(
             *(self._publish(js, m, h, p) for m, h, p in zip(messages, headers, problems)), return_exceptions=True
@@ -215,13 +220,15 @@ class NatsJetStreamTransport(Transport):
                     await self._close_quietly(client)
                     raise
                 self._client, self._jetstream = client, client.jetstream(timeout=self.timeout_ms / 1000)
-                self._last_error = ""
+                self._last_error = self._server_error = ""
                 log.info("%s: connected", self.name)
             return self._jetstream
 
     async def _connect(self, client) -> None:
         async def error(e: Exception) -> None:
             self._last_error = f"{type(e).__name__}: {e}"
+            if isinstance(e, nats.errors.Error) and not isinstance(e, nats.errors.TimeoutError):
+                self._server_error = self._last_error
             log.debug("%s: %s", self.name, self._last_error)
 
         async def disconnected() -> None:

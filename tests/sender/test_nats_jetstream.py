@@ -135,7 +135,7 @@ async def test_stream_at_its_limit_is_retry(nats):
 
 
 async def test_wrong_password_is_retry_with_the_server_reason(nats):
-    async with make_transport("nats", nats.address, {"username": "delay", "password": "wrong", "timeout_ms": 1000},
+    async with make_transport("nats", nats.address, {"username": "delay", "password": "wrong", "timeout_ms": 5_000},
                               data_dir=None) as t:
         with trio.fail_after(30):
             [result] = await t.send_batch([outbound(1, "orders")])
