@@ -69,7 +69,7 @@ def stream_reader(url: str, subject: str):
                 while True:
                     try:
                         messages = await consumer.fetch(5000, timeout=0.5)
-                    except nats.errors.TimeoutError:
+                    except (nats.errors.TimeoutError, asyncio.TimeoutError):  # fetch raises either
                         return out
                     for m in messages:
                         h = m.headers
