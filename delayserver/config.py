@@ -74,6 +74,8 @@ class Config:
     data_dir: Path = Path("var")
     listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT)
     metrics_listen: tuple[str, int] | None = None
+    http_listen: tuple[str, int] | None = None
+    log_format: str = "text"
     flush: str = "sync"
     flush_interval_ms: int = 10
     max_message_bytes: int = 4 << 20
@@ -140,6 +142,12 @@ class Config:
             kw["listen"] = parse_address(raw["listen"], "listen")
         if "metrics_listen" in raw:
             kw["metrics_listen"] = parse_address(raw["metrics_listen"], "metrics_listen", 20802)
+        if "http_listen" in raw:
+            kw["http_listen"] = parse_address(raw["http_listen"], "http_listen", 20803)
+        if "log_format" in raw:
+            if raw["log_format"] not in ("text", "json"):
+                raise ConfigError(f"log_format: expected 'text' or 'json', got {raw['log_format']!r}")
+            kw["log_format"] = raw["log_format"]
         if "flush" in raw:
             if raw["flush"] not in ("sync", "async"):
                 raise ConfigError(f"flush: expected 'sync' or 'async', got {raw['flush']!r}")
