@@ -20,4 +20,5 @@ BENCHMARKS = {
     "wheel": "bench.wheel",
     "deliver": "bench.deliver",
     "compare": "bench.compare",
+    "reconcile": "bench.reconcile",
 }
