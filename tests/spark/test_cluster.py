@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pyspark
 import pytest
 
 from spark.report import Figures
@@ -28,6 +29,8 @@ pytestmark = [
 ]
 
 BIN = Path(sys.executable).parent
+#: spark-class and spark-submit find their jars here (they would look for a `python` on PATH).
+SPARK_HOME = str(Path(pyspark.__file__).parent)
 #: Real processes on a shared machine: generous, and only for waiting on them.
 START_TIMEOUT_S = 180
 
@@ -82,7 +85,8 @@ def cluster(tmp_path_factory):
     """A standalone Master and one Worker on 127.0.0.1; yields the master URL."""
     root = tmp_path_factory.mktemp("cluster")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
-        "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(root / "logs"), "SPARK_WORKER_DIR": str(root / "work")}
+        "SPARK_HOME": SPARK_HOME, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(root / "logs"),
+        "SPARK_WORKER_DIR": str(root / "work")}
     port, master_ui, worker_ui = free_port(), free_port(), free_port()
     processes = []
     try:
@@ -118,7 +122,8 @@ def test_the_job_ships_its_code_to_executors_that_cannot_import_the_project(clus
     nodes = nodes_in(tmp_path_factory.mktemp("nodes"))
     away = tmp_path_factory.mktemp("elsewhere")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
-        "PYSPARK_PYTHON": executor_python, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+        "PYSPARK_PYTHON": executor_python, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_HOME": SPARK_HOME}
     result = subprocess.run(
         [str(BIN / "spark-submit"), "--master", cluster, "--executor-memory", "512m",
          "--conf", "spark.ui.enabled=false", "--conf", f"spark.pyspark.python={executor_python}",
