@@ -94,11 +94,13 @@ def _write_batch(schedule: BucketLog, dispatch: BucketLog, bucket: int, ids: ran
 
 
 class PeakMemory:
-    """Samples the resident memory of a process tree: the JVM(s) and the Python processes apart."""
+    """Samples the resident memory of a process tree, the JVM(s) and the Python processes apart,
+    and the CPU time each process of it used (its last sample: a short-lived one may be missed)."""
 
     def __init__(self, pid: int, every: float = 0.2):
         self.pid, self.every = pid, every
         self.jvm = self.python = 0
+        self.cpu: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -113,9 +115,10 @@ class PeakMemory:
                 return
             for p in procs:
                 try:
-                    rss, name = p.memory_info().rss, p.name()
+                    rss, name, cpu = p.memory_info().rss, p.name(), p.cpu_times()
                 except psutil.Error:
                     continue
+                self.cpu[p.pid] = cpu.user + cpu.system
                 if name == "java":
                     jvm += rss
                 elif p.pid != self.pid:
@@ -175,6 +178,8 @@ def main(argv: list[str]) -> None:
     print(f"reconcile: {n:,} messages, {records:,} records, {size / 2**20:,.0f} MiB in {args.nodes} data "
           f"director{'y' if args.nodes == 1 else 'ies'}: {elapsed:.1f} s wall (start-up included), "
           f"{records / elapsed:,.0f} records/s; totals exact")
+    print(f"  CPU time of the job's processes: {sum(memory.cpu.values()):,.0f} s "
+          f"({records / sum(memory.cpu.values()):,.0f} records per CPU second)")
     print(f"  peak resident memory: driver JVM {memory.jvm / 2**20:,.0f} MiB, Python workers (all) "
           f"{memory.python / 2**20:,.0f} MiB; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           f"on {os.cpu_count()} cores")
