@@ -14,7 +14,6 @@ from pathlib import Path
 import attrs
 
 from delayserver.storage.buckets import parse_bucket_name
-from delayserver.storage.range_reader import AMBIGUOUS_SPLIT, CORRUPT, TORN_TAIL
 
 SCHEDULE_LOG = "schedule_log"
 DISPATCH_LOG = "dispatch_log"
@@ -22,8 +21,6 @@ LOGS = (SCHEDULE_LOG, DISPATCH_LOG)
 #: A data directory holds at least one of these (Store.open creates them all).
 _DATA_DIR_LOGS = ("message_log", SCHEDULE_LOG, DISPATCH_LOG)
 SUFFIX = ".log"
-#: record_type of the rows that report damage; their `error` says what and where.
-DAMAGE_KINDS = (CORRUPT, TORN_TAIL, AMBIGUOUS_SPLIT)
 #: A task reads at most this much of a segment (Hadoop's and Spark's usual split size).
 DEFAULT_SPLIT_BYTES = 64 << 20
 

@@ -21,7 +21,7 @@ from pyspark.sql import functions as F
 
 from spark import source
 from spark.logs import (
-    COLUMNS, DAMAGE_KINDS, DEFAULT_SPLIT_BYTES, DISPATCH_LOG, SCHEDULE_LOG, check_data_dir, normalize_data_dirs,
+    COLUMNS, DEFAULT_SPLIT_BYTES, DISPATCH_LOG, SCHEDULE_LOG, check_data_dir, normalize_data_dirs,
 )
 from spark.report import HISTOGRAM_EDGES_MS, LEVELS, PERCENTILES, Damage, Figures, Report
 
