@@ -155,15 +155,22 @@ assert tuple(_GROUPING_SETS) == LEVELS
 
 
 def _stats(spark: SparkSession, messages: DataFrame, orphaned: DataFrame) -> DataFrame:
-    """Counts per (level, key, state, lateness): one pass over the messages, grouping sets."""
-    facts = (messages.select("node", "bucket", "subject", "broker_group", "state", "lateness",
+    """Counts per (level, key, state, lateness): one pass over the messages, grouping sets.
+
+    The messages are first counted per combination of every dimension (few: the distinct lateness
+    values times buckets, subjects and groups), so that the grouping sets expand those counts
+    five-fold rather than every message."""
+    dimensions = ["node", "bucket", "subject", "broker_group", "state", "lateness"]
+    facts = (messages.select(*dimensions[:-1], "lateness", F.lit(1).alias("n"),
                              (F.col("dispatches") > 1).cast("int").alias("duplicated"),
                              F.lit(0).cast("bigint").alias("orphan_dispatches"))
              .unionByName(orphaned.select("node", "bucket", F.lit(None).cast("string").alias("subject"),
                                           "broker_group", F.lit("orphan").alias("state"),
-                                          F.lit(None).cast("bigint").alias("lateness"),
+                                          F.lit(None).cast("bigint").alias("lateness"), F.lit(1).alias("n"),
                                           F.lit(0).alias("duplicated"),
-                                          F.col("dispatches").alias("orphan_dispatches"))))
+                                          F.col("dispatches").alias("orphan_dispatches")))
+             .groupBy(*dimensions).agg(F.sum("n").alias("n"), F.sum("duplicated").alias("duplicated"),
+                                       F.sum("orphan_dispatches").alias("orphan_dispatches")))
     view = f"facts_{uuid.uuid4().hex}"
     facts.createOrReplaceTempView(view)
     sets = ", ".join("(" + ", ".join(cols + ["state", "lateness"]) + ")" for cols in _GROUPING_SETS.values())
@@ -176,7 +183,7 @@ def _stats(spark: SparkSession, messages: DataFrame, orphaned: DataFrame) -> Dat
                    CASE WHEN grouping(node) = 0 THEN node WHEN grouping(subject) = 0 THEN subject
                         WHEN grouping(broker_group) = 0 THEN broker_group END AS key,
                    CASE WHEN grouping(bucket) = 0 THEN bucket END AS sub_key,
-                   state, lateness, count(*) AS n, sum(duplicated) AS duplicated,
+                   state, lateness, sum(n) AS n, sum(duplicated) AS duplicated,
                    sum(orphan_dispatches) AS orphan_dispatches
             FROM {view} GROUP BY GROUPING SETS ({sets})""")
     finally:
