@@ -21,4 +21,5 @@ BENCHMARKS = {
     "deliver": "bench.deliver",
     "compare": "bench.compare",
     "reconcile": "bench.reconcile",
+    "http": "bench.http",
 }

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import crc32c
 
-from delayserver.storage.segment import FsyncFailed, StorageError, fsync_dir, write_all
 from delayserver import failpoints
+from delayserver.storage.errors import FsyncFailed, StorageError
+from delayserver.storage.segment import fsync_dir, write_all
 
 
 class CorruptCheckpoint(StorageError):

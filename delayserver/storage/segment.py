@@ -1,112 +1,22 @@
-"""One segment file: append, read, fsync, and recovery that keeps three outcomes apart.
+"""One segment file: append, read, fsync, and recovery of its tail.
 
-Recovery of a segment ends in exactly one of:
-
-- clean end: every byte belongs to a whole, valid record;
-- torn tail: the records stop being valid at some offset and nothing valid follows (a write cut
-  short by a crash, a zero-filled tail, a flipped bit in the last record). The tail is truncated
-  and the file, offset and bytes dropped are logged;
-- corruption: a bad record with a valid record after it, so the damage is inside data that was
-  once whole. CorruptSegment names the file and offset; nothing past it is ever yielded.
+Recovery reads the segment with the one reader (`storage.reader.scan`), which keeps the three
+outcomes apart: clean end; torn tail (truncated here, with the file, offset and bytes dropped
+logged); corruption (CorruptSegment names the file and offset; nothing past it is ever yielded).
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
-import re
 from pathlib import Path
 
 import attrs
 
-from delayserver.storage.record import HEADER, HEADER_SIZE, MAX_PAYLOAD_BYTES, VALID_TYPES, RecordError, checksum, parse_record
+from delayserver.storage.errors import CorruptSegment, DiskFull, FsyncFailed, StorageError
+from delayserver.storage.reader import scan
 
 log = logging.getLogger("delayserver.storage")
-
-
-class StorageError(Exception):
-    """An I/O failure of the storage engine."""
-
-
-class DiskFull(StorageError):
-    """No space left: the write was rolled back, nothing stored was damaged."""
-
-
-class FsyncFailed(StorageError):
-    """fsync failed: what was written since the last good fsync may be lost (never ack it)."""
-
-
-class CorruptSegment(StorageError):
-    """A damaged record inside data that was once whole."""
-
-    def __init__(self, path, offset: int, reason: str):
-        super().__init__(f"{path}: corrupt record at offset {offset}: {reason}")
-        self.path = Path(path)
-        self.offset = offset
-        self.reason = reason
-
-
-@attrs.frozen
-class ScanResult:
-    valid_end: int
-    records: int
-    torn_bytes: int
-    torn_reason: str = ""
-
-
-def _valid_record_at(buf, pos: int) -> bool:
-    end = len(buf)
-    if pos + HEADER_SIZE > end or buf[pos + _TYPE_AT] not in VALID_TYPES:
-        return False
-    crc, length, rtype = HEADER.unpack_from(buf, pos)
-    if length > MAX_PAYLOAD_BYTES or pos + HEADER_SIZE + length > end:
-        return False
-    return checksum(rtype, memoryview(buf)[pos + HEADER_SIZE : pos + HEADER_SIZE + length]) == crc
-
-
-# A byte that could be a record's type: candidates for a record start are found by a regex search
-# (in C) rather than a Python loop per byte, so a torn tail of megabytes of zeros scans quickly.
-_TYPE_BYTE = re.compile(b"[" + b"".join(re.escape(bytes([t])) for t in sorted(VALID_TYPES)) + b"]")
-_TYPE_AT = HEADER_SIZE - 1
-
-
-def find_valid_record_after(buf, pos: int) -> int | None:
-    """The first offset past `pos` where a whole valid record starts, or None.
-
-    Used only after damage is found, to tell a torn tail (nothing valid follows) from corruption
-    (valid data follows, so truncating would destroy it). Its cost is the distance to the next
-    valid record.
-    """
-    for match in _TYPE_BYTE.finditer(buf, pos + 1 + _TYPE_AT):
-        candidate = match.start() - _TYPE_AT
-        if _valid_record_at(buf, candidate):
-            return candidate
-    return None
-
-
-def scan(buf, path, *, allow_torn_tail: bool = True) -> ScanResult:
-    """Walk every record of a segment image and classify its end (see the module docstring).
-
-    Raises CorruptSegment for damage followed by valid data, or for any damage when
-    `allow_torn_tail` is False (a sealed segment has no tail that may be torn).
-    """
-    pos, count, end = 0, 0, len(buf)
-    while pos < end:
-        try:
-            parsed = parse_record(buf, pos, end)
-            reason = "incomplete record"
-        except RecordError as e:
-            parsed, reason = None, e.reason
-        if parsed is None:
-            if not allow_torn_tail:
-                raise CorruptSegment(path, pos, reason + " in a sealed segment")
-            following = find_valid_record_after(buf, pos)
-            if following is not None:
-                raise CorruptSegment(path, pos, f"{reason}; valid records follow at {following}")
-            return ScanResult(pos, count, end - pos, reason)
-        pos = parsed[2]
-        count += 1
-    return ScanResult(pos, count, 0)
 
 
 def fsync_dir(path: Path) -> None:
