@@ -22,5 +22,6 @@ BENCHMARKS = {
     "compare": "bench.compare",
     "status": "bench.status",
     "meta": "bench.meta",
+    "reconcile": "bench.reconcile",
     "http": "bench.http",
 }
