@@ -12,7 +12,13 @@ Failure rules:
   keep flowing) and refuses new messages until free space is back, then takes the reserve again
   and resumes by itself.
 - An fsync error is fatal for acknowledgements: after it the node answers READ_ONLY to every write,
-  since the kernel may have dropped the dirty pages; it is never retried.
+  since the kernel may have dropped the dirty pages; it is never retried, and no later fsync of
+  the file is trusted (storage/segment.py), so every batch written since the last good fsync gets
+  READ_ONLY too. A failed fsync of any other file of the data directory (schedule_log,
+  dispatch_log, a checkpoint, the spool) also turns the node read-only.
+- The log's end never runs more than `message_log.max_unsynced_bytes` ahead of the last completed
+  fsync: a batch that would go further waits for the fsync in progress. Recovery relies on that
+  bound to tell a power-loss tail from corruption (storage/message_log.py).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from delayserver.protocol import SendItem, SendResult, TimeKind
 from delayserver.storage.record import (
     HEADER, HEADER_SIZE, Cancel, RecordType, check_schedule_time, checksum, encode_cancel, encode_message_fields,
 )
-from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError, fsync_path
+from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError, fsync_failures, fsync_path
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
@@ -108,7 +114,15 @@ class Receiver:
         check_schedule_time(when)
         return when
 
+    def _check_fsync_failures(self) -> None:
+        if not self.read_only_reason:
+            failures = fsync_failures(self.store.root)
+            if failures:
+                path, error = next(iter(failures.items()))
+                self._go_read_only(f"fsync of {path} failed: {error}")
+
     def _refuse_writes(self) -> ResultCode | None:
+        self._check_fsync_failures()
         if self.read_only_reason:
             return ResultCode.READ_ONLY
         if self.disk_full and not self._space_is_back():
@@ -205,13 +219,47 @@ class Receiver:
                     await self._wakeup.wait()
                     continue
                 self._idle = trio.Event()
-                batch, self._queue, self._queued = self._queue, [], 0
-                self._write_batch(batch)
+                batch, size = self._take_batch()
+                if batch:
+                    await self._wait_for_room(size)
+                    self._write_batch(batch)
                 # Let the connections queue the next batch while this one is fsynced.
                 await trio.lowlevel.checkpoint()
 
+    def _take_batch(self) -> tuple[list[_Pending], int]:
+        """The queued requests that fit in `max_unsynced_bytes` (at least one), and their size. A
+        request larger than that on its own is refused (it could never be written in bounds)."""
+        limit = self.store.message_log.max_unsynced_bytes
+        batch, total, taken = [], 0, 0
+        for p in self._queue:
+            size = sum(len(payload) for payload in p.payloads) + HEADER_SIZE * len(p.payloads)
+            if batch and total + size > limit:
+                break
+            taken += 1
+            if size > limit:
+                self._finish([p], ResultCode.MESSAGE_TOO_LARGE,
+                             f"request of {size} bytes is over the {limit}-byte write window of message_log")
+                self._queued -= len(p.payloads)
+                continue
+            batch.append(p)
+            total += size
+            self._queued -= len(p.payloads)
+        del self._queue[:taken]
+        return batch, total
+
+    async def _wait_for_room(self, size: int) -> None:
+        """Wait until writing `size` more bytes keeps message_log's end within
+        `max_unsynced_bytes` of the last completed fsync (nothing unsynced always has room)."""
+        message_log = self.store.message_log
+        while not self.read_only_reason:
+            ahead = message_log.end_offset - self.durable_offset
+            if ahead <= 0 or ahead + size <= message_log.max_unsynced_bytes:
+                return
+            await self.durable_changed.wait()
+
     def _write_batch(self, batch: list[_Pending]) -> None:
         """One write for the whole batch; with flush=sync it then waits for the flusher."""
+        self._check_fsync_failures()
         if self.read_only_reason:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         parts, seq = [], max(self.next_sequence, self.sequence_floor())
@@ -330,8 +378,13 @@ class Receiver:
             p.done.set()
 
     def _go_read_only(self, reason: str) -> None:
-        log.critical("no more writes are acknowledged: %s", reason)
+        if self.read_only_reason:
+            return
+        log.critical("read-only: no more writes are acknowledged: %s", reason)
         self.read_only_reason = reason
+        # Wake whoever waits for durability: it will not come.
+        self.durable_changed.set()
+        self.durable_changed = trio.Event()
 
     async def drain(self) -> None:
         """Finish what is queued and make it durable (used on shutdown)."""

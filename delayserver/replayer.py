@@ -51,6 +51,8 @@ class Replayer:
         # Called when a schedule append or a checkpoint finds the disk full (the server releases
         # its disk reserve and refuses new messages, so that replay and delivery go on).
         self.on_disk_full = lambda: None
+        # One checkpoint writer at a time (replay loop, cleaner, drain): snapshot, fsync, rename.
+        self._checkpoint_lock = trio.Lock()
 
     @property
     def checkpoint_path(self):
@@ -187,13 +189,18 @@ class Replayer:
         self.checkpointed_offset = data["message_log_offset"]
 
     async def checkpoint_async(self) -> None:
-        """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread)."""
-        snapshot = self._snapshot()
-        try:
-            await trio.to_thread.run_sync(self._write_checkpoint, snapshot)
-        except StorageError:
-            self.store.schedule_log.mark_dirty(snapshot[0])
-            raise
+        """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread).
+
+        Serialized: a second caller waits, then snapshots afresh, so no checkpoint names sizes whose
+        fsync another writer still has in progress, and none replaces a newer one.
+        """
+        async with self._checkpoint_lock:
+            snapshot = self._snapshot()
+            try:
+                await trio.to_thread.run_sync(self._write_checkpoint, snapshot)
+            except StorageError:
+                self.store.schedule_log.mark_dirty(snapshot[0])
+                raise
 
     async def serve(self, clock, durable_offset, new_data: Wakeup, *, checkpoint_interval_ms: int = 1000,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:

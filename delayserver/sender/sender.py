@@ -26,7 +26,7 @@ from delayserver.sender.breaker import CircuitBreaker
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.record import Dispatch, Message, RecordType, encode_dispatch, encode_record
-from delayserver.storage.segment import CorruptSegment, DiskFull, StorageError
+from delayserver.storage.segment import CorruptSegment, DiskFull, FsyncFailed, StorageError
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.sender")
@@ -194,9 +194,11 @@ class Sender:
             for ref in self.ticks.take(min(room, self.batch_size * 4)):
                 try:
                     bucket, offset, _mlo, message = self.ticks.read_message(ref)
-                except CorruptSegment:
-                    log.exception("cannot read a due message: it stays undelivered until repaired")
-                    raise
+                except CorruptSegment as e:
+                    # Quarantine its bucket (storage/quarantine.py), settle it in memory and go on.
+                    self.store.quarantine(self.ticks.split(ref)[0], e)
+                    self.ticks.on_dispatched(ref)
+                    continue
                 if self.ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
                     self.ticks.drop_cancelled(ref)
                     continue
@@ -277,6 +279,11 @@ class Sender:
                     dispatch_log.append(bucket, b"".join(recs))
                 paths, new_files = dispatch_log.take_dirty()
                 await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+                break
+            except FsyncFailed as e:
+                # Never retried (fsyncgate): the records are not durable, so these messages go out
+                # again after a restart; settle them in memory rather than deliver again now.
+                log.error("dispatch_log not durable, a restart delivers these %d again: %s", len(acked), e)
                 break
             except StorageError as e:
                 # The broker has them: a lost dispatch record only means a redelivery after a

@@ -8,6 +8,19 @@ Recovery of a segment ends in exactly one of:
   and the file, offset and bytes dropped are logged;
 - corruption: a bad record with a valid record after it, so the damage is inside data that was
   once whole. CorruptSegment names the file and offset; nothing past it is ever yielded.
+
+A file written past its last completed fsync can come back from a power loss damaged in any way:
+unsynced writes lost, reordered or torn, so a hole can be followed by valid later writes. Where the
+writer bounds how far it runs ahead of its last completed fsync (`power_loss_window`), damage that
+lies within that many bytes of the last valid record is past what anyone relied on: it is
+truncated and what it dropped is logged, like a torn tail. Damage before that point stays
+corruption.
+
+fsync failures are final (fsyncgate): Linux reports a writeback error once and may drop the dirty
+pages, so a later fsync of the same file, through any descriptor, that succeeds proves nothing.
+Every failed fsync is remembered per file for the life of the process, and every later fsync of
+that file raises FsyncFailed too: nothing written to it since its last good fsync is ever counted
+durable. `fsync_failures()` lists them (the node turns read-only and says why).
 """
 from __future__ import annotations
 
@@ -19,6 +32,7 @@ from pathlib import Path
 
 import attrs
 
+from delayserver import failpoints
 from delayserver.storage.record import HEADER, HEADER_SIZE, MAX_PAYLOAD_BYTES, VALID_TYPES, RecordError, checksum, parse_record
 
 log = logging.getLogger("delayserver.storage")
@@ -52,6 +66,8 @@ class ScanResult:
     records: int
     torn_bytes: int
     torn_reason: str = ""
+    # Power-loss damage: whole valid records past the damage that were dropped with it.
+    dropped_records: int = 0
 
 
 def _valid_record_at(buf, pos: int) -> bool:
@@ -84,11 +100,34 @@ def find_valid_record_after(buf, pos: int) -> int | None:
     return None
 
 
-def scan(buf, path, *, allow_torn_tail: bool = True) -> ScanResult:
+def last_valid_end(buf, pos: int) -> tuple[int, int]:
+    """After damage at `pos`: the end of the last whole valid record past it, and how many valid
+    records lie past it ((pos, 0) when none)."""
+    end, count = pos, 0
+    nxt = find_valid_record_after(buf, pos)
+    while nxt is not None:
+        p = nxt
+        while True:
+            try:
+                parsed = parse_record(buf, p, len(buf))
+            except RecordError:
+                parsed = None
+            if parsed is None:
+                break
+            p = parsed[2]
+            count += 1
+        end = p
+        nxt = find_valid_record_after(buf, p)
+    return end, count
+
+
+def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | None = None) -> ScanResult:
     """Walk every record of a segment image and classify its end (see the module docstring).
 
     Raises CorruptSegment for damage followed by valid data, or for any damage when
-    `allow_torn_tail` is False (a sealed segment has no tail that may be torn).
+    `allow_torn_tail` is False (a sealed segment has no tail that may be torn). With
+    `power_loss_window`, damage followed by valid data is a power-loss tail (truncated, like a
+    torn one) when it starts within that many bytes of the end of the last valid record.
     """
     pos, count, end = 0, 0, len(buf)
     while pos < end:
@@ -102,6 +141,12 @@ def scan(buf, path, *, allow_torn_tail: bool = True) -> ScanResult:
                 raise CorruptSegment(path, pos, reason + " in a sealed segment")
             following = find_valid_record_after(buf, pos)
             if following is not None:
+                if power_loss_window is not None:
+                    valid_end, dropped = last_valid_end(buf, pos)
+                    if pos >= valid_end - power_loss_window:
+                        return ScanResult(pos, count, end - pos,
+                                          f"{reason}, then {dropped} valid records written after the last "
+                                          f"durable point (power loss)", dropped)
                 raise CorruptSegment(path, pos, f"{reason}; valid records follow at {following}")
             return ScanResult(pos, count, end - pos, reason)
         pos = parsed[2]
@@ -109,10 +154,55 @@ def scan(buf, path, *, allow_torn_tail: bool = True) -> ScanResult:
     return ScanResult(pos, count, 0)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+# path -> why its fsync failed; see the module docstring (fsyncgate).
+_failed_fsyncs: dict[str, str] = {}
+
+
+def _fsync_key(path) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+def fsync_failures(under=None) -> dict[str, str]:
+    """Every file (or directory) whose fsync failed in this process, with the error; with
+    `under`, those of that directory and below only."""
+    if under is None or not _failed_fsyncs:
+        return dict(_failed_fsyncs)
+    root = _fsync_key(under)
+    return {k: v for k, v in _failed_fsyncs.items() if k == root or k.startswith(root + os.sep)}
+
+
+def forget_fsync_failures(under) -> None:
+    """Forget the failed fsyncs of files under `under`: only for a data directory being opened
+    afresh by recovery, which trusts only what is on disk (a restart within one process)."""
+    root = _fsync_key(under) + os.sep
+    for key in [k for k in _failed_fsyncs if k.startswith(root)]:
+        del _failed_fsyncs[key]
+
+
+def _fsync(fd: int, path, op: str) -> None:
+    key = _fsync_key(path)
+    earlier = _failed_fsyncs.get(key)
+    if earlier is not None:
+        raise FsyncFailed(f"{path}: an earlier fsync of it failed ({earlier}); nothing written to it since "
+                          "its last good fsync counts as durable")
     try:
+        failpoints.io(op, path)
         os.fsync(fd)
+    except OSError as e:
+        _failed_fsyncs[key] = str(e)
+        log.critical("%s: fsync failed (%s): what was written to it since its last good fsync is never counted "
+                     "durable, and no later fsync of it is trusted", path, e)
+        raise FsyncFailed(f"{path}: fsync failed: {e}") from e
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (after creating, renaming or deleting in it). Raises FsyncFailed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise StorageError(f"{path}: could not open the directory to fsync it: {e}") from e
+    try:
+        _fsync(fd, path, "dirfsync")
     finally:
         os.close(fd)
 
@@ -132,6 +222,7 @@ def write_all(fd: int, data, pos: int, path) -> None:
     view = memoryview(data)
     written = 0
     try:
+        failpoints.io("write", path)
         while written < len(view):
             written += os.pwrite(fd, view[written:], pos + written)
     except OSError as e:
@@ -145,11 +236,9 @@ def write_all(fd: int, data, pos: int, path) -> None:
 
 
 def fsync_fd(fd: int, path) -> None:
-    """fsync, translated: an fsync error is never retried (the page cache may have dropped data)."""
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise FsyncFailed(f"{path}: fsync failed: {e}") from e
+    """fsync, translated: an fsync error is never retried (the page cache may have dropped data),
+    and once an fsync of `path` failed, every later one raises FsyncFailed too."""
+    _fsync(fd, path, "fsync")
 
 
 def fsync_path(path) -> None:
@@ -171,7 +260,8 @@ class Segment:
     size: int
 
     @classmethod
-    def open(cls, path: Path, *, create: bool = True, recover: bool = True, sealed: bool = False) -> "Segment":
+    def open(cls, path: Path, *, create: bool = True, recover: bool = True, sealed: bool = False,
+             power_loss_window: int | None = None) -> "Segment":
         """Open (and with `recover`, scan) a segment; a torn tail is truncated and logged.
 
         Raises CorruptSegment when damage is not a torn tail (see `scan`).
@@ -181,11 +271,14 @@ class Segment:
         try:
             size = os.fstat(fd).st_size
             if recover and size:
-                result = scan(read_file(path), path, allow_torn_tail=not sealed)
+                result = scan(read_file(path), path, allow_torn_tail=not sealed,
+                              power_loss_window=power_loss_window)
                 if result.torn_bytes:
                     log.warning(
-                        "%s: torn tail at offset %d (%s): truncating %d bytes",
+                        "%s: torn tail at offset %d (%s): truncating %d bytes%s",
                         path, result.valid_end, result.torn_reason, result.torn_bytes,
+                        f" holding {result.dropped_records} whole records never acknowledged" if result.dropped_records
+                        else "",
                     )
                     os.ftruncate(fd, result.valid_end)
                     fsync_fd(fd, path)

@@ -177,12 +177,21 @@ class TickManager:
         Raises CorruptSegment on a damaged record (nothing past it is loaded).
         """
         target = self.load_target(now)
-        if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
-            self._load_chunk(now, max_bytes)
-            return True
-        nxt = self._next_bucket()
-        if nxt is not None and nxt <= target:
-            self._begin(nxt)
+        try:
+            if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
+                self._load_chunk(now, max_bytes)
+                return True
+            nxt = self._next_bucket()
+            if nxt is not None and nxt <= target:
+                self._begin(nxt)
+                return True
+        except CorruptSegment as e:
+            # Quarantine the bucket (storage/quarantine.py) and go on past it: what was loaded
+            # before the damage is delivered, the rest waits for `delayctl salvage`.
+            self.store.quarantine(self.loading_bucket, e)
+            self.loaded_offset = self.loading_end
+            self._skip_in_load = set()
+            self._release_held()
             return True
         if self.loading_bucket is None or self.loading_bucket < target:
             # Blocking exit: no segment for the target bucket yet, so move the cursors onto it
