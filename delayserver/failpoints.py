@@ -8,8 +8,8 @@ I/O faults: `DELAYSERVER_IO_FAULT=OP:LOG:ERRNO[@N][+]`, several separated by com
 N-th (default: first) `OP` on a file of `LOG` fail with `ERRNO`, once, or with `+` at every
 later hit too (for good). OP is `write`, `fsync`, `rename` or `dirfsync` (the fsync of a
 directory); LOG names the directory the file lives in (`message_log`, `schedule_log`,
-`dispatch_log`, `checkpoint`, `spool`, `parked`) or `*` for any; ERRNO is `EIO` or `ENOSPC` (any
-name of the errno module). For example::
+`dispatch_log`, `checkpoint`, `spool`, `parked`), or `roll` (the fsync that seals a message_log
+segment), or `*` for any; ERRNO is `EIO` or `ENOSPC` (any name of the errno module). For example::
 
     DELAYSERVER_IO_FAULT=fsync:message_log:EIO@3      the third message_log fsync fails, once
     DELAYSERVER_IO_FAULT=write:dispatch_log:ENOSPC+   every dispatch_log write fails
@@ -52,10 +52,10 @@ class IOFault:
     forever: bool = False
     hits: int = 0
 
-    def matches(self, op: str, path) -> bool:
+    def matches(self, op: str, path, site: str | None = None) -> bool:
         if op != self.op:
             return False
-        if self.log == "*":
+        if self.log == "*" or self.log == site:
             return True
         parts = Path(path).parts
         return self.log in parts[-3:]
@@ -94,12 +94,13 @@ def set_io_faults(spec: str) -> None:
     _io_faults = parse_io_faults(spec)
 
 
-def io(op: str, path) -> None:
-    """Raise the OSError an armed I/O fault calls for at this `op` on `path`; else nothing."""
+def io(op: str, path, site: str | None = None) -> None:
+    """Raise the OSError an armed I/O fault calls for at this `op` on `path` (at `site`, a name
+    for one call site); else nothing."""
     if not _io_faults:
         return
     for fault in _io_faults:
-        if fault.matches(op, path) and fault.check():
+        if fault.matches(op, path, site) and fault.check():
             name = errno.errorcode.get(fault.errno, str(fault.errno))
             print(f"failpoint fired: {op} {fault.log} {name} {path} at {time.time_ns()}", file=sys.stderr, flush=True)
             raise OSError(fault.errno, f"{os.strerror(fault.errno)} (failpoint)", str(path))

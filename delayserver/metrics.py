@@ -8,7 +8,7 @@ import logging
 
 import trio
 
-from delayserver.storage.segment import fsync_failures
+from delayserver.storage.segment import storage_failures
 
 log = logging.getLogger("delayserver.metrics")
 
@@ -39,7 +39,7 @@ def collect(server) -> dict[str, float]:
         "delayserver_loading_cursor_end_offset": ticks.loading_end,
         "delayserver_loaded_cursor_offset": ticks.loaded_offset,
         "delayserver_connections": server.connections,
-        "delayserver_fsync_failures": len(fsync_failures(server.store.root)),
+        "delayserver_storage_failures": len(storage_failures(server.store.root)),
         "delayserver_quarantined_buckets": len(server.store.quarantined()),
     }
     values.update(server.sender.metrics())

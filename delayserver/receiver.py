@@ -35,7 +35,7 @@ from delayserver.protocol import SendItem, SendResult, TimeKind
 from delayserver.storage.record import (
     HEADER, HEADER_SIZE, Cancel, RecordType, check_schedule_time, checksum, encode_cancel, encode_message_fields,
 )
-from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError, fsync_failures, fsync_path
+from delayserver.storage.segment import DiskFull, FsyncFailed, StorageError, fsync_path, storage_failures
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
@@ -115,11 +115,12 @@ class Receiver:
         return when
 
     def _check_fsync_failures(self) -> None:
+        """Turn read-only on any failed fsync (or I/O error) in the data directory."""
         if not self.read_only_reason:
-            failures = fsync_failures(self.store.root)
+            failures = storage_failures(self.store.root)
             if failures:
                 path, error = next(iter(failures.items()))
-                self._go_read_only(f"fsync of {path} failed: {error}")
+                self._go_read_only(f"{path}: {error}")
 
     def _refuse_writes(self) -> ResultCode | None:
         self._check_fsync_failures()
@@ -322,6 +323,13 @@ class Receiver:
                 continue
             finally:
                 self._flushing = False
+            self._check_fsync_failures()
+            if self.read_only_reason:
+                # Another file's fsync failed meanwhile: once read-only, nothing more is
+                # acknowledged or counted durable (a restart replays it all the same).
+                for _, batch in items:
+                    self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+                continue
             self.set_durable(items[-1][0])
             for _, batch in items:
                 self._acknowledge(batch)
@@ -364,6 +372,7 @@ class Receiver:
         while True:
             await trio.sleep(self.config.flush_interval_ms / 1000)
             end = self.store.message_log.end_offset
+            self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
                     await trio.to_thread.run_sync(self.store.message_log.sync)
@@ -380,7 +389,8 @@ class Receiver:
     def _go_read_only(self, reason: str) -> None:
         if self.read_only_reason:
             return
-        log.critical("read-only: no more writes are acknowledged: %s", reason)
+        log.critical("read-only at message_log durable offset %d: no more writes are acknowledged: %s",
+                     self.durable_offset, reason)
         self.read_only_reason = reason
         # Wake whoever waits for durability: it will not come.
         self.durable_changed.set()

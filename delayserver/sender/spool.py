@@ -37,7 +37,7 @@ import trio
 from delayserver.errors import InvalidMessage
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
 from delayserver import failpoints
-from delayserver.storage.segment import StorageError, find_valid_record_after, fsync_dir, fsync_fd
+from delayserver.storage.segment import StorageError, find_valid_record_after, fsync_dir, fsync_fd, note_io_error
 from delayserver.storage.record import (
     HEADER,
     HEADER_SIZE,
@@ -237,7 +237,9 @@ def _append_durably(path: Path, data: bytes, *, check_tail: bool) -> None:
                     written += os.pwrite(fd, view[written:], end + written)
                 # Once an fsync of this file failed, every later one raises too (fsyncgate).
                 fsync_fd(fd, path)
-            except (OSError, StorageError):
+            except (OSError, StorageError) as e:
+                if isinstance(e, OSError):
+                    note_io_error(path, e)
                 try:
                     os.ftruncate(fd, end)
                 except OSError:

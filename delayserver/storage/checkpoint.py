@@ -19,7 +19,7 @@ from pathlib import Path
 
 import crc32c
 
-from delayserver.storage.segment import StorageError, fsync_dir, fsync_fd, write_all
+from delayserver.storage.segment import StorageError, fsync_dir, fsync_fd, note_io_error, write_all
 from delayserver import failpoints
 
 log = logging.getLogger("delayserver.storage")
@@ -60,6 +60,7 @@ def write_checkpoint(path: Path, data: dict) -> None:
             failpoints.io("rename", path)
             os.replace(tmp, path)
         except OSError as e:
+            note_io_error(path, e)
             raise StorageError(f"{path}: could not replace the checkpoint: {e}") from e
     except BaseException:
         tmp.unlink(missing_ok=True)

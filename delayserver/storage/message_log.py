@@ -115,7 +115,7 @@ class MessageLog:
         return self.active_base + pos
 
     def roll(self) -> None:
-        self.active.sync()
+        self.active.sync(site="roll")
         failpoints.hit("segment-roll")
         base = self.end_offset
         self.active.close()

@@ -162,31 +162,51 @@ def _fsync_key(path) -> str:
     return os.path.abspath(os.fspath(path))
 
 
+# path -> an I/O error (EIO, not ENOSPC) of a write or rename of it: the device is failing.
+_io_errors: dict[str, str] = {}
+
+
+def _under(failures: dict[str, str], under) -> dict[str, str]:
+    if under is None or not failures:
+        return dict(failures)
+    root = _fsync_key(under)
+    return {k: v for k, v in failures.items() if k == root or k.startswith(root + os.sep)}
+
+
 def fsync_failures(under=None) -> dict[str, str]:
     """Every file (or directory) whose fsync failed in this process, with the error; with
     `under`, those of that directory and below only."""
-    if under is None or not _failed_fsyncs:
-        return dict(_failed_fsyncs)
-    root = _fsync_key(under)
-    return {k: v for k, v in _failed_fsyncs.items() if k == root or k.startswith(root + os.sep)}
+    return _under(_failed_fsyncs, under)
+
+
+def storage_failures(under=None) -> dict[str, str]:
+    """fsync failures and I/O errors (not a full disk) of writes and renames: what turns a node
+    read-only."""
+    return {**_under(_io_errors, under), **_under(_failed_fsyncs, under)}
+
+
+def note_io_error(path, error: OSError) -> None:
+    """Remember an I/O error (EIO and the like; a full disk is not one) of a write or rename."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        _io_errors.setdefault(_fsync_key(path), str(error))
 
 
 def forget_fsync_failures(under) -> None:
     """Forget the failed fsyncs of files under `under`: only for a data directory being opened
     afresh by recovery, which trusts only what is on disk (a restart within one process)."""
-    root = _fsync_key(under) + os.sep
-    for key in [k for k in _failed_fsyncs if k.startswith(root)]:
-        del _failed_fsyncs[key]
+    for failures in (_failed_fsyncs, _io_errors):
+        for key in _under(failures, under):
+            del failures[key]
 
 
-def _fsync(fd: int, path, op: str) -> None:
+def _fsync(fd: int, path, op: str, site: str | None = None) -> None:
     key = _fsync_key(path)
     earlier = _failed_fsyncs.get(key)
     if earlier is not None:
         raise FsyncFailed(f"{path}: an earlier fsync of it failed ({earlier}); nothing written to it since "
                           "its last good fsync counts as durable")
     try:
-        failpoints.io(op, path)
+        failpoints.io(op, path, site)
         os.fsync(fd)
     except OSError as e:
         _failed_fsyncs[key] = str(e)
@@ -232,13 +252,14 @@ def write_all(fd: int, data, pos: int, path) -> None:
             log.error("%s: could not truncate back to %d after a failed write", path, pos)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"{path}: no space left on device") from e
+        note_io_error(path, e)
         raise StorageError(f"{path}: write failed: {e}") from e
 
 
-def fsync_fd(fd: int, path) -> None:
+def fsync_fd(fd: int, path, site: str | None = None) -> None:
     """fsync, translated: an fsync error is never retried (the page cache may have dropped data),
     and once an fsync of `path` failed, every later one raises FsyncFailed too."""
-    _fsync(fd, path, "fsync")
+    _fsync(fd, path, "fsync", site)
 
 
 def fsync_path(path) -> None:
@@ -295,8 +316,8 @@ class Segment:
         self.size = pos + len(data)
         return pos
 
-    def sync(self) -> None:
-        fsync_fd(self.fd, self.path)
+    def sync(self, site: str | None = None) -> None:
+        fsync_fd(self.fd, self.path, site)
 
     def read(self, start: int, end: int | None = None) -> bytes:
         end = self.size if end is None else min(end, self.size)
