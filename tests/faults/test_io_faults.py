@@ -48,7 +48,7 @@ SITES = [
     ("write:message_log:ENOSPC@20", False, {ResultCode.DISK_FULL}),
     ("fsync:schedule_log:EIO@5", True, {ResultCode.READ_ONLY}),
     ("write:schedule_log:EIO@5", True, {ResultCode.READ_ONLY}),
-    ("dirfsync:schedule_log:EIO@3", True, {ResultCode.READ_ONLY}),
+    ("dirfsync:schedule_log:EIO@1", True, {ResultCode.READ_ONLY}),
     ("fsync:checkpoint:EIO@3", True, {ResultCode.READ_ONLY}),
     ("rename:checkpoint:EIO@3", True, {ResultCode.READ_ONLY}),
     ("dirfsync:checkpoint:EIO@3", True, {ResultCode.READ_ONLY}),
