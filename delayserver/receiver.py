@@ -403,5 +403,9 @@ class Receiver:
             await self._idle.wait()
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
-            await trio.to_thread.run_sync(self.store.message_log.sync)
+            try:
+                await trio.to_thread.run_sync(self.store.message_log.sync)
+            except FsyncFailed as e:
+                self._go_read_only(str(e))
+                return
             self.set_durable(self.store.message_log.end_offset)
