@@ -94,6 +94,12 @@ def list_quarantined(root: Path) -> dict[int, Quarantined]:
     return out
 
 
+def forget(root: Path) -> None:
+    """Drop this process's memory of the data directory's quarantines (a restart within one
+    process): the markers on disk stand, and a damaged record still there is found again."""
+    _known.pop(str(Path(root).resolve()), None)
+
+
 def release(root: Path, bucket: int) -> None:
     """Lift the quarantine of `bucket` (after salvage)."""
     root = Path(root)

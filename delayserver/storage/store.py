@@ -18,7 +18,7 @@ from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.checkpoint import remove_stale_temp_files
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
 from delayserver.storage.message_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_BYTES, MessageLog
-from delayserver.storage.quarantine import list_quarantined, quarantine_error
+from delayserver.storage.quarantine import forget as forget_quarantines, list_quarantined, quarantine_error
 from delayserver.storage.segment import forget_fsync_failures
 from delayserver.storage.record import (
     DISPATCH_HEAD, SCHEDULED_CANCEL_HEAD, RecordType, Dispatch, decode_dispatch, scheduled_key,
@@ -51,6 +51,7 @@ class Store:
         check_scale(segment_scale_ms)
         # Recovery trusts only what is on disk: a restart within one process starts afresh.
         forget_fsync_failures(root)
+        forget_quarantines(root)
         (root / "checkpoint").mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(root / "checkpoint")
         return cls(

@@ -109,7 +109,11 @@ async def test_a_damaged_bucket_is_quarantined_the_rest_delivered_and_salvage_re
     assert report["recovered_ids"] == ["a-4"] and report["lost_ids"] == [] and report["intact"] == 9
     assert delayctl("verify", root).returncode == 0
 
-    await run_node(root, second + 3 * MINUTE, lambda server: wait_delivered(root, set(a_ids) | set(b_ids)))
+    async def rest(server):
+        await wait_delivered(root, set(a_ids) | set(b_ids))
+        assert collect(server)["delayserver_quarantined_buckets"] == 0
+
+    await run_node(root, second + 3 * MINUTE, rest)
     ids = delivered_ids(root)
     assert sorted(ids) == sorted(a_ids + b_ids), "each message delivered once"
 
