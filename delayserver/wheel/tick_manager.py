@@ -174,7 +174,7 @@ class TickManager:
     def load_step(self, now: int, max_bytes: int = LOAD_CHUNK_BYTES) -> bool:
         """Load one chunk toward the target bucket; True while there is more to do now.
 
-        Raises CorruptSegment on a damaged record (nothing past it is loaded).
+        A damaged record quarantines its bucket (nothing past it is loaded) and the load goes on.
         """
         target = self.load_target(now)
         try:
