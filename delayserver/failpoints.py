@@ -6,7 +6,8 @@ kill the process with SIGKILL at that point, so crash tests can stop it at an ex
 
 I/O faults: `DELAYSERVER_IO_FAULT=OP:LOG:ERRNO[@N][+]`, several separated by commas, makes the
 N-th (default: first) `OP` on a file of `LOG` fail with `ERRNO`, once, or with `+` at every
-later hit too (for good). OP is `write`, `fsync`, `rename` or `dirfsync` (the fsync of a
+later hit too (for good); entries are checked in order, and each counts the hits that reach it
+(one that fires ends the check). OP is `write`, `fsync`, `rename` or `dirfsync` (the fsync of a
 directory); LOG names the directory the file lives in (`message_log`, `schedule_log`,
 `dispatch_log`, `checkpoint`, `spool`, `parked`), or `roll` (the fsync that seals a message_log
 segment), or `*` for any; ERRNO is `EIO` or `ENOSPC` (any name of the errno module). For example::
