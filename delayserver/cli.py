@@ -10,6 +10,7 @@ import sys
 import trio
 
 from delayserver.config import Config, ConfigError
+from delayserver.storage.store import LayoutMismatch, check_layout
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -29,7 +30,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 async def run_node(config: Config) -> None:
-    from delayserver.server import DelayServer
+    from delayserver.node.server import DelayServer
 
     server = DelayServer(config)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -53,6 +54,11 @@ def serve_main(argv: list[str]) -> int:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:
         print(f"delayserver: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    try:
+        check_layout(config.data_dir, config.segment_scale_ms)
+    except LayoutMismatch as e:
+        print(f"delayserver: {e}", file=sys.stderr)
         return 2
     trio.run(run_node, config)
     return 0

@@ -26,12 +26,15 @@ import attrs
 import trio
 
 from delayserver import protocol as p
-from delayserver.config import parse_address
-from delayserver.errors import ResultCode, error_for
-from delayserver.protocol import CancelOutcome, Handle, MessageState, SendItem, TimeSpec
+from delayserver.message import (
+    CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, MessageTooLarge, ResultCode, TimeSpec,
+    check_body_size, error_for, parse_address,
+)
+from delayserver.protocol import SendItem
 from delayserver.trio_util import BackgroundTasks
 
 DEFAULT_TIMEOUT = 10.0
+STARTUP_GRACE_S = 5.0
 SEND_BATCH = 256
 
 
@@ -54,19 +57,29 @@ def new_message_id(now_ms: int | None = None) -> str:
     return f"{now_ms:012x}{_ID_PREFIX}{next(_id_counter) & 0xFFFFFF:06x}"
 
 
-def _as_bytes(body) -> bytes:
-    return body if type(body) is bytes else bytes(body)
+def _item(subject: str, body, deliver_at, delay, delay_level, message_id: str | None, headers) -> SendItem:
+    """The SEND item for one message; raises MessageTooLarge for a body no node takes and
+    BadScheduleTime for a time that is not a whole number of 64 bits (decided here, before
+    anything is sent)."""
+    body = body if type(body) is bytes else bytes(body)
+    check_body_size(len(body))
+    return SendItem(message_id or new_message_id(), subject, TimeSpec.of(deliver_at, delay, delay_level), body,
+                    dict(headers or {}))
 
 
-def time_spec(deliver_at: int | None, delay: int | None, delay_level: int | None) -> TimeSpec:
-    given = [x is not None for x in (deliver_at, delay, delay_level)]
-    if sum(given) > 1:
-        raise ValueError("give at most one of deliver_at, delay, delay_level")
-    if deliver_at is not None:
-        return TimeSpec.at(int(deliver_at))
-    if delay_level is not None:
-        return TimeSpec.level(int(delay_level))
-    return TimeSpec.delay(int(delay or 0))
+def _batches(items: list[tuple[int, SendItem]], count: int) -> list[list[tuple[int, SendItem]]]:
+    """`items` cut into SEND requests of at most `count` messages and one frame's worth of bytes."""
+    batches, current, size = [], [], p.SEND_REQUEST_OVERHEAD
+    for entry in items:
+        item_size = p.send_item_size(entry[1])
+        if current and (len(current) == count or size + item_size > p.DEFAULT_MAX_FRAME_BYTES):
+            batches.append(current)
+            current, size = [], p.SEND_REQUEST_OVERHEAD
+        current.append(entry)
+        size += item_size
+    if current:
+        batches.append(current)
+    return batches
 
 
 DEFAULT_MAX_RECONSUME_TIMES = 16
@@ -111,7 +124,7 @@ class AsyncProducer(BackgroundTasks):
         """`secret`: the server's shared secret (default: $DELAYSERVER_SECRET, if set).
         `tls`: True for TLS with the system's trust store, or an SSLContext (say, one trusting
         your own CA: ``ssl.create_default_context(cafile=...)``)."""
-        self.host, self.port = parse_address(address, "address")
+        self.host, self.port = parse_address(address, default_port=p.DEFAULT_PORT)
         self.timeout = timeout
         self.tls = ssl.create_default_context() if tls is True else (tls or None)
         self.secret = secret if secret is not None else os.environ.get("DELAYSERVER_SECRET", "")
@@ -218,8 +231,18 @@ class AsyncProducer(BackgroundTasks):
             raise result
         if result.command == p.Command.ERROR:
             err = p.decode_error(result.payload)
+            if err.code == ResultCode.MESSAGE_TOO_LARGE:
+                # A frame refused for its size: the server closes this connection after the answer
+                # (a refused message inside a SEND comes in its response instead). Let the next
+                # request open a new one rather than write to this one as it closes.
+                await self._forget(stream)
             raise error_for(err.code, err.message)
         return result.payload
+
+    async def _forget(self, stream) -> None:
+        if self._stream is stream:
+            self._stream = None
+        await stream.aclose()
 
     async def request(self, command: p.Command, payload: bytes) -> bytes:
         """One raw request (tools and replication); an ERROR answer raises its exception."""
@@ -236,9 +259,8 @@ class AsyncProducer(BackgroundTasks):
         `deliver_at` is epoch ms; `delay` is ms from now; `delay_level` is 1-based. Raises the
         result code's exception (BadSubject, MessageTooLarge, BadScheduleTime, ...) on refusal.
         """
-        item = SendItem(message_id or new_message_id(), subject, time_spec(deliver_at, delay, delay_level),
-                        _as_bytes(body), dict(headers or {}))
-        (result,) = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request([item])))
+        item = _item(subject, body, deliver_at, delay, delay_level, message_id, headers)
+        (result,) = p.decode_send_response(await self._call(p.Command.SEND, self._send_request([item])))
         if result.code != ResultCode.OK:
             raise error_for(result.code, result.message)
         return Handle(result.schedule_time, result.message_id)
@@ -247,26 +269,44 @@ class AsyncProducer(BackgroundTasks):
         """Schedule many messages in pipelined batches; per message, in order, its handle or the
         exception that refused it (a DelayServerError, or ConnectionError / TimeoutError when the
         batch got no answer and may be sent again)."""
-        items = [SendItem(m.message_id or new_message_id(), m.subject, time_spec(m.deliver_at, m.delay, m.delay_level),
-                          _as_bytes(m.body), m.headers) for m in messages]
-        out: list = [None] * len(items)
-
-        async def one(start: int) -> None:
-            chunk = items[start : start + batch]
+        out: list = []
+        items = []
+        for i, m in enumerate(messages):
             try:
-                results = p.decode_send_response(await self._call(p.Command.SEND, p.encode_send_request(chunk)))
-            except (ConnectionError, TimeoutError) as e:
+                items.append((i, _item(m.subject, m.body, m.deliver_at, m.delay, m.delay_level, m.message_id,
+                                       m.headers)))
+                out.append(None)
+            except DelayServerError as e:  # refused before sending, alone
+                out.append(e)
+
+        async def one(chunk: list[tuple[int, SendItem]]) -> None:
+            try:
+                request = self._send_request([item for _, item in chunk])
+                results = p.decode_send_response(await self._call(p.Command.SEND, request))
+            except (ConnectionError, TimeoutError, DelayServerError) as e:
                 # Not acknowledged: the caller may send these again (at least once).
-                out[start : start + len(chunk)] = [e] * len(chunk)
+                for i, _ in chunk:
+                    out[i] = e
                 return
-            for i, r in enumerate(results):
-                out[start + i] = (Handle(r.schedule_time, r.message_id) if r.code == ResultCode.OK
-                                  else error_for(r.code, r.message))
+            for (i, _), r in zip(chunk, results):
+                out[i] = (Handle(r.schedule_time, r.message_id) if r.code == ResultCode.OK
+                          else error_for(r.code, r.message))
 
         async with trio.open_nursery() as nursery:
-            for start in range(0, len(items), batch):
-                nursery.start_soon(one, start)
+            for chunk in _batches(items, batch):
+                nursery.start_soon(one, chunk)
         return out
+
+    @staticmethod
+    def _send_request(items: list[SendItem]) -> bytes:
+        try:
+            request = p.encode_send_request(items)
+        except p.LocalProtocolError as e:  # a field no frame can carry (an id over 64 KiB, ...)
+            raise InvalidMessage(str(e)) from None
+        if len(request) > p.DEFAULT_MAX_FRAME_BYTES:
+            raise MessageTooLarge(f"the message takes {len(request)} bytes, over the frame limit of "
+                                  f"{p.DEFAULT_MAX_FRAME_BYTES}")
+        return request
 
     async def send_back(self, consumer_group: str, message_id: str, body: bytes, *, reconsume_times: int,
                         headers: Mapping[str, str] | None = None, subject: str = "",
@@ -313,11 +353,26 @@ class Producer:
         `tls`) go to each connection, as for AsyncProducer."""
         if (address is None) == (meta is None):
             raise ValueError("give either address or meta")
+        parse_address(address if meta is None else meta, default_port=p.DEFAULT_PORT)  # AddressError now, here
         self._address, self._meta, self._timeout, self._options = address, meta, timeout, options
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True, name="delayserver-producer")
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_loop, daemon=True, name="delayserver-producer")
         self._thread.start()
-        self._ready.wait()
+        # Starting needs no network (connections are made by the first request), so this is quick;
+        # the bound only keeps a broken start from hanging the caller.
+        if not self._ready.wait(timeout + STARTUP_GRACE_S):
+            raise TimeoutError(f"the producer did not start within {timeout + STARTUP_GRACE_S} s")
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    def _run_loop(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as e:  # a start that failed: __init__ raises it in the caller's thread
+            self._failure = e
+            self._ready.set()
 
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()

@@ -15,14 +15,6 @@ class _Clock:
     def now_ms(self) -> int:
         raise NotImplementedError
 
-    async def sleep_until_ms(self, deadline_ms: int) -> None:
-        """Sleep until the clock reads `deadline_ms` (or a little after; never before)."""
-        delay = deadline_ms - self.now_ms()
-        if delay > 0:
-            await trio.sleep(delay / 1000)
-        else:
-            await trio.lowlevel.checkpoint()
-
 
 class WallClock(_Clock):
     def now_ms(self) -> int:

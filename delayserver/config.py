@@ -12,9 +12,11 @@ from typing import Any
 
 import attrs
 
+from delayserver.message import MAX_BODY_BYTES, AddressError, parse_address as _parse_address
+from delayserver.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 from delayserver.storage.buckets import MINUTE_MS
 
-DEFAULT_PORT = 20801
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "y": 365 * 86_400_000}
@@ -58,26 +60,12 @@ def parse_delay_levels(text: str, option: str = "delay_levels") -> tuple[int, ..
 
 
 def parse_address(text: str, option: str = "listen", default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    host, sep, port = str(text).rpartition(":")
-    if not sep:
-        host, port = str(text), str(default_port)
+    """`message.parse_address` (port 0 allowed: a listener lets the system pick), with a
+    ConfigError naming `option`."""
     try:
-        port_n = int(port)
-    except ValueError:
-        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r}") from None
-    if not host or not 0 <= port_n <= 65535:
-        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), port_n
-
-
-@attrs.frozen
-class BrokerGroupConfig:
-    name: str
-    transport: str = "spool"
-    address: str = ""
-    weight: int = 1
-    subjects: tuple[str, ...] | None = None
-    options: dict = attrs.field(factory=dict)
+        return _parse_address(text, default_port=default_port, allow_port_zero=True)
+    except AddressError as e:
+        raise ConfigError(f"{option}: expected HOST:PORT, got {text!r} ({e})") from None
 
 
 @attrs.frozen
@@ -101,7 +89,7 @@ class Config:
     max_inflight: int = 20_000
     send_batches_in_flight: int = 2
     max_connections: int = 1024
-    max_frame_bytes: int = 8 << 20
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     idle_timeout_ms: int = 300_000
     frame_timeout_ms: int = 10_000
     max_queued_messages: int = 100_000
@@ -118,7 +106,7 @@ class Config:
     tls_key: str = ""
     tls_ca: str = ""
     deliver_through_meta_outage: bool = True
-    broker_groups: tuple[BrokerGroupConfig, ...] = (BrokerGroupConfig("spool"),)
+    broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides) -> "Config":
@@ -165,6 +153,9 @@ class Config:
         for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes"):
             if name in raw:
                 kw[name] = parse_size(raw[name], name)
+        if kw.get("max_message_bytes", 0) > MAX_BODY_BYTES:
+            # Clients refuse a larger body before sending it: no node may promise to take one.
+            raise ConfigError(f"max_message_bytes: at most {MAX_BODY_BYTES} (8MiB), got {kw['max_message_bytes']}")
         for name in ("send_batch_size", "send_batches_in_flight", "max_inflight", "max_connections", "max_queued_messages",
                      "tick_ms", "wheel_slots"):
             if name in raw:
@@ -218,7 +209,7 @@ class Config:
         return self.segment_scale_ms // 2 if self.load_ahead_ms is None else self.load_ahead_ms
 
 
-def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
+def _broker_groups(items: Any) -> tuple[BrokerGroupSpec, ...]:
     if not isinstance(items, list) or not items:
         raise ConfigError("broker_group: expected a non-empty array of tables ([[broker_group]])")
     out, names = [], set()
@@ -243,7 +234,7 @@ def _broker_groups(items: Any) -> tuple[BrokerGroupConfig, ...]:
             raise ConfigError(f"{where}.subjects: expected an array of subject names")
         if transport != "spool" and not item.get("address"):
             raise ConfigError(f"{where}.address: required for the {transport} transport")
-        out.append(BrokerGroupConfig(item["name"], transport, str(item.get("address", "")), weight,
-                                     tuple(subjects) if subjects is not None else None,
-                                     dict(item.get("options", {}))))
+        out.append(BrokerGroupSpec(item["name"], TransportKind(transport), str(item.get("address", "")), weight,
+                                   options=dict(item.get("options", {})),
+                                   subjects=tuple(subjects) if subjects is not None else None))
     return tuple(out)

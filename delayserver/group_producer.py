@@ -17,9 +17,8 @@ from typing import Iterable
 import trio
 
 from delayserver.client import AsyncProducer, Message, Status
-from delayserver.errors import DelayServerError, ResultCode
+from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
 from delayserver.meta.client import MetaError, MetaUnavailable, discover_delay_groups
-from delayserver.protocol import CancelOutcome, Handle, MessageState
 from delayserver.trio_util import BackgroundTasks
 
 COOL_DOWN_S = 5.0

@@ -47,24 +47,23 @@ then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
     META       UTF-8 JSON both ways (`encode_json`, `decode_json`)
     SYNC_*     defined by the replication modules
 
-Result codes are those of `errors.ResultCode`; a code this side does not know is kept as an int,
+Result codes are those of `message.ResultCode`; a code this side does not know is kept as an int,
 so an older client still reports what a newer server said.
 """
 from __future__ import annotations
 
 import enum
 import json
-import re
 import struct
-import urllib.parse
 from typing import Any, Mapping, Sequence
 
 import attrs
 import crc32c as _crc32c
 
-from delayserver.errors import ResultCode
-from delayserver.storage.record import MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS
+from delayserver.message import MAX_BODY_BYTES, CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec
 
+#: The delay server's default port (the meta server's is 20800).
+DEFAULT_PORT = 20801
 MAGIC = 0x444C5953
 VERSION = 1
 FLAG_RESPONSE = 0x01
@@ -72,8 +71,9 @@ HEADER = struct.Struct(">IBBBII")
 HEADER_SIZE = HEADER.size
 CRC = struct.Struct(">I")
 FRAME_OVERHEAD = HEADER_SIZE + CRC.size
-#: Room for one message at the default 4 MiB body limit, twice, plus ids, subjects and headers.
-DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024 + 128 * 1024
+#: Room for one message at the largest body limit (message.MAX_BODY_BYTES) plus its id, subject
+#: and headers: the one frame cap of clients and, by default, of servers (`max_frame_bytes`).
+DEFAULT_MAX_FRAME_BYTES = MAX_BODY_BYTES + 128 * 1024
 MAX_U32 = 0xFFFFFFFF
 
 
@@ -101,11 +101,17 @@ class LocalProtocolError(ProtocolError):
 
 
 class RemoteProtocolError(ProtocolError):
-    """The peer sent bytes that break the protocol; `code` is what to answer in an ERROR frame."""
+    """The peer sent bytes that break the protocol; `code` is what to answer in an ERROR frame,
+    `request_id` the request it answers (0: none could be read). For a frame refused for its
+    declared length, `unread` is how many of its bytes have not arrived yet: a server may read and
+    drop that many before closing, so that the peer, done sending, reads the answer."""
 
-    def __init__(self, message: str, code: ResultCode = ResultCode.BAD_REQUEST):
+    def __init__(self, message: str, code: ResultCode = ResultCode.BAD_REQUEST, *, request_id: int = 0,
+                 unread: int = 0):
         super().__init__(message)
         self.code = code
+        self.request_id = request_id
+        self.unread = unread
 
 
 class _NeedData(enum.Enum):
@@ -185,7 +191,8 @@ class FrameDecoder:
         Raises RemoteProtocolError when the peer broke the protocol, and again on every later call.
         """
         if self._error is not None:
-            raise RemoteProtocolError(f"connection already failed: {self._error}", self._error.code)
+            raise RemoteProtocolError(f"connection already failed: {self._error}", self._error.code,
+                                      request_id=self._error.request_id)
         try:
             return self._next_frame()
         except RemoteProtocolError as exc:
@@ -208,7 +215,8 @@ class FrameDecoder:
         if length > self.max_frame_bytes:
             raise RemoteProtocolError(
                 f"declared payload of {length} bytes is over {self.max_frame_bytes}",
-                ResultCode.MESSAGE_TOO_LARGE,
+                ResultCode.MESSAGE_TOO_LARGE, request_id=request_id,
+                unread=max(0, FRAME_OVERHEAD + length - (len(buf) - pos)),
             )
         is_response = bool(flags & FLAG_RESPONSE)
         if command == Command.ERROR and not is_response:
@@ -228,46 +236,6 @@ class FrameDecoder:
 # --- values carried by payloads ---------------------------------------------------------------
 
 
-class TimeKind(enum.IntEnum):
-    AT = 1  # absolute epoch milliseconds
-    DELAY = 2  # milliseconds from the server's now
-    LEVEL = 3  # a delay level, 1..N of the configured levels
-
-
-class CancelOutcome(enum.IntEnum):
-    CANCELLED = 1
-    ALREADY_DELIVERED = 2
-    ALREADY_CANCELLED = 3
-    UNKNOWN = 4
-
-
-class MessageState(enum.IntEnum):
-    PENDING = 1
-    DELIVERED = 2
-    CANCELLED = 3
-    UNKNOWN = 4
-
-
-@attrs.frozen
-class TimeSpec:
-    """When to deliver: at an epoch time, after a delay, or after a delay level."""
-
-    kind: TimeKind
-    value: int
-
-    @classmethod
-    def at(cls, epoch_ms: int) -> TimeSpec:
-        return cls(TimeKind.AT, epoch_ms)
-
-    @classmethod
-    def delay(cls, delay_ms: int) -> TimeSpec:
-        return cls(TimeKind.DELAY, delay_ms)
-
-    @classmethod
-    def level(cls, level: int) -> TimeSpec:
-        return cls(TimeKind.LEVEL, level)
-
-
 @attrs.frozen
 class SendItem:
     message_id: str
@@ -275,55 +243,6 @@ class SendItem:
     time: TimeSpec
     body: bytes = b""
     headers: Mapping[str, str] = attrs.field(factory=dict)
-
-
-_HANDLE_RE = re.compile(r"(0|[1-9][0-9]{0,14}):([A-Za-z0-9._%-]+)")
-
-
-def _quote_id(message_id: str) -> str:
-    # quote() leaves "~" alone, but a shell expands it after ":" in an assignment (H=1:~x).
-    return urllib.parse.quote(message_id, safe="").replace("~", "%7E")
-
-
-@attrs.frozen
-class Handle:
-    """What a producer keeps to cancel or query a message later, from any process.
-
-    Its text form is ``<schedule_time>:<message id>``: the time in decimal epoch milliseconds, the
-    id percent-encoded as UTF-8 with every byte outside ``[A-Za-z0-9._-]`` written ``%XX``
-    (uppercase hex), e.g. ``1732252800000:order%2F42``. The text is printable, needs no quoting in
-    a shell, URL or file name, and there is exactly one text per handle.
-    """
-
-    schedule_time: int
-    message_id: str
-
-    def __str__(self) -> str:
-        return f"{self.schedule_time}:{_quote_id(self.message_id)}"
-
-    @classmethod
-    def parse(cls, text: str) -> Handle:
-        """The handle whose `str()` is `text`.
-
-        Raises ValueError unless `text` is exactly that form, with a schedule time within
-        record.MIN_TIME_MS..MAX_TIME_MS and an id of 1 to 128 bytes of UTF-8.
-        """
-        match = _HANDLE_RE.fullmatch(text)
-        if match is None:
-            raise ValueError(f"not a handle (want <epoch ms>:<percent-encoded id>): {text!r}")
-        schedule_time = int(match[1])
-        if not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS:
-            raise ValueError(f"handle time {schedule_time} is outside {MIN_TIME_MS}..{MAX_TIME_MS}")
-        raw = urllib.parse.unquote_to_bytes(match[2])
-        if not 1 <= len(raw) <= MAX_ID_BYTES:
-            raise ValueError(f"handle id must be 1 to {MAX_ID_BYTES} bytes, got {len(raw)}")
-        try:
-            message_id = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"handle id is not UTF-8: {text!r}") from None
-        if _quote_id(message_id) != match[2]:
-            raise ValueError(f"handle id is not in canonical percent-encoding: {text!r}")
-        return cls(schedule_time, message_id)
 
 
 @attrs.frozen
@@ -452,6 +371,17 @@ class _Reader:
 # --- payload codecs ---------------------------------------------------------------------------
 # Encoders raise LocalProtocolError for a value the layout cannot carry (a length or number out
 # of its field, a str that is not encodable); decoders raise RemoteProtocolError and nothing else.
+
+
+SEND_REQUEST_OVERHEAD = _U32.size
+
+
+def send_item_size(item: SendItem) -> int:
+    """The bytes `item` takes in a SEND request payload (a client cuts its batches by it)."""
+    size = _SEND_ITEM.size + len(item.body)
+    for text in (item.message_id, item.subject, *item.headers.keys(), *item.headers.values()):
+        size += len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
+    return size + 2 * _U16.size * len(item.headers)
 
 
 def encode_send_request(items: Sequence[SendItem]) -> bytes:

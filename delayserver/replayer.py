@@ -19,17 +19,17 @@ buckets written in that pass are truncated back and the pass is retried later fr
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import trio
 
 from delayserver import failpoints
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    CANCEL_HEAD, HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, RecordType, checksum,
-    checksum_continue, iter_checked_records,
+    RecordError, RecordType, iter_checked_records, message_log_head, scheduled_record_head,
 )
-from delayserver.storage.segment import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 
@@ -39,7 +39,13 @@ CHECKPOINT_NAME = "replay.json"
 
 
 class Replayer:
-    def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0):
+    def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
+                 recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
+                 on_disk_full: Callable[[], None] = lambda: None):
+        """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
+        holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
+        when a schedule append or a checkpoint finds the disk full (the node releases its disk
+        reserve and refuses new messages, so that replay and delivery go on)."""
         self.store = store
         self.ticks = ticks
         self.offset = offset
@@ -47,10 +53,8 @@ class Replayer:
         self.checkpointed_offset = offset
         self.replayed = 0
         self.caught_up = Wakeup()
-        self.recent_batch = lambda offset: None
-        # Called when a schedule append or a checkpoint finds the disk full (the server releases
-        # its disk reserve and refuses new messages, so that replay and delivery go on).
-        self.on_disk_full = lambda: None
+        self.recent_batch = recent_batch
+        self.on_disk_full = on_disk_full
         # One checkpoint writer at a time (replay loop, cleaner, drain): snapshot, fsync, rename.
         self._checkpoint_lock = trio.Lock()
 
@@ -59,14 +63,16 @@ class Replayer:
         return self.store.checkpoint_dir / CHECKPOINT_NAME
 
     @classmethod
-    def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20) -> "Replayer":
+    def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
+             recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
+             on_disk_full: Callable[[], None] = lambda: None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
 
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append.
+        the replay cannot append. `recent_batch` and `on_disk_full` are the constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -90,7 +96,8 @@ class Replayer:
                 log.info("%s: truncating %d bytes replayed after the checkpoint", schedule_log.path(bucket), actual - kept)
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
-        self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0))
+        self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
+                   recent_batch=recent_batch, on_disk_full=on_disk_full)
         end = store.message_log.end_offset
         # Nothing is loaded, so can_add refuses every record and the time passed is never used.
         while self.replay_once(ticks.last_now, end, max_bytes):
@@ -113,41 +120,33 @@ class Replayer:
         scale = self.store.segment_scale_ms
         per_bucket: dict[int, list[bytes]] = {}
         sizes: dict[int, int] = {}
-        notes = []  # (bucket, offset in bucket, kind, schedule_time, message id or None)
+        notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         end = self.offset
         # MessageLog.read checked every record it returned: walk the headers only.
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
                 break
-            if rtype == RecordType.MESSAGE:
-                _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(data, s)
-                kind, mid = RecordType.SCHEDULED, None
-            elif rtype == RecordType.CANCEL:
-                _, sched, seq, idlen = CANCEL_HEAD.unpack_from(data, s)
-                kind = RecordType.SCHEDULED_CANCEL
-                mid = bytes(data[s + CANCEL_HEAD.size : s + CANCEL_HEAD.size + idlen]).decode("utf-8")
-            else:
-                raise CorruptSegment(self.store.message_log.directory, off, f"unexpected record type {rtype}")
+            try:
+                sched, seq, mid = message_log_head(data, s, rtype)
+            except RecordError as err:
+                raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
             bucket = sched - sched % scale
-            # The schedule record is the offset then the message_log payload as it is: build
-            # its crc over the two pieces instead of copying them into one buffer first.
-            off_raw = OFFSET.pack(off)
+            # The schedule record is a head then the message_log payload as it is: no copy.
             payload = view[s:e]
-            crc = checksum_continue(checksum(kind, off_raw), payload)
+            size, head = scheduled_record_head(off, rtype, payload)
             recs = per_bucket.get(bucket)
             if recs is None:
                 recs = per_bucket[bucket] = []
                 sizes[bucket] = self.store.schedule_log.size(bucket)
-            notes.append((bucket, sizes[bucket], kind, sched, mid))
-            length = 8 + e - s
-            sizes[bucket] += HEADER_SIZE + length
-            recs += (HEADER.pack(crc, length, kind), off_raw, payload)
+            notes.append((bucket, sizes[bucket], rtype, sched, mid))
+            sizes[bucket] += size
+            recs += (head, payload)
             self.max_sequence = max(self.max_sequence, seq)
             end = base + e
         self._append_all(per_bucket)
-        for bucket, offset, kind, sched, mid in notes:
-            if kind == RecordType.SCHEDULED:
+        for bucket, offset, rtype, sched, mid in notes:
+            if rtype == RecordType.MESSAGE:
                 self.ticks.on_replayed(bucket, offset, sched, now)
             else:
                 self.ticks.on_cancel(bucket, offset, sched, mid)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delayserver import protocol as p
-from delayserver.errors import ResultCode
+from delayserver.message import MAX_TIME_MS, CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec
 
 HEAVY = settings(max_examples=200, deadline=None)
 LIGHT = settings(max_examples=100, deadline=None)
@@ -189,7 +189,7 @@ def test_encoding_a_payload_over_the_cap_is_a_local_error():
 
 # --- payload codecs -------------------------------------------------------------------------
 
-time_specs = st.builds(p.TimeSpec, st.sampled_from(p.TimeKind), i64)
+time_specs = st.builds(TimeSpec, st.sampled_from(TimeKind), i64)
 send_items = st.builds(
     p.SendItem,
     message_id=texts,
@@ -198,7 +198,7 @@ send_items = st.builds(
     body=st.binary(max_size=100),
     headers=st.dictionaries(texts, texts, max_size=4),
 )
-handles = st.builds(p.Handle, i64, texts)
+handles = st.builds(Handle, i64, texts)
 CODECS = {
     "send-request": (st.lists(send_items, max_size=4), p.encode_send_request, p.decode_send_request),
     "send-response": (
@@ -208,12 +208,12 @@ CODECS = {
     ),
     "handle": (handles, p.encode_handle, p.decode_handle),
     "cancel-response": (
-        st.builds(p.CancelResult, codes, texts, st.sampled_from(p.CancelOutcome)),
+        st.builds(p.CancelResult, codes, texts, st.sampled_from(CancelOutcome)),
         p.encode_cancel_response,
         p.decode_cancel_response,
     ),
     "status-response": (
-        st.builds(p.StatusResult, codes, texts, st.sampled_from(p.MessageState), i64, texts),
+        st.builds(p.StatusResult, codes, texts, st.sampled_from(MessageState), i64, texts),
         p.encode_status_response,
         p.decode_status_response,
     ),
@@ -259,7 +259,7 @@ def test_unknown_result_code_is_kept_as_an_int():
     assert result.code == 999 and not isinstance(result.code, ResultCode)
     (result,) = p.decode_send_response(p.encode_send_response([p.SendResult(0, "ok", 5, "a")]))
     assert result.code is ResultCode.OK
-    assert result.handle == p.Handle(5, "a")
+    assert result.handle == Handle(5, "a")
 
 
 def test_an_id_that_is_not_utf8_is_a_remote_error():
@@ -275,7 +275,7 @@ def test_an_unknown_enum_value_is_a_remote_error():
 
 
 def test_a_header_key_given_twice_is_a_remote_error():
-    raw = p.encode_send_request([p.SendItem("id", "s", p.TimeSpec.delay(1), b"", {"k": "1", "x": "2"})])
+    raw = p.encode_send_request([p.SendItem("id", "s", TimeSpec.delay(1), b"", {"k": "1", "x": "2"})])
     with pytest.raises(p.RemoteProtocolError, match="twice"):
         p.decode_send_request(raw.replace(b"\x00\x01x", b"\x00\x01k"))
 
@@ -283,12 +283,12 @@ def test_a_header_key_given_twice_is_a_remote_error():
 @pytest.mark.parametrize(
     "item",
     [
-        pytest.param(p.SendItem("x" * 0x10000, "s", p.TimeSpec.at(1)), id="id-over-u16"),
-        pytest.param(p.SendItem("id", "\ud800", p.TimeSpec.at(1)), id="subject-not-utf8"),
-        pytest.param(p.SendItem("id", "s", p.TimeSpec.at(2**63)), id="time-over-i64"),
-        pytest.param(p.SendItem("id", "s", p.TimeSpec(9, 1)), id="unknown-time-kind"),
-        pytest.param(p.SendItem("id", "s", p.TimeSpec.level(1), "body"), id="body-not-bytes"),
-        pytest.param(p.SendItem(7, "s", p.TimeSpec.level(1)), id="id-not-str"),
+        pytest.param(p.SendItem("x" * 0x10000, "s", TimeSpec.at(1)), id="id-over-u16"),
+        pytest.param(p.SendItem("id", "\ud800", TimeSpec.at(1)), id="subject-not-utf8"),
+        pytest.param(p.SendItem("id", "s", TimeSpec.at(2**63)), id="time-over-i64"),
+        pytest.param(p.SendItem("id", "s", TimeSpec(9, 1)), id="unknown-time-kind"),
+        pytest.param(p.SendItem("id", "s", TimeSpec.level(1), "body"), id="body-not-bytes"),
+        pytest.param(p.SendItem(7, "s", TimeSpec.level(1)), id="id-not-str"),
     ],
 )
 def test_encoding_an_unrepresentable_send_item_is_a_local_error(item):
@@ -327,16 +327,16 @@ valid_ids = st.text(min_size=1, max_size=128).filter(lambda s: len(s.encode("utf
 
 
 def test_handle_text_examples():
-    assert str(p.Handle(1732252800000, "order-42")) == "1732252800000:order-42"
-    assert str(p.Handle(0, "a b/ü~")) == "0:a%20b%2F%C3%BC%7E"
+    assert str(Handle(1732252800000, "order-42")) == "1732252800000:order-42"
+    assert str(Handle(0, "a b/ü~")) == "0:a%20b%2F%C3%BC%7E"
 
 
 @HEAVY
-@given(st.integers(0, p.MAX_TIME_MS), valid_ids)
+@given(st.integers(0, MAX_TIME_MS), valid_ids)
 def test_handle_text_round_trips_and_is_shell_safe(schedule_time, message_id):
-    handle = p.Handle(schedule_time, message_id)
+    handle = Handle(schedule_time, message_id)
     text = str(handle)
-    assert p.Handle.parse(text) == handle
+    assert Handle.parse(text) == handle
     assert set(text) <= set("0123456789:%.-_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
@@ -366,14 +366,14 @@ def test_handle_text_round_trips_and_is_shell_safe(schedule_time, message_id):
 )
 def test_handle_parse_rejects_garbage(text):
     with pytest.raises(ValueError):
-        p.Handle.parse(text)
+        Handle.parse(text)
 
 
 @LIGHT
 @given(st.text(max_size=40))
 def test_handle_parse_raises_only_value_error(text):
     try:
-        handle = p.Handle.parse(text)
+        handle = Handle.parse(text)
     except ValueError:
         return
     assert str(handle) == text

@@ -7,8 +7,8 @@ import trio
 from delayserver.clock import TrioClock
 from delayserver.replayer import Replayer
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.errors import DiskFull, StorageError
 from delayserver.storage.record import HEADER_SIZE
-from delayserver.storage.segment import DiskFull, StorageError
 from delayserver.wakeup import Wakeup
 from tests.pipeline_node import SCALE_MS, START_MS, Node, run_until_idle
 

@@ -18,7 +18,7 @@ from delayserver.ctl.progress import Progress
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.quarantine import Quarantined, list_quarantined
 from delayserver.storage.buckets import bucket_name
-from delayserver.storage.segment import CorruptSegment
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.store import BucketStats, bucket_stats
 
 COLUMNS = ("scheduled", "dispatched", "cancelled", "pending", "duplicate_dispatches")

@@ -25,8 +25,9 @@ from typing import Any
 
 import trio
 
+from delayserver.message import parse_address
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
-from delayserver.meta.wire import DEFAULT_META_PORT, parse_address
+from delayserver.meta.wire import DEFAULT_META_PORT
 
 LISTINGS = {
     # listing: (op, result key, columns)

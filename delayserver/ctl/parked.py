@@ -12,10 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from delayserver.errors import DelayServerError
-from delayserver.protocol import Handle
+from delayserver.message import DelayServerError, Handle
 from delayserver.sender.parked import iter_parked, redriven_offset, set_redriven_offset
-from delayserver.storage.segment import StorageError
+from delayserver.storage.errors import StorageError
 
 
 def register(subparsers) -> None:

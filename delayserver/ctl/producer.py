@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from delayserver.config import ConfigError, parse_duration
-from delayserver.errors import DelayServerError
-from delayserver.protocol import Handle
+from delayserver.message import AddressError, DelayServerError, Handle
 
 DEFAULT_SERVER = "127.0.0.1:20801"
 
@@ -76,6 +75,9 @@ def run_send(args) -> int:
     try:
         with Producer(args.server) as producer:
             handle = producer.send(args.subject, body, message_id=args.id, headers=headers, **kw)
+    except AddressError as e:
+        print(f"error: --server: {e}", file=sys.stderr)
+        return 2
     except DelayServerError as e:
         return _fail(f"{e.code.name}: {e}")
     except (ConnectionError, TimeoutError) as e:
@@ -92,6 +94,9 @@ def _ask(args, method: str):
         handle = Handle.parse(args.handle)
         with Producer(args.server) as producer:
             return handle, getattr(producer, method)(handle)
+    except AddressError as e:
+        print(f"error: --server: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         return _fail(f"bad handle: {e}")
     except DelayServerError as e:

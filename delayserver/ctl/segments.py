@@ -5,14 +5,14 @@ it at its next start), and corruption is reported with its file and offset.
 """
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Iterator
 
 import attrs
 
-from delayserver.storage.record import RecordType, decode_payload, iter_records
-from delayserver.storage.segment import CorruptSegment, read_file, scan
+from delayserver.storage.reader import Damage, read_records
+from delayserver.storage.record import RecordType
+from delayserver.storage.segment import read_file
 
 #: Which log a segment belongs to, told by the type of its records.
 LOG_OF_TYPE = {
@@ -24,20 +24,6 @@ LOG_OF_TYPE = {
     RecordType.DELIVERED: "spool",
     RecordType.PARKED: "parked",
 }
-
-
-@attrs.frozen
-class Damage:
-    """Where reading a segment stopped: a torn tail (`torn`) or corruption."""
-
-    path: Path
-    offset: int
-    reason: str
-    torn: bool
-
-    def __str__(self) -> str:
-        what = "torn tail" if self.torn else "corrupt record"
-        return f"{self.path}: {what} at offset {self.offset}: {self.reason}"
 
 
 class SegmentFile:
@@ -58,24 +44,11 @@ class SegmentFile:
     def size(self) -> int:
         return len(self.data)
 
-    def _limit(self) -> tuple[int, Damage | None]:
-        """Where the good records end, and the damage found there."""
-        try:
-            result = scan(self.data, self.path, allow_torn_tail=not self.sealed)
-        except CorruptSegment as e:
-            return e.offset, Damage(self.path, e.offset, e.reason, torn=False)
-        if result.torn_bytes:
-            reason = f"{result.torn_bytes} bytes ({result.torn_reason})"
-            return result.valid_end, Damage(self.path, result.valid_end, reason, torn=True)
-        return result.valid_end, None
-
     def records(self) -> Iterator[tuple[int, int, object]]:
-        limit, damage = self._limit()
-        for pos, rtype, start, stop in iter_records(self.data, 0, limit):
-            try:
-                value = decode_payload(rtype, self.data, start, stop)
-            except (ValueError, struct.error) as e:
-                self.damage = Damage(self.path, pos, f"undecodable {RecordType(rtype).name} payload ({e})", torn=False)
-                return
-            yield pos, rtype, value
+        self.damage = None
+        yield from read_records(self.data, self.path, sealed=self.sealed, decode=True, report=self._report)
+
+    def _report(self, damage: Damage) -> None:
+        if damage.torn:
+            damage = attrs.evolve(damage, reason=f"{damage.length} bytes ({damage.reason})")
         self.damage = damage

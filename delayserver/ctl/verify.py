@@ -14,6 +14,7 @@ Outcomes: a torn tail at the end of a segment (what a crash leaves behind) is a 
 (will be truncated at next start)", since the node truncates it when it starts and it holds
 nothing the node relies on; exit 0. Corruption (damage in a sealed segment, or before valid
 records), a bad checkpoint or a cursor past the data is damage; exit 1, naming file and offset.
+A path that is not a data directory is a usage error: exit 2.
 A summary per log (segments, records, bytes) is printed either way.
 """
 from __future__ import annotations
@@ -88,13 +89,14 @@ class Verification:
 
 def run(args) -> int:
     data_dir: Path = args.data_dir
+    # A path that is no data directory at all is a usage error (exit 2), not damage (exit 1).
     if not data_dir.is_dir():
         print(f"error: {data_dir}: not a directory", file=sys.stderr)
-        return 1
+        return 2
     if not any((data_dir / name).is_dir() for name in (*LOGS, "checkpoint")):
         print(f"error: {data_dir}: not a data directory (no message_log, schedule_log, dispatch_log "
               "or checkpoint)", file=sys.stderr)
-        return 1
+        return 2
     v = Verification(data_dir)
     total = sum(p.stat().st_size for name in LOGS for p in (data_dir / name).glob("*.log"))
     with Progress(total, "verify") as progress:

@@ -20,12 +20,13 @@ from typing import Callable
 
 import trio
 
-from delayserver.errors import ResultCode
+from delayserver.message import ResultCode
 from delayserver.meta import routing
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
-from delayserver.meta.store import BrokerGroupSpec, Role, Route
+from delayserver.meta.store import Role, Route
+from delayserver.sender.groups import BrokerGroupSpec
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
-from delayserver.storage.segment import StorageError
+from delayserver.storage.errors import StorageError
 
 log = logging.getLogger("delayserver.meta.agent")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import trio
 
-from delayserver.errors import DelayServerError, ResultCode
-from delayserver.meta.wire import MAX_RESPONSE_BYTES, parse_address
+from delayserver.message import DelayServerError, ResultCode, parse_address
+from delayserver.meta.wire import MAX_RESPONSE_BYTES
 from delayserver.protocol import (
     NEED_DATA, Command, Frame, FrameDecoder, RemoteProtocolError, decode_error, decode_json, encode, encode_json,
 )

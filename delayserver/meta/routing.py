@@ -22,7 +22,8 @@ import fnmatch
 import re
 from typing import Iterable
 
-from delayserver.meta.store import BrokerGroupSpec, Route
+from delayserver.meta.store import Route
+from delayserver.sender.groups import BrokerGroupSpec
 
 _PATTERN_RE = re.compile(r"[A-Za-z0-9._:%|\-*?\[\]!]{1,255}")
 _WILDCARDS = frozenset("*?[]!")

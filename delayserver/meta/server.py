@@ -11,6 +11,7 @@ Default port: 20800 (`wire.DEFAULT_META_PORT`); the delay server's is 20801.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -19,15 +20,14 @@ from pathlib import Path
 import trio
 
 from delayserver.clock import TrioClock, WallClock
-from delayserver.errors import ResultCode
-from delayserver.meta.wire import (
-    DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, format_address, parse_address,
-)
+from delayserver.message import ResultCode, format_address, parse_address
 from delayserver.meta.service import MetaService
 from delayserver.meta.store import MetaStore, SqliteMetaStore, StoreError
+from delayserver.meta.wire import DEFAULT_META_PORT, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
+from delayserver.node.pump import PumpLimits, pump
 from delayserver.protocol import (
-    NEED_DATA, Command, ErrorResult, Frame, FrameDecoder, LocalProtocolError, RemoteProtocolError, decode_json,
-    encode, encode_error, encode_json,
+    Command, ErrorResult, Frame, LocalProtocolError, RemoteProtocolError, decode_json, encode, encode_error,
+    encode_json,
 )
 
 log = logging.getLogger("delayserver.meta")
@@ -81,33 +81,11 @@ async def _reap_forever(service: MetaService) -> None:
 
 
 async def _serve_connection(stream: trio.SocketStream, service: MetaService, idle_timeout_s: float) -> None:
-    decoder = FrameDecoder(MAX_REQUEST_BYTES)
+    # Requests are answered in order, one at a time; an idle connection is closed without a word.
+    limits = PumpLimits(MAX_REQUEST_BYTES, idle_timeout_s, send_timeout_s=idle_timeout_s, max_in_flight=1,
+                        say_timeout=False)
     async with stream:
-        try:
-            while True:
-                data = None
-                with trio.move_on_after(idle_timeout_s):
-                    data = await stream.receive_some(65536)
-                if data is None:
-                    log.info("closing a meta connection idle for %ss", idle_timeout_s)
-                    return
-                if not data:
-                    if decoder.buffered_bytes:
-                        log.warning("meta connection closed inside a frame (%d bytes)", decoder.buffered_bytes)
-                    return
-                decoder.feed(data)
-                while (frame := decoder.next_frame()) is not NEED_DATA:
-                    response = await _respond(frame, service)
-                    # A peer that does not read its responses must not hold the task forever.
-                    with trio.fail_after(idle_timeout_s):
-                        await stream.send_all(response)
-        except RemoteProtocolError as exc:
-            log.warning("meta connection broke the protocol: %s", exc)
-            error = encode(Frame(Command.ERROR, 0, encode_error(ErrorResult(exc.code, str(exc))), True))
-            with trio.move_on_after(idle_timeout_s):
-                await stream.send_all(error)
-        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            log.info("meta connection lost: %r", exc)
+        await pump(stream, limits, functools.partial(_respond, service=service), what="a meta connection")
 
 
 async def _respond(frame: Frame, service: MetaService) -> bytes:

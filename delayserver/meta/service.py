@@ -17,13 +17,10 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from delayserver.errors import DelayServerError, ResultCode
+from delayserver.message import SUBJECT_RE, DelayServerError, ResultCode, parse_address
 from delayserver.meta import roles, routing
-from delayserver.meta.wire import parse_address
-from delayserver.meta.store import (
-    BrokerGroupSpec, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, Transport,
-)
-from delayserver.storage.record import SUBJECT_RE
+from delayserver.meta.store import DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 log = logging.getLogger("delayserver.meta")
 
@@ -415,11 +412,11 @@ def _node_address(args: _Args) -> str:
     return address
 
 
-def _transport(value: str) -> Transport:
+def _transport(value: str) -> TransportKind:
     try:
-        return Transport(value)
+        return TransportKind(value)
     except ValueError:
-        raise BadRequest(f"transport must be one of {', '.join(t.value for t in Transport)}, "
+        raise BadRequest(f"transport must be one of {', '.join(t.value for t in TransportKind)}, "
                          f"not {value!r}") from None
 
 

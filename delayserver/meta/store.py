@@ -25,6 +25,8 @@ from typing import Any, Iterable, Mapping
 
 import attrs
 
+from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+
 
 class Role(str, enum.Enum):
     MASTER = "master"
@@ -34,12 +36,6 @@ class Role(str, enum.Enum):
 class NodeState(str, enum.Enum):
     UP = "up"
     DOWN = "down"
-
-
-class Transport(str, enum.Enum):
-    SPOOL = "spool"
-    REDIS = "redis"
-    HTTP = "http"
 
 
 class StoreError(Exception):
@@ -73,40 +69,6 @@ class Node:
     epoch: int = 0
     eligible: bool = True
     session: str = ""
-
-
-@attrs.frozen
-class BrokerGroupSpec:
-    """How to reach a broker group: its transport, address, weight and transport options."""
-
-    name: str
-    transport: Transport
-    address: str
-    weight: int = 1
-    read_only: bool = False
-    options: Mapping[str, Any] = attrs.field(factory=dict)
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "transport": self.transport.value,
-            "address": self.address,
-            "weight": self.weight,
-            "read_only": self.read_only,
-            "options": dict(self.options),
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> BrokerGroupSpec:
-        """Raises KeyError, TypeError or ValueError for an object not made by `to_json`."""
-        return cls(
-            name=str(obj["name"]),
-            transport=Transport(obj["transport"]),
-            address=str(obj["address"]),
-            weight=int(obj["weight"]),
-            read_only=bool(obj["read_only"]),
-            options=dict(obj["options"]),
-        )
 
 
 @attrs.frozen
@@ -307,7 +269,7 @@ class SqliteMetaStore(MetaStore):
             "SELECT name, transport, address, weight, read_only, options FROM broker_groups ORDER BY name"
         )
         return [
-            BrokerGroupSpec(name, Transport(transport), address, weight, bool(read_only), json.loads(options))
+            BrokerGroupSpec(name, TransportKind(transport), address, weight, bool(read_only), json.loads(options))
             for name, transport, address, weight, read_only, options in rows
         ]
 

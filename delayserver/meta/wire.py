@@ -2,7 +2,7 @@
 
 Requests are META frames carrying a JSON object ``{"op": ..., ...arguments}`` and answered by a
 META response ``{"code": ResultCode, "message": ..., ...results}`` (the operations are in
-`service`). Addresses are ``HOST:PORT``, an IPv6 host in brackets.
+`service`). Addresses are ``HOST:PORT``, an IPv6 host in brackets (`message.parse_address`).
 """
 from __future__ import annotations
 
@@ -12,29 +12,3 @@ DEFAULT_META_PORT = 20800
 MAX_REQUEST_BYTES = 1024 * 1024
 #: Responses (a listing of a large cluster) may be bigger than requests.
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
-
-
-def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
-    """(host, port) of ``HOST:PORT`` or ``[IPv6]:PORT``.
-
-    Raises ValueError for anything else, or a port outside 1..65535 (0..65535 with
-    `allow_port_zero`, for a listener that lets the system pick).
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"an address must be a str, not {type(text).__name__}")
-    host, sep, port_text = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"bad address {text!r}: write an IPv6 host in brackets, [::1]:{DEFAULT_META_PORT}")
-    if not sep or not host or not port_text.isascii() or not port_text.isdigit():
-        raise ValueError(f"bad address {text!r}: want HOST:PORT")
-    port = int(port_text)
-    if not (0 if allow_port_zero else 1) <= port <= 65535:
-        raise ValueError(f"bad address {text!r}: port {port} is out of range")
-    return host, port
-
-
-def format_address(host: str, port: int) -> str:
-    """The text `parse_address` reads back as (host, port)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -14,11 +14,12 @@ import trio
 
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.reader import read_records
 from delayserver.storage.record import (
     RecordType, decode_parked, encode_message, encode_parked, encode_record, encode_scheduled,
-    iter_records,
 )
-from delayserver.storage.segment import Segment, StorageError, read_file, scan
+from delayserver.storage.errors import StorageError
+from delayserver.storage.segment import Segment, read_file
 
 log = logging.getLogger("delayserver.sender")
 
@@ -75,8 +76,7 @@ def iter_parked(directory: Path, start: int = 0):
     if not path.exists():
         return
     data = read_file(path)
-    result = scan(data, path)
-    for pos, rtype, s, e in iter_records(data, 0, result.valid_end):
+    for pos, rtype, s, e in read_records(data, path):
         if pos >= start and rtype == RecordType.PARKED:
             yield pos, decode_parked(data, s, e)
 

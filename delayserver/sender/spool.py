@@ -25,7 +25,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import struct
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -34,24 +33,16 @@ from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 import attrs
 import trio
 
-from delayserver.errors import InvalidMessage
+from delayserver.message import SUBJECT_RE, InvalidMessage
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
 from delayserver import failpoints
-from delayserver.storage.segment import StorageError, find_valid_record_after, fsync_dir, fsync_fd, note_io_error
+from delayserver.storage.errors import StorageError
+from delayserver.storage.reader import Damage, read_file_records
 from delayserver.storage.record import (
-    HEADER,
-    HEADER_SIZE,
-    MAX_PAYLOAD_BYTES,
-    SUBJECT_RE,
-    Message,
-    RecordError,
-    RecordType,
-    decode_delivered,
-    encode_delivered,
-    encode_message,
-    encode_record,
-    parse_record,
+    HEADER_SIZE, MAX_PAYLOAD_BYTES, Message, RecordError, RecordType, decode_delivered, encode_delivered,
+    encode_message, encode_record,
 )
+from delayserver.storage.segment import fsync_dir, fsync_fd, note_io_error
 
 log = logging.getLogger("delayserver.sender.spool")
 
@@ -97,44 +88,21 @@ def list_spool_subjects(data_dir: Path) -> list[str]:
 # --- reading --------------------------------------------------------------------------------------
 
 
-def _check_torn_tail(f: BinaryIO, path: Path, pos: int, reason: str) -> None:
-    """Return if nothing valid follows the damage at `pos` (a torn tail); raise SpoolCorrupt otherwise."""
-    f.seek(pos)
-    following = find_valid_record_after(f.read(), 0)
-    if following is not None:
-        raise SpoolCorrupt(path, pos, f"{reason}; valid records follow at offset {pos + following}")
+def _scan(f: BinaryIO, path: Path, pos: int) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(offset, record)`` for each whole record from `pos`, through the one reader.
 
-
-def _scan(f: BinaryIO, path: Path, pos: int, *, at_rest: bool) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(offset, record)`` for each whole record from `pos`, reading one record at a time.
-
-    Ends quietly at a torn tail. With `at_rest` (the caller holds the lock, so no append is under
-    way) an incomplete last record is checked like a bad one; without it, it is taken for an append
-    in progress. Raises SpoolCorrupt for damage with valid records after it, or a record of a type
+    Ends quietly at a torn tail, or an incomplete last record (an append under way, or cut short
+    by a crash). Raises SpoolCorrupt for damage with valid records after it, or a record of a type
     other than DELIVERED.
     """
-    f.seek(pos)
-    while True:
-        record = f.read(HEADER_SIZE)
-        if not record:
-            return
-        if len(record) == HEADER_SIZE:
-            _crc, length, _rtype = HEADER.unpack(record)
-            if length <= MAX_PAYLOAD_BYTES:
-                record += f.read(length)
-        try:
-            parsed = parse_record(record, 0)
-        except RecordError as e:
-            _check_torn_tail(f, path, pos, e.reason)
-            return
-        if parsed is None:
-            if at_rest:
-                _check_torn_tail(f, path, pos, "incomplete record")
-            return
-        if parsed[0] != RecordType.DELIVERED:
-            raise SpoolCorrupt(path, pos, f"record type {parsed[0]} is not DELIVERED")
-        yield pos, record
-        pos += len(record)
+    def report(damage: Damage) -> None:
+        if not damage.torn:
+            raise SpoolCorrupt(path, damage.offset, damage.reason)
+
+    for offset, rtype, record in read_file_records(f, path, start=pos, report=report):
+        if rtype != RecordType.DELIVERED:
+            raise SpoolCorrupt(path, offset, f"record type {rtype} is not DELIVERED")
+        yield offset, record
 
 
 class SpoolCursor:
@@ -164,10 +132,10 @@ class SpoolCursor:
         except FileNotFoundError:
             return
         with f:
-            for offset, record in _scan(f, self.path, self.next_offset, at_rest=False):
+            for offset, record in _scan(f, self.path, self.next_offset):
                 try:
                     dispatch_time, attempt, message = decode_delivered(record, HEADER_SIZE, len(record))
-                except (ValueError, struct.error) as e:
+                except RecordError as e:
                     raise SpoolCorrupt(self.path, offset, f"undecodable DELIVERED payload: {e}") from e
                 self.next_offset = offset + len(record)
                 yield offset, dispatch_time, attempt, message
@@ -253,7 +221,7 @@ def _truncate_torn_tail(fd: int, path: Path) -> None:
     size = os.fstat(fd).st_size
     valid_end = 0
     with os.fdopen(os.dup(fd), "rb") as f:
-        for offset, record in _scan(f, path, 0, at_rest=True):
+        for offset, record in _scan(f, path, 0):
             valid_end = offset + len(record)
     if valid_end < size:
         log.warning("%s: truncating a torn tail of %d bytes at offset %d", path, size - valid_end, valid_end)

@@ -16,10 +16,9 @@ from pathlib import Path
 
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.directory import SegmentDirectory
-from delayserver.storage.record import RecordError, iter_records
-from delayserver.storage.segment import (
-    CorruptSegment, ScanResult, StorageError, fsync_dir, fsync_fd, fsync_path, read_file, scan, write_all,
-)
+from delayserver.storage.errors import StorageError
+from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan
+from delayserver.storage.segment import fsync_dir, fsync_fd, fsync_path, read_file, write_all
 
 log = logging.getLogger("delayserver.storage")
 
@@ -172,11 +171,8 @@ class BucketLog:
     def records(self, bucket: int, start: int = 0, end: int | None = None):
         """Yield ``(offset, rtype, payload)`` for whole records; raises CorruptSegment on a bad one."""
         data = self.read(bucket, start, end)
-        try:
-            for pos, rtype, s, e in iter_records(data):
-                yield start + pos, rtype, data[s:e]
-        except RecordError as e:
-            raise CorruptSegment(self.path(bucket), start + e.offset, e.reason) from None
+        for pos, rtype, s, e in read_records(data, self.path(bucket), base=start, report=raise_unless_incomplete):
+            yield pos, rtype, data[s:e]
 
     def remove(self, bucket: int) -> None:
         self._check_writable()

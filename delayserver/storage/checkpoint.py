@@ -19,8 +19,9 @@ from pathlib import Path
 
 import crc32c
 
-from delayserver.storage.segment import StorageError, fsync_dir, fsync_fd, note_io_error, write_all
 from delayserver import failpoints
+from delayserver.storage.errors import StorageError
+from delayserver.storage.segment import fsync_dir, fsync_fd, note_io_error, write_all
 
 log = logging.getLogger("delayserver.storage")
 _serial = itertools.count()

@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 
 import attrs
 
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import OFFSET, RecordType
-from delayserver.storage.segment import CorruptSegment
 from delayserver.storage.store import Store, bucket_stats
 
 log = logging.getLogger("delayserver.cleaner")

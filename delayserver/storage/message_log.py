@@ -26,8 +26,9 @@ from pathlib import Path
 
 from delayserver import failpoints
 from delayserver.storage.directory import SegmentDirectory
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import CorruptSegment, Segment, fsync_dir, read_file
+from delayserver.storage.segment import Segment, fsync_dir, read_file
 
 log = logging.getLogger("delayserver.storage")
 

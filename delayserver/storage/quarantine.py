@@ -23,7 +23,8 @@ import attrs
 
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import CorruptCheckpoint, read_checkpoint, write_checkpoint
-from delayserver.storage.segment import StorageError, fsync_dir
+from delayserver.storage.errors import StorageError
+from delayserver.storage.segment import fsync_dir
 
 log = logging.getLogger("delayserver.storage")
 

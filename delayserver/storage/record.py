@@ -7,7 +7,10 @@ A record on disk is a 9-byte header then the payload::
     type    u8    a RecordType
 
 All integers are big-endian. Readers and writers of every log (message_log, schedule_log,
-dispatch_log, the spool, parked messages) and every tool use this module and no other layout.
+dispatch_log, the spool, parked messages) and every tool use this module and no other layout: the
+byte positions below are written down here and nowhere else. Every failure to decode, whatever its
+cause (a bad header, a crc mismatch, fields that do not add up, text that is not UTF-8), raises
+the one RecordError; `storage.reader` turns it into a damage report.
 
 Payload layouts (see the `*_HEAD` structs):
 
@@ -24,7 +27,6 @@ Payload layouts (see the `*_HEAD` structs):
 from __future__ import annotations
 
 import enum
-import re
 import struct
 import types
 from typing import Iterator, Mapping, NamedTuple
@@ -32,7 +34,10 @@ from typing import Iterator, Mapping, NamedTuple
 import attrs
 import crc32c as _crc32c
 
-from delayserver.errors import BadHeaders, BadMessageId, BadScheduleTime, BadSubject, MessageTooLarge
+from delayserver.message import (
+    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, BadHeaders, MessageTooLarge, _utf8, check_body_size,
+    check_schedule_time, encode_id, encode_subject,
+)
 
 HEADER = struct.Struct(">IIB")
 HEADER_SIZE = HEADER.size
@@ -51,19 +56,9 @@ _SCHEDULED_HEAD_SIZE = SCHEDULED_HEAD.size
 _pack_item_len = HEADER_ITEM.pack
 _HEADER_ITEM_OVERHEAD = 2 * HEADER_ITEM.size
 
-MAX_ID_BYTES = 128
-MAX_SUBJECT_BYTES = 255
-MAX_HEADERS_BYTES = 32 * 1024
 #: The hard cap on a record payload, whatever max_message_bytes says; a declared length over it is
 #: damage, never an allocation.
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-#: Schedule times are epoch milliseconds from 1970 to the end of year 9999 (UTC). Anything outside
-#: is refused before it reaches arithmetic, so no far time can wrap around into "now".
-MIN_TIME_MS = 0
-MAX_TIME_MS = 253_402_300_799_999
-
-SUBJECT_RE = re.compile(rb"[A-Za-z0-9._:%|\-]{1,255}\Z")
 
 
 class RecordType(enum.IntEnum):
@@ -99,8 +94,10 @@ def encode_record(rtype: int, payload: bytes) -> bytes:
     return HEADER.pack(checksum(rtype, payload), len(payload), rtype) + payload
 
 
-class RecordError(Exception):
-    """A record that cannot be decoded at `offset`: bad type, bad length or bad crc."""
+class RecordError(ValueError):
+    """A record that cannot be decoded at `offset`: bad type, bad length, bad crc, or a payload
+    whose fields do not add up. The one error of this module: no struct.error or
+    UnicodeDecodeError leaves it."""
 
     def __init__(self, offset: int, reason: str):
         super().__init__(f"bad record at offset {offset}: {reason}")
@@ -173,6 +170,29 @@ def iter_checked_records(buf, pos: int = 0, end: int | None = None) -> Iterator[
         pos = stop
 
 
+def record_size(buf, pos: int) -> int:
+    """Header plus payload length of the record whose header is at `pos` (header read only)."""
+    return HEADER_SIZE + HEADER.unpack_from(buf, pos)[1]
+
+
+def record_header(rtype: int, payload) -> bytes:
+    """The header of a record of `rtype` carrying `payload` (written as a separate piece)."""
+    return HEADER.pack(checksum(rtype, payload), len(payload), rtype)
+
+
+def _decoding(fn):
+    """Make `fn` raise RecordError, at its `start` argument, for whatever a bad payload causes."""
+    def wrapper(buf, start: int = 0, *args):
+        try:
+            return fn(buf, start, *args)
+        except RecordError:
+            raise
+        except (struct.error, ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+            raise RecordError(start, f"undecodable {fn.__name__.removeprefix('decode_')} payload: {e}") from None
+    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return wrapper
+
+
 # --- messages -------------------------------------------------------------------------------
 
 
@@ -196,45 +216,6 @@ class Message(NamedTuple):
     flags: int = 0
 
 
-def check_schedule_time(schedule_time: int) -> None:
-    """Raise BadScheduleTime unless `schedule_time` is an int within MIN_TIME_MS..MAX_TIME_MS."""
-    if (
-        isinstance(schedule_time, bool)
-        or not isinstance(schedule_time, int)
-        or not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS
-    ):
-        raise BadScheduleTime(
-            f"schedule time {schedule_time!r} is outside {MIN_TIME_MS}..{MAX_TIME_MS} epoch ms"
-        )
-
-
-def _utf8(value) -> bytes | None:
-    """`value` as UTF-8, or None when it is not a str or cannot be encoded (a lone surrogate)."""
-    if not isinstance(value, str):
-        return None
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-
-
-def encode_id(message_id: str) -> bytes:
-    """The id as UTF-8; raises BadMessageId unless it is 1 to MAX_ID_BYTES bytes of UTF-8."""
-    raw = _utf8(message_id)
-    if raw is None or not 1 <= len(raw) <= MAX_ID_BYTES:
-        got = "not a string of UTF-8" if raw is None else f"{len(raw)} bytes"
-        raise BadMessageId(f"message id must be 1 to {MAX_ID_BYTES} bytes of UTF-8, got {got}")
-    return raw
-
-
-def encode_subject(subject: str) -> bytes:
-    """The subject as bytes; raises BadSubject unless it is 1 to 255 bytes of the allowed set."""
-    raw = _utf8(subject)
-    if raw is None or not SUBJECT_RE.match(raw):
-        raise BadSubject(f"bad subject {subject!r}: 1 to 255 bytes of [A-Za-z0-9._:%|-]")
-    return raw
-
-
 def encode_headers(headers: Mapping[str, str]) -> bytes:
     """The headers block; raises BadHeaders for a non-mapping, a non-string or empty key, a value
     that is not a string of UTF-8, or a block over MAX_HEADERS_BYTES."""
@@ -256,7 +237,8 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
 
 
 def decode_headers(raw) -> dict[str, str]:
-    """Decode a headers block; raises ValueError when it does not add up to its length."""
+    """Decode a headers block; raises ValueError when it does not add up to its length (the
+    message decoders turn it into RecordError)."""
     raw = bytes(raw)
     headers = {}
     pos, end = 0, len(raw)
@@ -298,8 +280,7 @@ def encode_message_fields(message_id: str, subject: str, body: bytes, schedule_t
     check_schedule_time(schedule_time)
     if type(body) is not bytes:
         body = bytes(body)
-    if len(body) > max_body_bytes:
-        raise MessageTooLarge(f"body of {len(body)} bytes is over the limit of {max_body_bytes}")
+    check_body_size(len(body), max_body_bytes)
     head = MESSAGE_HEAD.pack(store_time, schedule_time, sequence, flags, len(mid), len(raw_subject),
                              len(raw_headers), len(body))
     return b"".join((head, mid, raw_subject, raw_headers, body))
@@ -314,8 +295,9 @@ def _as_bytes(buf, start: int, end: int | None) -> tuple[bytes, int, int]:
     return buf, start, len(buf) if end is None else end
 
 
+@_decoding
 def decode_message(buf, start: int = 0, end: int | None = None) -> Message:
-    """Decode a MESSAGE payload at `start` of `buf` (raises ValueError if it does not add up)."""
+    """Decode a MESSAGE payload at `start` of `buf` (raises RecordError if it does not add up)."""
     buf, start, end = _as_bytes(buf, start, end)
     store, sched, seq, flags, idlen, slen, hlen, blen = MESSAGE_HEAD.unpack_from(buf, start)
     return _message_at(buf, start + _MESSAGE_HEAD_SIZE, end, store, sched, seq, flags, idlen, slen, hlen, blen)
@@ -360,6 +342,7 @@ def encode_cancel(c: Cancel) -> bytes:
     return CANCEL_HEAD.pack(c.store_time, c.schedule_time, c.sequence, len(mid)) + mid
 
 
+@_decoding
 def decode_cancel(buf, start: int = 0, end: int | None = None) -> Cancel:
     end = len(buf) if end is None else end
     store, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
@@ -376,8 +359,9 @@ def encode_scheduled(message_log_offset: int, message_payload: bytes) -> bytes:
     return OFFSET.pack(message_log_offset) + message_payload
 
 
+@_decoding
 def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, Message]:
-    """``(message_log_offset, message)`` of a SCHEDULED payload; raises ValueError as decode_message."""
+    """``(message_log_offset, message)`` of a SCHEDULED payload; raises RecordError as decode_message."""
     buf, start, end = _as_bytes(buf, start, end)
     # One unpack for the offset and the message's fixed fields: this is the delivery path.
     offset, store, sched, seq, flags, idlen, slen, hlen, blen = SCHEDULED_HEAD.unpack_from(buf, start)
@@ -385,6 +369,7 @@ def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, 
                                idlen, slen, hlen, blen)
 
 
+@_decoding
 def scheduled_key(buf, start: int) -> tuple[int, int, int, str]:
     """Fast path for loading: ``(message_log_offset, schedule_time, sequence, message_id)``."""
     offset, _store, sched, seq, _flags, idlen, _s, _h, _b = SCHEDULED_HEAD.unpack_from(buf, start)
@@ -392,9 +377,71 @@ def scheduled_key(buf, start: int) -> tuple[int, int, int, str]:
     return offset, sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
 
 
+@_decoding
 def decode_scheduled_cancel(buf, start: int = 0, end: int | None = None) -> tuple[int, Cancel]:
     (offset,) = OFFSET.unpack_from(buf, start)
     return offset, decode_cancel(buf, start + OFFSET.size, end)
+
+
+# --- record heads: the few fields hot paths read without decoding a whole payload --------------
+# Loaders, lookups, the replayer and the receiver take these, never a struct of their own.
+
+#: Where the sequence sits in MESSAGE and CANCEL payloads alike (after store_time and schedule_time).
+_SEQUENCE_AT = 16
+_SEQUENCE = struct.Struct(">Q")
+
+
+def set_sequence(payload: bytearray, sequence: int) -> None:
+    """Write `sequence` into a MESSAGE or CANCEL payload (the master assigns it at append)."""
+    _SEQUENCE.pack_into(payload, _SEQUENCE_AT, sequence)
+
+
+def scheduled_time(buf, start: int) -> int:
+    """The schedule time of the SCHEDULED payload at `start`."""
+    return SCHEDULED_HEAD.unpack_from(buf, start)[2]
+
+
+@_decoding
+def cancel_key(buf, start: int = 0) -> tuple[int, str]:
+    """``(schedule_time, message_id)`` of the SCHEDULED_CANCEL payload at `start`: the message it
+    cancels (the same pair `scheduled_key` gives for a SCHEDULED record, in that order)."""
+    _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(buf, start)
+    pos = start + SCHEDULED_CANCEL_HEAD.size
+    return sched, bytes(buf[pos : pos + idlen]).decode("utf-8")
+
+
+def dispatch_schedule_offset(buf, start: int = 0) -> int:
+    """The schedule_log offset a DISPATCH payload at `start` records as delivered."""
+    return DISPATCH_HEAD.unpack_from(buf, start)[0]
+
+
+@_decoding
+def message_log_head(buf, start: int, rtype: int) -> tuple[int, int, str | None]:
+    """``(schedule_time, sequence, message_id)`` of a MESSAGE or CANCEL payload at `start`; the id
+    only for a CANCEL (None for a MESSAGE, whose id replay does not need)."""
+    if rtype == RecordType.MESSAGE:
+        _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(buf, start)
+        return sched, seq, None
+    if rtype == RecordType.CANCEL:
+        _, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
+        pos = start + CANCEL_HEAD.size
+        return sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
+    raise RecordError(start, f"record type {rtype} is not in message_log")
+
+
+#: The schedule_log type of each message_log type.
+SCHEDULED_TYPE = {RecordType.MESSAGE: RecordType.SCHEDULED, RecordType.CANCEL: RecordType.SCHEDULED_CANCEL}
+
+
+def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple[int, bytes]:
+    """The schedule_log record of a message_log MESSAGE or CANCEL `payload`, without copying it:
+    ``(size, head)`` where the record is `head` followed by `payload` as it is, and `size` its
+    length in bytes. The crc is carried over the two pieces."""
+    kind = SCHEDULED_TYPE[rtype]
+    offset = OFFSET.pack(message_log_offset)
+    crc = checksum_continue(checksum(kind, offset), payload)
+    length = OFFSET.size + len(payload)
+    return HEADER_SIZE + length, HEADER.pack(crc, length, kind) + offset
 
 
 @attrs.frozen
@@ -413,6 +460,7 @@ def encode_dispatch(d: Dispatch) -> bytes:
     return DISPATCH_HEAD.pack(d.schedule_offset, d.dispatch_time, len(group)) + group
 
 
+@_decoding
 def decode_dispatch(buf, start: int = 0, end: int | None = None) -> Dispatch:
     end = len(buf) if end is None else end
     offset, when, glen = DISPATCH_HEAD.unpack_from(buf, start)
@@ -426,6 +474,7 @@ def encode_delivered(dispatch_time: int, attempt: int, message_payload: bytes) -
     return DELIVERED_HEAD.pack(dispatch_time, attempt) + message_payload
 
 
+@_decoding
 def decode_delivered(buf, start: int = 0, end: int | None = None) -> tuple[int, int, Message]:
     when, attempt = DELIVERED_HEAD.unpack_from(buf, start)
     return when, attempt, decode_message(buf, start + DELIVERED_HEAD.size, end)
@@ -455,6 +504,7 @@ def encode_parked(parked_time: int, attempt: int, schedule_offset: int, reason: 
     return PARKED_HEAD.pack(parked_time, attempt, schedule_offset, len(raw)) + raw + scheduled_payload
 
 
+@_decoding
 def decode_parked(buf, start: int = 0, end: int | None = None) -> Parked:
     when, attempt, soff, rlen = PARKED_HEAD.unpack_from(buf, start)
     pos = start + PARKED_HEAD.size
@@ -479,4 +529,4 @@ def decode_payload(rtype: int, buf, start: int, end: int):
         return decode_delivered(buf, start, end)
     if rtype == RecordType.PARKED:
         return decode_parked(buf, start, end)
-    raise ValueError(f"unknown record type {rtype}")
+    raise RecordError(start, f"unknown record type {rtype}")

@@ -30,10 +30,11 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.quarantine import list_quarantined, release
 from delayserver.storage.record import (
-    CANCEL_HEAD, MESSAGE_HEAD, OFFSET, SCHEDULED_HEAD, RecordError, RecordType, decode_dispatch, decode_scheduled,
-    decode_scheduled_cancel, encode_dispatch, encode_record, iter_records, parse_record,
+    CANCEL_HEAD, MESSAGE_HEAD, OFFSET, SCHEDULED_HEAD, RecordType, decode_dispatch, decode_scheduled,
+    decode_scheduled_cancel, encode_dispatch, encode_record, parse_record,
 )
-from delayserver.storage.segment import find_valid_record_after, fsync_dir, fsync_fd, read_file
+from delayserver.storage.reader import Damage, find_valid_record_after, read_records
+from delayserver.storage.segment import fsync_dir, fsync_fd, read_file
 
 REPLAY_CHECKPOINT = "replay.json"
 
@@ -65,17 +66,13 @@ def walk(buf: bytes) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, i
     records, damaged = [], []
     pos, end = 0, len(buf)
     while pos < end:
-        try:
-            parsed = parse_record(buf, pos, end)
-        except RecordError:
-            parsed = None
-        if parsed is not None:
-            rtype, s, e = parsed
-            records.append((pos, rtype, s, e))
-            pos = e
-            continue
-        nxt = find_valid_record_after(buf, pos)
-        damaged.append((pos, end if nxt is None else nxt))
+        found: list[Damage] = []
+        records.extend(read_records(buf, start=pos, report=found.append))
+        if not found:
+            break
+        at = found[0].offset
+        nxt = find_valid_record_after(buf, at)
+        damaged.append((at, end if nxt is None else nxt))
         if nxt is None:
             break
         pos = nxt
@@ -90,11 +87,12 @@ def _message_log_records(data_dir: Path):
             continue
         base = int(stem)
         data = read_file(path)
-        try:
-            for pos, rtype, s, e in iter_records(data):
-                yield base + pos, rtype, data[s:e]
-        except RecordError:
-            continue
+        for pos, rtype, s, e in read_records(data, report=_up_to_damage):
+            yield base + pos, rtype, data[s:e]
+
+
+def _up_to_damage(damage: Damage) -> None:
+    """Reading a message_log segment stops at its first damage; what follows is not used."""
 
 
 def _message_log_start(data_dir: Path) -> int | None:

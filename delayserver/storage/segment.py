@@ -1,20 +1,11 @@
-"""One segment file: append, read, fsync, and recovery that keeps three outcomes apart.
+"""One segment file: append, read, fsync, and recovery of its tail.
 
-Recovery of a segment ends in exactly one of:
-
-- clean end: every byte belongs to a whole, valid record;
-- torn tail: the records stop being valid at some offset and nothing valid follows (a write cut
-  short by a crash, a zero-filled tail, a flipped bit in the last record). The tail is truncated
-  and the file, offset and bytes dropped are logged;
-- corruption: a bad record with a valid record after it, so the damage is inside data that was
-  once whole. CorruptSegment names the file and offset; nothing past it is ever yielded.
-
-A file written past its last completed fsync can come back from a power loss damaged in any way:
-unsynced writes lost, reordered or torn, so a hole can be followed by valid later writes. Where the
-writer bounds how far it runs ahead of its last completed fsync (`power_loss_window`), damage that
-lies within that many bytes of the last valid record is past what anyone relied on: it is
-truncated and what it dropped is logged, like a torn tail. Damage before that point stays
-corruption.
+Recovery reads the segment with the one reader (`storage.reader.scan`), which keeps the three
+outcomes apart: clean end; torn tail (truncated here, with the file, offset and bytes dropped
+logged); corruption (CorruptSegment names the file and offset; nothing past it is ever yielded).
+Where the writer bounds how far it runs ahead of its last completed fsync (`power_loss_window`),
+damage within that many bytes of the last valid record is a power-loss tail, truncated and logged
+like a torn one (see `reader.scan`).
 
 fsync failures are final (fsyncgate): Linux reports a writeback error once and may drop the dirty
 pages, so a later fsync of the same file, through any descriptor, that succeeds proves nothing.
@@ -27,131 +18,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 from pathlib import Path
 
 import attrs
 
 from delayserver import failpoints
-from delayserver.storage.record import HEADER, HEADER_SIZE, MAX_PAYLOAD_BYTES, VALID_TYPES, RecordError, checksum, parse_record
+from delayserver.storage.errors import CorruptSegment, DiskFull, FsyncFailed, StorageError
+from delayserver.storage.reader import scan
 
 log = logging.getLogger("delayserver.storage")
-
-
-class StorageError(Exception):
-    """An I/O failure of the storage engine."""
-
-
-class DiskFull(StorageError):
-    """No space left: the write was rolled back, nothing stored was damaged."""
-
-
-class FsyncFailed(StorageError):
-    """fsync failed: what was written since the last good fsync may be lost (never ack it)."""
-
-
-class CorruptSegment(StorageError):
-    """A damaged record inside data that was once whole."""
-
-    def __init__(self, path, offset: int, reason: str):
-        super().__init__(f"{path}: corrupt record at offset {offset}: {reason}")
-        self.path = Path(path)
-        self.offset = offset
-        self.reason = reason
-
-
-@attrs.frozen
-class ScanResult:
-    valid_end: int
-    records: int
-    torn_bytes: int
-    torn_reason: str = ""
-    # Power-loss damage: whole valid records past the damage that were dropped with it.
-    dropped_records: int = 0
-
-
-def _valid_record_at(buf, pos: int) -> bool:
-    end = len(buf)
-    if pos + HEADER_SIZE > end or buf[pos + _TYPE_AT] not in VALID_TYPES:
-        return False
-    crc, length, rtype = HEADER.unpack_from(buf, pos)
-    if length > MAX_PAYLOAD_BYTES or pos + HEADER_SIZE + length > end:
-        return False
-    return checksum(rtype, memoryview(buf)[pos + HEADER_SIZE : pos + HEADER_SIZE + length]) == crc
-
-
-# A byte that could be a record's type: candidates for a record start are found by a regex search
-# (in C) rather than a Python loop per byte, so a torn tail of megabytes of zeros scans quickly.
-_TYPE_BYTE = re.compile(b"[" + b"".join(re.escape(bytes([t])) for t in sorted(VALID_TYPES)) + b"]")
-_TYPE_AT = HEADER_SIZE - 1
-
-
-def find_valid_record_after(buf, pos: int) -> int | None:
-    """The first offset past `pos` where a whole valid record starts, or None.
-
-    Used only after damage is found, to tell a torn tail (nothing valid follows) from corruption
-    (valid data follows, so truncating would destroy it). Its cost is the distance to the next
-    valid record.
-    """
-    for match in _TYPE_BYTE.finditer(buf, pos + 1 + _TYPE_AT):
-        candidate = match.start() - _TYPE_AT
-        if _valid_record_at(buf, candidate):
-            return candidate
-    return None
-
-
-def last_valid_end(buf, pos: int) -> tuple[int, int]:
-    """After damage at `pos`: the end of the last whole valid record past it, and how many valid
-    records lie past it ((pos, 0) when none)."""
-    end, count = pos, 0
-    nxt = find_valid_record_after(buf, pos)
-    while nxt is not None:
-        p = nxt
-        while True:
-            try:
-                parsed = parse_record(buf, p, len(buf))
-            except RecordError:
-                parsed = None
-            if parsed is None:
-                break
-            p = parsed[2]
-            count += 1
-        end = p
-        nxt = find_valid_record_after(buf, p)
-    return end, count
-
-
-def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | None = None) -> ScanResult:
-    """Walk every record of a segment image and classify its end (see the module docstring).
-
-    Raises CorruptSegment for damage followed by valid data, or for any damage when
-    `allow_torn_tail` is False (a sealed segment has no tail that may be torn). With
-    `power_loss_window`, damage followed by valid data is a power-loss tail (truncated, like a
-    torn one) when it starts within that many bytes of the end of the last valid record.
-    """
-    pos, count, end = 0, 0, len(buf)
-    while pos < end:
-        try:
-            parsed = parse_record(buf, pos, end)
-            reason = "incomplete record"
-        except RecordError as e:
-            parsed, reason = None, e.reason
-        if parsed is None:
-            if not allow_torn_tail:
-                raise CorruptSegment(path, pos, reason + " in a sealed segment")
-            following = find_valid_record_after(buf, pos)
-            if following is not None:
-                if power_loss_window is not None:
-                    valid_end, dropped = last_valid_end(buf, pos)
-                    if pos >= valid_end - power_loss_window:
-                        return ScanResult(pos, count, end - pos,
-                                          f"{reason}, then {dropped} valid records written after the last "
-                                          f"durable point (power loss)", dropped)
-                raise CorruptSegment(path, pos, f"{reason}; valid records follow at {following}")
-            return ScanResult(pos, count, end - pos, reason)
-        pos = parsed[2]
-        count += 1
-    return ScanResult(pos, count, 0)
 
 
 # path -> why its fsync failed; see the module docstring (fsyncgate).

@@ -15,13 +15,14 @@ from pathlib import Path
 import attrs
 
 from delayserver.storage.bucket_log import BucketLog
-from delayserver.storage.checkpoint import remove_stale_temp_files
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
+from delayserver.storage.checkpoint import read_checkpoint, remove_stale_temp_files, write_checkpoint
+from delayserver.storage.errors import StorageError
 from delayserver.storage.message_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_BYTES, MessageLog
 from delayserver.storage.quarantine import forget as forget_quarantines, list_quarantined, quarantine_error
 from delayserver.storage.segment import forget_fsync_failures
 from delayserver.storage.record import (
-    DISPATCH_HEAD, SCHEDULED_CANCEL_HEAD, RecordType, Dispatch, decode_dispatch, scheduled_key,
+    Dispatch, RecordType, cancel_key, decode_dispatch, dispatch_schedule_offset, scheduled_key,
 )
 
 
@@ -33,6 +34,32 @@ DISPATCH_POWER_LOSS_WINDOW = 8 << 20
 
 #: What must stay free besides the reserve for a node to start taking messages.
 RESERVE_HEADROOM = 1 << 20
+#: The checkpoint that records how the data directory is laid out (its segment_scale).
+LAYOUT_NAME = "layout.json"
+
+
+class LayoutMismatch(StorageError):
+    """The data directory was written under another segment_scale than the one configured."""
+
+
+def check_layout(root: Path, segment_scale_ms: int) -> None:
+    """Record `segment_scale_ms` in a data directory that has none recorded; raise LayoutMismatch
+    when it records another (its schedule_log buckets are cut by that one: read under another,
+    every lookup and load would miss them)."""
+    path = Path(root) / "checkpoint" / LAYOUT_NAME
+    recorded = (read_checkpoint(path) or {}).get("segment_scale_ms")
+    if recorded is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(path, {"segment_scale_ms": segment_scale_ms})
+    elif recorded != segment_scale_ms:
+        raise LayoutMismatch(
+            f"{root} was written with segment_scale = {_minutes(recorded)}, but this node is configured with "
+            f"{_minutes(segment_scale_ms)}: configure segment_scale = \"{_minutes(recorded)}\" for this data "
+            "directory, or give the node another one")
+
+
+def _minutes(ms: int) -> str:
+    return f"{ms // 60_000}m" if ms % 60_000 == 0 else f"{ms}ms"
 
 
 @attrs.define(eq=False)
@@ -47,6 +74,8 @@ class Store:
     def open(cls, root: Path, *, segment_scale_ms: int = DEFAULT_SCALE_MS,
              message_log_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
              max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES) -> "Store":
+        """Open the data directory at `root`; raises LayoutMismatch when it was written under
+        another segment_scale (see `check_layout`)."""
         root = Path(root)
         check_scale(segment_scale_ms)
         # Recovery trusts only what is on disk: a restart within one process starts afresh.
@@ -54,6 +83,7 @@ class Store:
         forget_quarantines(root)
         (root / "checkpoint").mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(root / "checkpoint")
+        check_layout(root, segment_scale_ms)
         return cls(
             root,
             segment_scale_ms,
@@ -155,23 +185,21 @@ def bucket_stats(schedule_log: BucketLog, dispatch_log: BucketLog, bucket: int) 
     A message is cancelled when a cancel for its (id, schedule time) follows it and it was never
     dispatched; dispatched when its offset has a dispatch record; pending otherwise.
     """
-    offsets_by_key: dict[tuple[str, int], list[int]] = {}
+    offsets_by_key: dict[tuple[int, str], list[int]] = {}
     scheduled = 0
     cancelled_offsets: set[int] = set()
     for offset, rtype, payload in schedule_log.records(bucket):
         if rtype == RecordType.SCHEDULED:
             _, sched, _, mid = scheduled_key(payload, 0)
-            offsets_by_key.setdefault((mid, sched), []).append(offset)
+            offsets_by_key.setdefault((sched, mid), []).append(offset)
             scheduled += 1
         elif rtype == RecordType.SCHEDULED_CANCEL:
-            _, _, sched, _, idlen = SCHEDULED_CANCEL_HEAD.unpack_from(payload, 0)
-            mid = payload[SCHEDULED_CANCEL_HEAD.size : SCHEDULED_CANCEL_HEAD.size + idlen].decode("utf-8")
-            cancelled_offsets.update(offsets_by_key.get((mid, sched), ()))
+            cancelled_offsets.update(offsets_by_key.get(cancel_key(payload), ()))
     dispatch_count = 0
     dispatched: set[int] = set()
     for _, rtype, payload in dispatch_log.records(bucket):
         if rtype == RecordType.DISPATCH:
-            dispatched.add(DISPATCH_HEAD.unpack_from(payload, 0)[0])
+            dispatched.add(dispatch_schedule_offset(payload))
             dispatch_count += 1
     cancelled = len(cancelled_offsets - dispatched)
     return BucketStats(bucket, scheduled, len(dispatched), cancelled,

@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from delayserver.client import AsyncProducer, Message
-from delayserver.protocol import Handle
+from delayserver.message import Handle
 from tests.procs import spooled
 
 SUBJECTS = ("faults.orders", "faults.payments", "faults.mail")

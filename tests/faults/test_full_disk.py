@@ -20,8 +20,7 @@ import redis
 import trio
 
 from delayserver.client import AsyncProducer
-from delayserver.errors import DelayServerError, ResultCode
-from delayserver.protocol import Handle
+from delayserver.message import DelayServerError, Handle, ResultCode
 from tests.faults.harness import (
     Ledger, assert_verify_passes, check_deliveries, now_ms, redis_deliveries, seeded_rng, wait_until_delivered,
     write_config,

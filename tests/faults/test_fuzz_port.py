@@ -34,7 +34,7 @@ import trio
 from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings, strategies as st
 
 from delayserver import protocol as p
-from delayserver.errors import ResultCode
+from delayserver.message import Handle, ResultCode, TimeKind, TimeSpec
 from tests.faults.harness import (
     Ledger, assert_verify_passes, check_deliveries, drive, env_int, seeded_rng, spool_deliveries,
     wait_until_delivered, write_config,
@@ -59,9 +59,9 @@ valid_subjects = st.sampled_from(["fuzz.a", "fuzz.b", "fuzz:c|d%e-f"])
 subjects = st.one_of(valid_subjects, valid_subjects, valid_subjects, st.just(""), texts,
                      st.text(min_size=250, max_size=260))
 times = st.one_of(
-    st.builds(p.TimeSpec.delay, st.integers(0, 5000)),
-    st.builds(p.TimeSpec.level, st.integers(0, 20)),
-    st.builds(p.TimeSpec, st.sampled_from(list(p.TimeKind)), st.integers(-(2**63), 2**63 - 1)),
+    st.builds(TimeSpec.delay, st.integers(0, 5000)),
+    st.builds(TimeSpec.level, st.integers(0, 20)),
+    st.builds(TimeSpec, st.sampled_from(list(TimeKind)), st.integers(-(2**63), 2**63 - 1)),
 )
 send_items = st.builds(p.SendItem, message_ids, subjects, times, st.binary(max_size=512),
                        st.dictionaries(texts, texts, max_size=3))
@@ -79,7 +79,7 @@ def payloads(draw) -> tuple[int, bytes]:
     if kind == "handle":
         command = draw(st.sampled_from([p.Command.CANCEL, p.Command.STATUS]))
         try:
-            return command, p.encode_handle(p.Handle(draw(st.integers(-(2**63), 2**63 - 1)), draw(message_ids)))
+            return command, p.encode_handle(Handle(draw(st.integers(-(2**63), 2**63 - 1)), draw(message_ids)))
         except p.LocalProtocolError:
             return command, b""
     command = draw(st.one_of(st.sampled_from(list(p.Command)), st.integers(0, 255)))
@@ -125,7 +125,7 @@ def frames(draw) -> bytes:
 
 #: Requests a server must store, interleaved with the abuse so that storage runs alongside it.
 well_formed_sends = st.lists(
-    st.builds(p.SendItem, st.text(min_size=1, max_size=24), valid_subjects, st.builds(p.TimeSpec.delay,
+    st.builds(p.SendItem, st.text(min_size=1, max_size=24), valid_subjects, st.builds(TimeSpec.delay,
               st.integers(0, 3000)), st.binary(max_size=256)),
     min_size=1, max_size=4,
 ).map(lambda items: p.encode(p.Frame(p.Command.SEND, 1, p.encode_send_request(items))))

@@ -24,8 +24,8 @@ import trio
 
 from delayserver.client import AsyncProducer
 from delayserver.ctl.segments import SegmentFile
-from delayserver.errors import ResultCode
-from delayserver.protocol import Handle, MessageState
+from delayserver.message import ResultCode
+from delayserver.message import Handle, MessageState
 from delayserver.storage.record import RecordType
 from tests.faults.harness import (
     Ledger, assert_verify_passes, check_deliveries, drive, now_ms, seeded_rng, spool_deliveries,

@@ -32,9 +32,9 @@ import trio
 
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
-from delayserver.protocol import Handle
+from delayserver.message import Handle
 from delayserver.replayer import Replayer
-from delayserver.server import DelayServer
+from delayserver.node.server import DelayServer
 from delayserver.storage.record import RecordType, decode_scheduled
 from delayserver.storage.store import Store
 from delayserver.wheel.tick_manager import TickManager

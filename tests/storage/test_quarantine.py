@@ -21,7 +21,7 @@ from delayserver.client import AsyncProducer, Message
 from delayserver.clock import TrioClock
 from delayserver.config import Config
 from delayserver.metrics import collect
-from delayserver.server import DelayServer
+from delayserver.node.server import DelayServer
 from delayserver.storage.buckets import bucket_name
 from delayserver.storage.record import iter_records
 from delayserver.storage.salvage import salvage

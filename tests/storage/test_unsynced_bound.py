@@ -11,11 +11,11 @@ import time
 
 import trio
 
-from delayserver import receiver as receiver_module
+from delayserver.node import receiver as receiver_module
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
-from delayserver.errors import ResultCode
-from delayserver.server import DelayServer
+from delayserver.message import ResultCode
+from delayserver.node.server import DelayServer
 from delayserver.storage.store import Store
 
 MAX_UNSYNCED = 4096

@@ -1,0 +1,126 @@
+"""The message operations a node serves: send, cancel, status; and the request handler that turns
+frames into them.
+
+Send goes to the receiver (group commit into message_log). Cancel and status wait until replay
+has caught up with what is durable, then look the message up in its bucket's schedule_log and
+dispatch_log. A cancel that finds the message pending appends a CANCEL record; once it is replayed
+nothing fires the message any more, but one already handed to the sender still goes out: the
+answer says ALREADY_DELIVERED then, never CANCELLED for a message a broker will see.
+"""
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from delayserver import protocol as p
+from delayserver.lookup import lookup
+from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
+from delayserver.node.receiver import Receiver
+from delayserver.node.replication import Master
+from delayserver.node.role import NodeRole
+from delayserver.replayer import Replayer
+from delayserver.storage.buckets import bucket_start
+from delayserver.storage.errors import StorageError
+from delayserver.storage.store import Store
+from delayserver.wheel.tick_manager import TickManager
+
+log = logging.getLogger("delayserver.node")
+
+_SETTLED = {MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
+            MessageState.CANCELLED: CancelOutcome.ALREADY_CANCELLED,
+            MessageState.UNKNOWN: CancelOutcome.UNKNOWN}
+
+
+class MessageOperations:
+    def __init__(self, store: Store, receiver: Receiver, replayer: Replayer, ticks: TickManager, role: NodeRole):
+        self.store = store
+        self.receiver = receiver
+        self.replayer = replayer
+        self.ticks = ticks
+        self.role = role
+
+    async def send(self, items: list[p.SendItem]) -> list[p.SendResult]:
+        """Store a batch; each item gets its result (OK only once durable), in order."""
+        refusal = self.role.write_refusal()
+        if refusal is not None:
+            return [p.SendResult(refusal, refusal.description, 0, i.message_id) for i in items]
+        return await self.receiver.send(items)
+
+    async def _replayed_past(self, offset: int, timeout_s: float = 5.0) -> None:
+        with trio.move_on_after(timeout_s):
+            while self.replayer.offset < offset:
+                await self.replayer.caught_up.wait(0.01)
+
+    async def status(self, handle: Handle) -> p.StatusResult:
+        await self._replayed_past(self.receiver.durable_offset)
+        found = lookup(self.store, handle.schedule_time, handle.message_id)
+        return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
+                              found.broker_group)
+
+    async def cancel(self, handle: Handle) -> p.CancelResult:
+        refusal = self.role.write_refusal()
+        if refusal is not None:
+            return p.CancelResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
+        await self._replayed_past(self.receiver.durable_offset)
+        found = lookup(self.store, handle.schedule_time, handle.message_id)
+        outcome = _SETTLED.get(found.state)
+        if outcome is not None:
+            return p.CancelResult(ResultCode.OK, outcome.name.lower(), outcome)
+        code, message, offset = await self.receiver.append_cancel(handle.schedule_time, handle.message_id)
+        if code != ResultCode.OK:
+            return p.CancelResult(code, message, CancelOutcome.UNKNOWN)
+        await self._replayed_past(offset + 1)
+        # The cancel is applied now: nothing fires it any more. What fired before it still goes.
+        bucket = bucket_start(handle.schedule_time, self.store.segment_scale_ms)
+        if any(self.ticks.ref(bucket, o) in self.ticks.inflight for o in found.offsets):
+            return p.CancelResult(ResultCode.OK, "already delivered (in flight)", CancelOutcome.ALREADY_DELIVERED)
+        after = lookup(self.store, handle.schedule_time, handle.message_id)
+        if after.state == MessageState.DELIVERED:
+            return p.CancelResult(ResultCode.OK, "already delivered", CancelOutcome.ALREADY_DELIVERED)
+        self.ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
+        return p.CancelResult(ResultCode.OK, "cancelled", CancelOutcome.CANCELLED)
+
+
+class Requests:
+    """Answers each request frame of a delay-server connection with the bytes of its response."""
+
+    def __init__(self, operations: MessageOperations, master: Master):
+        self.operations = operations
+        self.master = master
+
+    async def respond(self, frame: p.Frame) -> bytes:
+        """The response frame: the command's answer, or an ERROR frame with the refusal's code."""
+        try:
+            if frame.is_response:
+                raise p.RemoteProtocolError("a response frame sent to the server")
+            payload = await self._dispatch(frame)
+            return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
+        except (p.RemoteProtocolError, DelayServerError) as e:
+            return _error(frame.request_id, e.code, str(e))
+        except StorageError as e:
+            log.exception("storage error serving a request")
+            return _error(frame.request_id, ResultCode.INTERNAL, str(e))
+
+    async def _dispatch(self, frame: p.Frame) -> bytes:
+        cmd, ops = frame.command, self.operations
+        if cmd == p.Command.PING:
+            return frame.payload
+        if cmd == p.Command.AUTH:
+            return b""  # already authenticated on this connection
+        if cmd == p.Command.SEND:
+            return p.encode_send_response(await ops.send(p.decode_send_request(frame.payload)))
+        if cmd == p.Command.CANCEL:
+            return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
+        if cmd == p.Command.STATUS:
+            return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
+        if cmd == p.Command.SYNC_MESSAGE_LOG:
+            return await self.master.message_log(frame.payload)
+        if cmd == p.Command.SYNC_DISPATCH_LOG:
+            return await self.master.dispatch_log(frame.payload)
+        raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
+
+
+def _error(request_id: int, code: int, message: str) -> bytes:
+    return p.encode(p.Frame(p.Command.ERROR, request_id, p.encode_error(p.ErrorResult(code, message)),
+                            is_response=True))

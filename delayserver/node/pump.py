@@ -1,0 +1,190 @@
+"""The connection pump: bytes from a stream through the FrameDecoder to a responder and back.
+
+One pump serves every framed connection, the delay server's and the meta server's alike:
+
+- it reads with a deadline: `idle_timeout_s` between frames, `frame_timeout_s` for the rest of a
+  frame once part of it is in (so a peer trickling bytes cannot hold a connection forever);
+- frames go to `respond`, up to `max_in_flight` at a time (1: one after another, in order), and
+  each answer is written whole under one lock, within `send_timeout_s` (a peer that does not read
+  its answers does not hold the task forever);
+- an optional `gate` sees every frame, in line, until it lets the connection in (AUTH);
+- a peer that breaks the protocol (bad magic, a declared length over the cap, a bad crc) gets an
+  ERROR frame with the code of its RemoteProtocolError and the connection is closed; for a frame
+  refused for its size (MESSAGE_TOO_LARGE, naming its request) the rest of it is read and dropped
+  first (up to LINGER_BYTES), so that the peer reads the answer instead of a reset connection. The abuse is
+  logged once per connection, and at most `ABUSE_LOG_PER_MINUTE` lines a minute per process (the
+  rest are counted and the count is logged with the next line that goes out), so an operator sees
+  it and a flood of bad connections cannot flood the log.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Awaitable, Callable
+
+import attrs
+import trio
+
+from delayserver import protocol as p
+from delayserver.message import ResultCode
+
+log = logging.getLogger("delayserver.connections")
+
+ABUSE_LOG_PER_MINUTE = 20
+#: The most of a refused frame read and dropped before closing (see `_drop`).
+LINGER_BYTES = 64 * 1024 * 1024
+
+Respond = Callable[[p.Frame], Awaitable[bytes]]
+Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool]]
+
+
+@attrs.frozen
+class PumpLimits:
+    max_frame_bytes: int
+    idle_timeout_s: float
+    #: Time allowed for the rest of a frame once its first bytes are in (None: the idle timeout).
+    frame_timeout_s: float | None = None
+    send_timeout_s: float = 30.0
+    #: Requests of one connection answered concurrently (1: in order, one at a time).
+    max_in_flight: int = 256
+    #: Say "timed out" in an ERROR frame before closing an idle connection.
+    say_timeout: bool = True
+
+
+@attrs.define(eq=False)
+class AbuseLog:
+    """Rate-limited warnings about peers that break the protocol (a token bucket per minute)."""
+
+    per_minute: int = ABUSE_LOG_PER_MINUTE
+    clock: Callable[[], float] = time.monotonic
+    _tokens: float = attrs.field(init=False, default=0.0)
+    _stamp: float | None = attrs.field(init=False, default=None)
+    suppressed: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._tokens = float(self.per_minute)
+
+    def warn(self, what: str, peer: str, error: Exception) -> None:
+        now = self.clock()
+        if self._stamp is not None:
+            self._tokens = min(float(self.per_minute), self._tokens + (now - self._stamp) * self.per_minute / 60)
+        self._stamp = now
+        if self._tokens < 1:
+            self.suppressed += 1
+            return
+        self._tokens -= 1
+        more = f" ({self.suppressed} more not logged)" if self.suppressed else ""
+        self.suppressed = 0
+        log.warning("%s from %s broke the protocol: %s; closing it%s", what, peer, error, more)
+
+
+#: The process's one abuse log (every listener shares its budget).
+ABUSE = AbuseLog()
+
+
+def peer_name(stream) -> str:
+    """HOST:PORT of the peer, or "a peer" when the stream has no socket (TLS wraps it)."""
+    sock = getattr(stream, "socket", None) or getattr(getattr(stream, "transport_stream", None), "socket", None)
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except (AttributeError, OSError, ValueError, TypeError):
+        return "a peer"
+
+
+async def _drop(stream, count: int, timeout_s: float) -> None:
+    """Read and drop `count` bytes (the rest of a frame refused for its size), within `timeout_s`.
+
+    Closing at once would leave the peer's unsent bytes unread, and the kernel then resets the
+    connection, destroying the ERROR already sent: the peer would see "connection reset" for a
+    message that is merely too large, and could send it again forever."""
+    with trio.move_on_after(timeout_s):
+        while count > 0:
+            try:
+                data = await stream.receive_some(min(count, 1 << 20))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            count -= len(data)
+
+
+def error_frame(request_id: int, code: int, message: str) -> bytes:
+    return p.encode(p.Frame(p.Command.ERROR, request_id, p.encode_error(p.ErrorResult(code, message)),
+                            is_response=True))
+
+
+async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *, gate: Gate | None = None,
+               what: str = "a connection") -> None:
+    """Serve one connection until EOF, a timeout, a protocol error or a refused gate; does not
+    close the stream. Requests already read when EOF comes are answered first."""
+    decoder = p.FrameDecoder(max_frame_bytes=limits.max_frame_bytes)
+    lock = trio.Lock()
+
+    async def send(data: bytes) -> None:
+        try:
+            with trio.fail_after(limits.send_timeout_s):
+                async with lock:
+                    await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            pass
+
+    async def answer(frame: p.Frame) -> None:
+        try:
+            await send(await respond(frame))
+        finally:
+            slots.release()
+
+    slots = trio.Semaphore(limits.max_in_flight)
+    admitted = gate is None
+    partial_since = None
+    async with trio.open_nursery() as nursery:
+        while True:
+            now = trio.current_time()
+            if decoder.buffered_bytes and limits.frame_timeout_s is not None:
+                partial_since = partial_since if partial_since is not None else now
+                timeout = partial_since + limits.frame_timeout_s - now
+            else:
+                partial_since = None
+                timeout = limits.idle_timeout_s
+            with trio.move_on_after(max(timeout, 0)) as scope:
+                try:
+                    data = await stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    log.info("%s from %s lost: %r", what, peer_name(stream), e)
+                    break
+            if scope.cancelled_caught:
+                # Idle or trickling: drop the connection, it holds a slot others may need.
+                log.info("closing %s from %s: timed out", what, peer_name(stream))
+                if limits.say_timeout:
+                    await send(error_frame(0, ResultCode.BAD_REQUEST, "timed out"))
+                nursery.cancel_scope.cancel()
+                return
+            if not data:
+                if decoder.buffered_bytes:
+                    log.info("%s from %s closed inside a frame (%d bytes)", what, peer_name(stream),
+                             decoder.buffered_bytes)
+                break
+            decoder.feed(data)
+            while True:
+                try:
+                    frame = decoder.next_frame()
+                except p.RemoteProtocolError as e:
+                    ABUSE.warn(what, peer_name(stream), e)
+                    await send(error_frame(e.request_id, e.code, str(e)))
+                    if 0 < e.unread <= LINGER_BYTES:
+                        await _drop(stream, e.unread, limits.frame_timeout_s or limits.idle_timeout_s)
+                    nursery.cancel_scope.cancel()
+                    return
+                if frame is p.NEED_DATA:
+                    break
+                if not admitted:
+                    # In line, before any later frame of the same connection.
+                    admitted = await gate(frame, send)
+                    if not admitted:
+                        nursery.cancel_scope.cancel()
+                        return
+                    continue
+                await slots.acquire()
+                nursery.start_soon(answer, frame)
+        # EOF: let requests already read finish and answer.

@@ -1,0 +1,430 @@
+"""The receiver: validation, group commit into message_log, acknowledgement after durability.
+
+Producers' messages from every connection are queued; the commit task takes everything queued,
+assigns sequences, writes it in one append and (flush = "sync") fsyncs once, then answers every
+waiter. With flush = "async" the answer goes after the write and a timer fsyncs every
+`flush_interval_ms`. Replay only ever reads up to the last fsynced offset (`durable_offset`), so
+the schedule can never run ahead of what survives a crash.
+
+Failure rules:
+- DiskFull: that batch gets DISK_FULL and message_log is truncated back to where it was. The node
+  releases its reserve file (room for schedule, dispatch and checkpoint writes, so due messages
+  keep flowing) and refuses new messages until free space is back, then takes the reserve again
+  and resumes by itself.
+- An fsync error is fatal for acknowledgements: after it the node answers READ_ONLY to every write,
+  since the kernel may have dropped the dirty pages; it is never retried, and no later fsync of
+  the file is trusted (storage/segment.py), so every batch written since the last good fsync gets
+  READ_ONLY too. A failed fsync of any other file of the data directory (schedule_log,
+  dispatch_log, a checkpoint, the spool) also turns the node read-only.
+- The log's end never runs more than `message_log.max_unsynced_bytes` ahead of the last completed
+  fsync: a batch that would go further waits for the fsync in progress. Recovery relies on that
+  bound to tell a power-loss tail from corruption (storage/message_log.py).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable
+
+import attrs
+import trio
+
+from delayserver import failpoints
+from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time
+from delayserver.protocol import SendItem, SendResult
+from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
+from delayserver.storage.record import (
+    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, record_header, set_sequence,
+)
+from delayserver.storage.segment import fsync_path, storage_failures
+from delayserver.wakeup import Wakeup
+
+log = logging.getLogger("delayserver.receiver")
+
+RECENT_BATCHES = 64
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """The records of one request, committed together: one event per request, not per message."""
+
+    rtype: int
+    payloads: list[bytearray]
+    done: trio.Event = attrs.field(factory=trio.Event)
+    code: ResultCode = ResultCode.OK
+    error: str = ""
+    offset: int = -1
+
+
+class RecentBatches:
+    """The last batches this node wrote to message_log, by offset: the replayer takes a batch from
+    here instead of reading back what was just written."""
+
+    def __init__(self, keep: int = RECENT_BATCHES):
+        self.keep = keep
+        self._batches: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+
+    def remember(self, start: int, data: bytes) -> None:
+        self._batches[start] = data
+        while len(self._batches) > self.keep:
+            self._batches.popitem(last=False)
+
+    def take(self, offset: int) -> tuple[bytes, int] | None:
+        """The batch written at message_log `offset` and that offset, if still in memory."""
+        data = self._batches.pop(offset, None)
+        return (data, offset) if data is not None else None
+
+
+class DiskSpace:
+    """Disk-full mode: entered on ENOSPC anywhere (message_log, schedule_log, dispatch_log); new
+    messages are refused with DISK_FULL and the reserve is released so that the records keeping
+    due messages flowing still fit; left once there is room for the reserve and as much again."""
+
+    def __init__(self, store, reserve_bytes: int, *, full: bool = False):
+        self.store = store
+        self.reserve_bytes = reserve_bytes
+        self.full = full
+
+    def enter_full(self) -> None:
+        if not self.full:
+            self.full = True
+            released = self.store.release_reserve()
+            log.error("disk full: refusing new messages with DISK_FULL%s",
+                      "; released the reserve so that due messages keep flowing" if released else "")
+
+    def refuses(self) -> bool:
+        """Still full? Checks whether the space is back (and takes the reserve again) first."""
+        return self.full and not self._space_is_back()
+
+    def _space_is_back(self) -> bool:
+        reserve = self.reserve_bytes
+        try:
+            if self.store.free_bytes() < 2 * reserve + (1 << 20) or not self.store.ensure_reserve(reserve):
+                return False
+        except OSError:
+            return False
+        log.warning("disk space is back: accepting messages again")
+        self.full = False
+        return True
+
+
+class Receiver:
+    def __init__(self, store, clock, config, *, recent: RecentBatches, disk: DiskSpace, on_durable: Wakeup,
+                 sequence_floor: Callable[[], int], next_sequence: int = 0):
+        """`sequence_floor`: the lowest sequence the next record may take (the replayed log's top
+        plus one: after a promotion, sequences go on above what was replicated)."""
+        self.store = store
+        self.clock = clock
+        self.config = config
+        self.next_sequence = next_sequence
+        self.sequence_floor = sequence_floor
+        self.on_durable = on_durable
+        self.recent = recent
+        self.disk = disk
+        self.durable_offset = store.message_log.end_offset
+        # Set and replaced at each advance of durable_offset (replication long polls wait on it).
+        self.durable_changed = trio.Event()
+        self.read_only_reason = ""
+        self._queue: list[_Pending] = []
+        # flush=sync: batches written and waiting for the flusher's fsync.
+        self._unflushed: list[tuple[int, list[_Pending]]] = []
+        self._flush_wakeup = Wakeup()
+        self._flushing = False
+        self._queued = 0
+        self._wakeup = Wakeup()
+        self._idle = trio.Event()
+        self._idle.set()
+        self.appended = 0
+        self.batches = 0
+
+    # --- validation ---------------------------------------------------------------------------
+
+    def schedule_time(self, spec, now: int) -> int:
+        """The absolute delivery time for a time spec; a time at or before now means now.
+
+        Raises BadScheduleTime for a time past max_delay, an unknown level or a negative delay.
+        """
+        if spec.kind == TimeKind.AT:
+            when = spec.value
+        elif spec.kind == TimeKind.DELAY:
+            if spec.value < 0:
+                raise BadScheduleTime(f"delay must not be negative, got {spec.value} ms")
+            when = now + spec.value
+        elif spec.kind == TimeKind.LEVEL:
+            levels = self.config.delay_levels
+            if not 1 <= spec.value <= len(levels):
+                raise BadScheduleTime(f"delay level must be 1 to {len(levels)}, got {spec.value}")
+            when = now + levels[spec.value - 1]
+        else:
+            raise BadScheduleTime(f"unknown time kind {spec.kind}")
+        # Compare before any further arithmetic: a huge value is refused, never wrapped.
+        if when > now + self.config.max_delay_ms:
+            raise BadScheduleTime(
+                f"delivery time {when} is more than max_delay ({self.config.max_delay_ms} ms) ahead"
+            )
+        when = max(when, now)
+        check_schedule_time(when)
+        return when
+
+    def _check_fsync_failures(self) -> None:
+        """Turn read-only on any failed fsync (or I/O error) in the data directory."""
+        if not self.read_only_reason:
+            failures = storage_failures(self.store.root)
+            if failures:
+                path, error = next(iter(failures.items()))
+                self._go_read_only(f"{path}: {error}")
+
+    def _refuse_writes(self) -> ResultCode | None:
+        self._check_fsync_failures()
+        if self.read_only_reason:
+            return ResultCode.READ_ONLY
+        if self.disk.refuses():
+            return ResultCode.DISK_FULL
+        if self._queued >= self.config.max_queued_messages:
+            return ResultCode.BUSY
+        return None
+
+    # --- API used by connections --------------------------------------------------------------
+
+    async def send(self, items: list[SendItem]) -> list[SendResult]:
+        """Store a batch; every OK result is durable (flush=sync) before this returns."""
+        now = self.clock.now_ms()
+        results: list[SendResult | None] = [None] * len(items)
+        accepted: list[tuple[int, int]] = []
+        payloads: list[bytearray] = []
+        refused = self._refuse_writes()
+        max_bytes = self.config.max_message_bytes
+        for i, item in enumerate(items):
+            if refused is not None:
+                results[i] = SendResult(refused, self._refusal_text(refused), 0, item.message_id)
+                continue
+            try:
+                when = self.schedule_time(item.time, now)
+                payload = encode_message_fields(item.message_id, item.subject, item.body, when, item.headers,
+                                                now, max_body_bytes=max_bytes)
+            except InvalidMessage as e:
+                results[i] = SendResult(e.code, str(e), 0, item.message_id)
+                continue
+            accepted.append((i, when))
+            payloads.append(bytearray(payload))
+        if payloads:
+            p = _Pending(RecordType.MESSAGE, payloads)
+            await self._commit(p)
+            ok = p.code == ResultCode.OK
+            for i, when in accepted:
+                results[i] = SendResult(p.code, "stored" if ok else p.error, when if ok else 0, items[i].message_id)
+        return results
+
+    async def append_cancel(self, schedule_time: int, message_id: str) -> tuple[ResultCode, str, int]:
+        """Durably append a CANCEL record; returns (code, message, message_log offset)."""
+        refused = self._refuse_writes()
+        if refused is not None:
+            return refused, self._refusal_text(refused), -1
+        try:
+            payload = encode_cancel(Cancel(message_id, schedule_time, self.clock.now_ms()))
+        except InvalidMessage as e:
+            return e.code, str(e), -1
+        p = _Pending(RecordType.CANCEL, [bytearray(payload)])
+        await self._commit(p)
+        return p.code, p.error or "stored", p.offset
+
+    def _refusal_text(self, code: ResultCode) -> str:
+        if code == ResultCode.READ_ONLY:
+            return f"node is read-only: {self.read_only_reason}"
+        return code.description
+
+    async def _commit(self, pending: _Pending) -> None:
+        self._queue.append(pending)
+        self._queued += len(pending.payloads)
+        self._wakeup.set()
+        await pending.done.wait()
+
+    # --- the commit task ----------------------------------------------------------------------
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._flush_timer if self.config.flush == "async" else self._flusher)
+            task_status.started()
+            while True:
+                if not self._queue:
+                    self._check_idle()
+                    await self._wakeup.wait()
+                    continue
+                self._idle = trio.Event()
+                batch, size = self._take_batch()
+                if batch:
+                    await self._wait_for_room(size)
+                    self._write_batch(batch)
+                # Let the connections queue the next batch while this one is fsynced.
+                await trio.lowlevel.checkpoint()
+
+    def _take_batch(self) -> tuple[list[_Pending], int]:
+        """The queued requests that fit in `max_unsynced_bytes` (at least one), and their size. A
+        request larger than that on its own is refused (it could never be written in bounds)."""
+        limit = self.store.message_log.max_unsynced_bytes
+        batch, total, taken = [], 0, 0
+        for p in self._queue:
+            size = sum(len(payload) for payload in p.payloads) + HEADER_SIZE * len(p.payloads)
+            if batch and total + size > limit:
+                break
+            taken += 1
+            if size > limit:
+                self._finish([p], ResultCode.MESSAGE_TOO_LARGE,
+                             f"request of {size} bytes is over the {limit}-byte write window of message_log")
+                self._queued -= len(p.payloads)
+                continue
+            batch.append(p)
+            total += size
+            self._queued -= len(p.payloads)
+        del self._queue[:taken]
+        return batch, total
+
+    async def _wait_for_room(self, size: int) -> None:
+        """Wait until writing `size` more bytes keeps message_log's end within
+        `max_unsynced_bytes` of the last completed fsync (nothing unsynced always has room)."""
+        message_log = self.store.message_log
+        while not self.read_only_reason:
+            ahead = message_log.end_offset - self.durable_offset
+            if ahead <= 0 or ahead + size <= message_log.max_unsynced_bytes:
+                return
+            await self.durable_changed.wait()
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """One write for the whole batch; with flush=sync it then waits for the flusher."""
+        self._check_fsync_failures()
+        if self.read_only_reason:
+            return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+        parts, seq = [], max(self.next_sequence, self.sequence_floor())
+        sizes = []
+        for p in batch:
+            size = 0
+            for payload in p.payloads:
+                set_sequence(payload, seq)
+                seq += 1
+                # Header and payload go to the one write as two pieces: no copy per message.
+                parts += (record_header(p.rtype, payload), payload)
+                size += HEADER_SIZE + len(payload)
+            sizes.append(size)
+        data = b"".join(parts)
+        try:
+            start = self.store.message_log.append(data)
+        except DiskFull as e:
+            log.warning("message_log append refused: %s", e)
+            self.disk.enter_full()
+            return self._finish(batch, ResultCode.DISK_FULL, ResultCode.DISK_FULL.description)
+        except StorageError as e:
+            self._go_read_only(f"write failed: {e}")
+            return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+        self.next_sequence = seq
+        self.recent.remember(start, data)
+        pos = start
+        for p, size in zip(batch, sizes):
+            p.offset = pos
+            pos += size
+        failpoints.hit("after-append-before-ack")
+        if self.config.flush == "sync":
+            self._unflushed.append((pos, batch))
+            self._flush_wakeup.set()
+        else:
+            self._acknowledge(batch)
+
+    async def _flusher(self) -> None:
+        """flush=sync: fsync whatever was written since the last fsync, then acknowledge it.
+
+        Writes go on while an fsync runs, and the next fsync covers all of them: group commit
+        across batches. The fsync goes through its own descriptor of the active segment (a roll
+        fsyncs the segment it seals before closing it), so a roll during an fsync is safe. A
+        failed fsync is never retried: what it covered is refused with READ_ONLY, as is every
+        later write (the kernel may have dropped the dirty pages).
+        """
+        message_log = self.store.message_log
+        while True:
+            if not self._unflushed:
+                self._check_idle()
+                await self._flush_wakeup.wait()
+                continue
+            items, self._unflushed = self._unflushed, []
+            self._flushing = True
+            try:
+                await trio.to_thread.run_sync(fsync_path, message_log.path(message_log.active_base))
+            except FsyncFailed as e:
+                self._go_read_only(str(e))
+                for _, batch in items:
+                    self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+                continue
+            finally:
+                self._flushing = False
+            self._check_fsync_failures()
+            if self.read_only_reason:
+                # Another file's fsync failed meanwhile: once read-only, nothing more is
+                # acknowledged or counted durable (a restart replays it all the same).
+                for _, batch in items:
+                    self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+                continue
+            self.set_durable(items[-1][0])
+            for _, batch in items:
+                self._acknowledge(batch)
+
+    def _acknowledge(self, batch: list[_Pending]) -> None:
+        self.appended += sum(len(p.payloads) for p in batch)
+        self.batches += 1
+        self._finish(batch, ResultCode.OK, "")
+        # Acks released, replay not begun: the replayer cannot have read this batch (no await since
+        # durable_offset moved; with flush=async it has not moved yet). The responses have not left
+        # the process either, but sending them writes no file, so the disk holds what it would once
+        # they are out: the crash test counts the whole batch as acknowledged
+        # (tests/faults/test_failpoints.py).
+        failpoints.hit("after-ack-before-replay")
+
+    def _check_idle(self) -> None:
+        if not self._queue and not self._unflushed and not self._flushing:
+            self._idle.set()
+
+    def set_durable(self, offset: int) -> None:
+        """message_log is fsynced up to `offset` (by the commit task, or by replication)."""
+        if offset > self.durable_offset:
+            self.durable_offset = offset
+            self.on_durable.set()
+            self.durable_changed.set()
+            self.durable_changed = trio.Event()
+
+    async def _flush_timer(self) -> None:
+        while True:
+            await trio.sleep(self.config.flush_interval_ms / 1000)
+            end = self.store.message_log.end_offset
+            self._check_fsync_failures()
+            if end > self.durable_offset and not self.read_only_reason:
+                try:
+                    await trio.to_thread.run_sync(self.store.message_log.sync)
+                except FsyncFailed as e:
+                    self._go_read_only(str(e))
+                    continue
+                self.set_durable(end)
+
+    def _finish(self, batch: list[_Pending], code: ResultCode, error: str) -> None:
+        for p in batch:
+            p.code, p.error = code, error
+            p.done.set()
+
+    def _go_read_only(self, reason: str) -> None:
+        if self.read_only_reason:
+            return
+        log.critical("read-only at message_log durable offset %d: no more writes are acknowledged: %s",
+                     self.durable_offset, reason)
+        self.read_only_reason = reason
+        # Wake whoever waits for durability: it will not come.
+        self.durable_changed.set()
+        self.durable_changed = trio.Event()
+
+    async def drain(self) -> None:
+        """Finish what is queued and make it durable (used on shutdown)."""
+        while self._queue or self._unflushed or self._flushing or not self._idle.is_set():
+            await self._idle.wait()
+            await trio.lowlevel.checkpoint()
+        if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
+            try:
+                await trio.to_thread.run_sync(self.store.message_log.sync)
+            except FsyncFailed as e:
+                self._go_read_only(str(e))
+                return
+            self.set_durable(self.store.message_log.end_offset)

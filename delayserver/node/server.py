@@ -1,0 +1,207 @@
+"""One delay-server node: the wiring of its services in one trio nursery.
+
+Services, each started with `nursery.start` so that it reports readiness: receiver (group commit),
+replayer, tick manager, sender, cleaner, metrics, meta agent, listener. Each takes the narrow
+collaborators it uses in its constructor; nothing reaches back into this object. `drain()` is the
+SIGTERM path: stop accepting, finish the batch, flush, replay, checkpoint.
+"""
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import ssl
+
+import trio
+
+from delayserver import protocol as p
+from delayserver.clock import WallClock
+from delayserver.config import Config
+from delayserver.message import ResultCode
+from delayserver.metrics import serve_metrics
+from delayserver.node.membership import follow_meta, local_groups
+from delayserver.node.operations import MessageOperations, Requests
+from delayserver.node.pump import PumpLimits, error_frame, pump
+from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
+from delayserver.node.replication import Master, Slave
+from delayserver.node.role import NodeRole
+from delayserver.replayer import Replayer
+from delayserver.sender.parked import ParkedLog, parked_offsets
+from delayserver.sender.sender import Sender
+from delayserver.storage.cleaner import clean
+from delayserver.storage.errors import StorageError
+from delayserver.storage.store import Store
+from delayserver.wakeup import Wakeup
+from delayserver.wheel.service import serve_ticks
+from delayserver.wheel.tick_manager import TickManager
+
+log = logging.getLogger("delayserver.server")
+
+MAX_REQUESTS_PER_CONNECTION = 256
+
+
+class DelayServer:
+    def __init__(self, config: Config, clock=None):
+        self.config = config
+        self.clock = clock or WallClock()
+        self.connections = 0
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._listener_scope = trio.CancelScope()
+        self.role = NodeRole.configured(config)
+        self.slave: Slave | None = None
+
+    # --- start --------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        c = self.config
+        c.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
+                                message_log_segment_bytes=c.message_log_segment_bytes)
+        disk_full = not self.store.take_reserve_at_start(c.reserve_bytes)
+        if disk_full:
+            log.error("disk full: no room for the %d-byte reserve in %s; refusing new messages with DISK_FULL "
+                      "until there is", c.reserve_bytes, c.data_dir)
+        self.parked = ParkedLog(c.data_dir / "parked")
+        scale = c.segment_scale_ms
+        self.ticks = TickManager(
+            self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,
+            load_ahead_ms=c.effective_load_ahead_ms,
+            settled_elsewhere=lambda bucket: parked_offsets(c.data_dir / "parked", bucket, scale),
+        )
+        recent = RecentBatches()
+        self.disk = DiskSpace(self.store, c.reserve_bytes, full=disk_full)
+        self.replayer = replayer = Replayer.open(self.store, self.ticks, recent_batch=recent.take,
+                                                 on_disk_full=self.disk.enter_full)
+        self.durable = Wakeup()
+        # After a promotion, sequences go on above the replayed log's top.
+        self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
+                                 sequence_floor=lambda: replayer.max_sequence + 1)
+        self.master = Master(self.receiver, self.store)
+        self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
+                             send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
+                             batches_in_flight=c.send_batches_in_flight, parked=self.parked,
+                             may_deliver=self.role.may_deliver, on_disk_full=self.disk.enter_full)
+        self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role)
+        self.requests = Requests(self.operations, self.master)
+        self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
+                                 max_in_flight=MAX_REQUESTS_PER_CONNECTION)
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Recover, start every service, listen; `task_status.started(port)` once serving."""
+        self._open()  # Replayer.open has replayed all of message_log before anything loads
+        c = self.config
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.receiver.serve)
+                await nursery.start(functools.partial(self.replayer.serve, self.clock,
+                                                      lambda: self.receiver.durable_offset, self.durable,
+                                                      checkpoint_interval_ms=c.checkpoint_interval_ms))
+                await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
+                                                      active=self.role.is_master))
+                await nursery.start(self.sender.serve)
+                if c.metrics_listen is not None:
+                    listeners = await nursery.start(serve_metrics, self, *c.metrics_listen)
+                    self.metrics_port = listeners[0].socket.getsockname()[1]
+                # Bound now (the meta server is told the port), accepting only once the role is
+                # known: a producer quick off the mark waits in the backlog for its answer instead
+                # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
+                listeners = await trio.open_tcp_listeners(c.listen[1], host=c.listen[0])
+                self.port = listeners[0].socket.getsockname()[1]
+                if c.meta:
+                    await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
+                await nursery.start(self._listen, listeners)
+                if c.meta or c.replicate_from:
+                    node_id = c.node_id or f"{c.listen[0]}:{self.port}"
+                    self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
+                                       tls_ca=c.tls_ca)
+                    await nursery.start(self.slave.run)
+                nursery.start_soon(self._clean_periodically)
+                log.info("serving on %s:%d, data in %s", c.listen[0], self.port, c.data_dir)
+                task_status.started(self.port)
+        finally:
+            await self.sender.aclose()
+            self.parked.close()
+            self.store.close()
+
+    async def _listen(self, listeners, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        handler = self._handle
+        if self.config.tls_cert:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+            handler = functools.partial(self._handle_tls, context)
+        with self._listener_scope:
+            await trio.serve_listeners(handler, listeners, task_status=task_status)
+
+    async def _handle_tls(self, context: ssl.SSLContext, stream: trio.SocketStream) -> None:
+        tls = trio.SSLStream(stream, context, server_side=True)
+        try:
+            with trio.fail_after(self.config.frame_timeout_ms / 1000):
+                await tls.do_handshake()
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.aclose()
+            return
+        await self._handle(tls)
+
+    async def drain(self) -> None:
+        """Stop accepting, finish and flush the current batch, replay and checkpoint."""
+        log.info("draining")
+        self._listener_scope.cancel()
+        await self.receiver.drain()
+        while self.replayer.replay_once(self.clock.now_ms(), self.receiver.durable_offset):
+            await trio.lowlevel.checkpoint()
+        try:
+            await self.replayer.checkpoint_async()
+        except StorageError as e:  # a failed fsync, say: the next start replays from the last checkpoint
+            log.error("no checkpoint at shutdown: %s", e)
+        with trio.move_on_after(2):
+            while self.ticks.inflight:
+                await trio.sleep(0.01)
+        self._nursery.cancel_scope.cancel()
+
+    async def _clean_periodically(self) -> None:
+        """The cleaner: delete what replay, replication and retention no longer need."""
+        c = self.config
+        while True:
+            await trio.sleep(c.cleaner_interval_ms / 1000)
+            try:
+                cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
+                                now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
+                                sync_offsets=list(self.master.message_log_offsets.values()),
+                                dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
+                if cleaned.buckets:
+                    await self.replayer.checkpoint_async()
+            except StorageError as e:
+                log.error("cleaner pass failed: %s", e)
+
+    # --- connections --------------------------------------------------------------------------
+
+    async def _handle(self, stream: trio.abc.Stream) -> None:
+        try:
+            if self.connections >= self.config.max_connections:
+                with trio.move_on_after(self.limits.send_timeout_s):
+                    await stream.send_all(error_frame(0, ResultCode.BUSY, "too many connections"))
+                return
+            self.connections += 1
+            try:
+                gate = self._authenticate if self.config.auth_secret else None
+                await pump(stream, self.limits, self.requests.respond, gate=gate, what="a producer connection")
+            finally:
+                self.connections -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            pass
+        finally:
+            await stream.aclose()
+
+    async def _authenticate(self, frame: p.Frame, send) -> bool:
+        """With `auth_secret` set, a connection's first frame must be AUTH with that secret."""
+        secret = self.config.auth_secret.encode("utf-8")
+        if frame.command == p.Command.AUTH and not frame.is_response and hmac.compare_digest(frame.payload, secret):
+            await send(p.encode(p.Frame(p.Command.AUTH, frame.request_id, b"", is_response=True)))
+            return True
+        log.warning("refused a connection: %s", "wrong secret" if frame.command == p.Command.AUTH
+                    else f"{frame.command.name} before AUTH")
+        await send(error_frame(frame.request_id, ResultCode.UNAUTHORIZED,
+                               "authenticate first: AUTH with the shared secret"))
+        return False

@@ -1,0 +1,5 @@
+import sys
+
+from tests.fuzz.harness import main
+
+main(sys.argv)

@@ -1,0 +1,105 @@
+"""The receiver over a real store: group commit, sequences, acknowledgement after the fsync, the
+time rules, disk-full mode, and the batches it hands the replayer."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from delayserver.clock import TrioClock
+from delayserver.config import Config
+from delayserver.message import ResultCode, TimeSpec
+from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
+from delayserver.protocol import SendItem
+from delayserver.storage.record import RecordType, decode_message, iter_records
+from delayserver.storage.store import Store
+from delayserver.wakeup import Wakeup
+
+NOW = 1_800_000_000_000
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store.open(tmp_path / "data")
+    yield store
+    store.close()
+
+
+def receiver(store, floor=1, **config):
+    config = Config.from_dict({"max_delay": "1d", "max_message_bytes": 1024, **config})
+    return Receiver(store, TrioClock(NOW), config, recent=RecentBatches(), disk=DiskSpace(store, 0),
+                    on_durable=Wakeup(), sequence_floor=lambda: floor)
+
+
+def item(i: int, time: TimeSpec = TimeSpec.delay(1000), body: bytes = b"x") -> SendItem:
+    return SendItem(f"m-{i}", "orders.q", time, body)
+
+
+def stored(store) -> list:
+    data, _ = store.message_log.read(0, 1 << 20)
+    return [decode_message(data, s, e) for _, rtype, s, e in iter_records(data) if rtype == RecordType.MESSAGE]
+
+
+async def test_concurrent_senders_share_group_commits_and_are_acknowledged_once_durable(store, autojump_clock):
+    r = receiver(store, floor=100)
+    results = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+
+        async def send(i):
+            (results[i],) = await r.send([item(i)])
+            assert r.durable_offset == store.message_log.end_offset  # fsynced before the answer
+
+        async with trio.open_nursery() as senders:
+            for i in range(20):
+                senders.start_soon(send, i)
+        nursery.cancel_scope.cancel()
+    assert all(res.code == ResultCode.OK and res.schedule_time == NOW + 1000 for res in results.values())
+    assert r.batches < 20 and r.appended == 20
+    sequences = [m.sequence for m in stored(store)]
+    assert sequences == list(range(100, 120))  # from the floor, strictly increasing
+
+
+async def test_a_batch_is_handed_to_the_replayer_from_memory(store, autojump_clock):
+    r = receiver(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        await r.send([item(1), item(2)])
+        nursery.cancel_scope.cancel()
+    data, offset = r.recent.take(0)
+    assert offset == 0 and data == store.message_log.read(0)[0]
+    assert r.recent.take(0) is None  # taken once
+
+
+@pytest.mark.parametrize("time", [TimeSpec.delay(-1), TimeSpec.delay(2 * 86_400_000), TimeSpec.level(19),
+                                  TimeSpec.level(0), TimeSpec.at(2**62)])
+async def test_a_time_out_of_range_is_refused_and_nothing_is_stored(store, autojump_clock, time):
+    r = receiver(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        (result,) = await r.send([item(1, time)])
+        nursery.cancel_scope.cancel()
+    assert result.code == ResultCode.BAD_SCHEDULE_TIME and store.message_log.end_offset == 0
+
+
+async def test_a_body_over_max_message_bytes_is_refused_alone(store, autojump_clock):
+    r = receiver(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        big, fine = await r.send([item(1, body=b"x" * 1025), item(2)])
+        nursery.cancel_scope.cancel()
+    assert big.code == ResultCode.MESSAGE_TOO_LARGE and fine.code == ResultCode.OK
+    assert [m.message_id for m in stored(store)] == ["m-2"]
+
+
+async def test_in_disk_full_mode_messages_are_refused_until_space_is_back(store, autojump_clock):
+    r = receiver(store)
+    r.disk.reserve_bytes = 1 << 62  # no disk has room for this much again: the mode holds
+    r.disk.enter_full()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        (result,) = await r.send([item(1)])
+        assert result.code == ResultCode.DISK_FULL and store.message_log.end_offset == 0
+        r.disk.reserve_bytes = 0  # room again: the next send leaves the mode by itself
+        (result,) = await r.send([item(2)])
+        nursery.cancel_scope.cancel()
+    assert result.code == ResultCode.OK and not r.disk.full

@@ -1,0 +1,64 @@
+"""A node's role: master, slave or fenced, from configuration or the meta server's word, and what
+each may do (the agent here is a stand-in: the role's rules are pure logic)."""
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from delayserver.config import Config
+from delayserver.message import ResultCode
+from delayserver.meta.store import Role
+from delayserver.node.role import NodeRole, RoleState
+
+
+@attrs.define
+class Agent:
+    role: Role | None = None
+    read_only: bool = False
+    master_address: str | None = None
+    lease: bool = True
+
+    def may_deliver(self) -> bool:
+        return self.lease
+
+
+def test_a_single_node_is_master_takes_writes_and_delivers():
+    role = NodeRole.configured(Config())
+    assert role.state is RoleState.MASTER and role.is_master() and not role.is_slave()
+    assert role.may_deliver() and role.write_refusal() is None and role.master_address() is None
+
+
+def test_replicate_from_makes_a_slave_for_good():
+    role = NodeRole.configured(Config.from_dict({"replicate_from": "127.0.0.1:9"}))
+    assert role.state is RoleState.SLAVE and role.is_slave() and not role.may_deliver()
+    assert role.write_refusal() is ResultCode.NOT_MASTER and role.master_address() == "127.0.0.1:9"
+
+
+def test_a_node_following_meta_is_fenced_until_the_agent_names_its_role():
+    role = NodeRole.configured(Config.from_dict({"meta": "127.0.0.1:9"}))
+    assert role.state is RoleState.FENCED
+    assert not role.may_deliver() and role.write_refusal() is ResultCode.NOT_MASTER
+    agent = Agent()
+    role.follow(agent)
+    assert role.state is RoleState.FENCED and role.master_address() is None
+
+
+@pytest.mark.parametrize("read_only, lease, refusal, delivers", [
+    (False, True, None, True),
+    (True, True, ResultCode.READ_ONLY, True),
+    (False, False, None, False),  # the lease ran out: writes go on, delivery waits
+])
+def test_a_meta_master_writes_unless_read_only_and_delivers_only_under_its_lease(read_only, lease, refusal, delivers):
+    role = NodeRole(follows_meta=True)
+    role.follow(Agent(Role.MASTER, read_only=read_only, lease=lease))
+    assert role.is_master() and role.write_refusal() is refusal and role.may_deliver() is delivers
+
+
+def test_a_meta_slave_pulls_from_the_master_the_agent_names():
+    role = NodeRole(follows_meta=True)
+    agent = Agent(Role.SLAVE, master_address="10.0.0.1:20801")
+    role.follow(agent)
+    assert role.is_slave() and role.master_address() == "10.0.0.1:20801"
+    assert role.write_refusal() is ResultCode.NOT_MASTER and not role.may_deliver()
+    agent.role = Role.MASTER  # promoted
+    assert role.is_master() and role.master_address() is None and role.write_refusal() is None

@@ -1,0 +1,150 @@
+"""The sender end to end with real brokers: a redis-server that goes down, a slow webhook, weights,
+circuit breaking, flow control, parking. The server runs in-process over real sockets."""
+from __future__ import annotations
+
+import collections
+import random
+
+import redis
+import trio
+
+from delayserver.client import AsyncProducer, Message
+from delayserver.config import Config
+from delayserver.node.server import DelayServer
+from delayserver.sender.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from delayserver.sender.parked import iter_parked
+from delayserver.sender.sender import BrokerGroup, Delivery, Sender
+from delayserver.sender.spool import iter_spool
+from delayserver.storage.record import Message as StoredMessage
+from delayserver.storage.store import bucket_stats
+
+
+def node_config(tmp_path, groups, **kw) -> Config:
+    raw = dict(data_dir=str(tmp_path / "data"), listen="127.0.0.1:0", broker_group=groups, send_wait_ms=1)
+    raw.update(kw)
+    return Config.from_dict(raw)
+
+
+async def start_node(nursery, cfg) -> DelayServer:
+    server = DelayServer(cfg)
+    await nursery.start(server.serve)
+    return server
+
+
+async def wait_until(predicate, timeout_s: float) -> None:
+    with trio.fail_after(timeout_s):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+def total_dispatched(server) -> int:
+    store = server.store
+    return sum(bucket_stats(store.schedule_log, store.dispatch_log, b).dispatched for b in store.schedule_log.buckets())
+
+
+async def test_redis_group_down_for_a_while_loses_nothing_and_dispatch_log_is_complete(tmp_path, nursery, redis_server):
+    server = await start_node(nursery, node_config(tmp_path, [
+        {"name": "redis-a", "transport": "redis", "address": redis_server.address,
+         "options": {"timeout_ms": 500, "stream_template": "q:{subject}"}}]))
+    redis_server.stop()
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        handles = await prod.send_many([Message("orders.paid", f"m{i}".encode(), delay=0, headers={"k": str(i)})
+                                        for i in range(200)])
+    await trio.sleep(1.5)  # the broker stays down while deliveries fail and back off
+    assert server.sender.retried > 0 and server.sender.delivered == 0
+    redis_server.start()
+    await wait_until(lambda: server.sender.delivered >= 200, 30)
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    entries = client.xrange("q:orders.paid")
+    ids = collections.Counter(fields[b"id"].decode() for _, fields in entries)
+    assert set(ids) == {h.message_id for h in handles}
+    _, fields = entries[0]
+    assert {b"id", b"subject", b"body", b"schedule_time", b"dispatch_time", b"attempt", b"h:k"} <= set(fields)
+    assert int(fields[b"dispatch_time"]) >= int(fields[b"schedule_time"])
+    assert total_dispatched(server) == 200
+    assert server.ticks.loaded == 0
+
+
+async def test_a_slow_group_does_not_hold_back_another(tmp_path, nursery, webhook_server):
+    webhook_server.respond(200, delay_ms=1500)
+    server = await start_node(nursery, node_config(tmp_path, [
+        {"name": "slow-http", "transport": "http", "address": webhook_server.url, "subjects": ["slow.q"],
+         "options": {"timeout_ms": 10_000}},
+        {"name": "fast-spool", "transport": "spool", "subjects": ["fast.q"]}], send_batch_size=16))
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        await prod.send_many([Message("slow.q", b"s", delay=0) for _ in range(64)])
+        await prod.send_many([Message("fast.q", b"f", delay=200) for _ in range(64)])
+    await wait_until(lambda: len(list(iter_spool(server.config.data_dir, "fast.q"))) == 64, 10)
+    lateness = [t - m.schedule_time for _, t, _, m in iter_spool(server.config.data_dir, "fast.q")]
+    assert max(lateness) < 500, lateness
+    assert server.sender.groups["slow-http"].sent < 64  # still working through its batches
+
+
+def test_weighted_choice_spreads_messages_close_to_the_weights():
+    groups = [BrokerGroup("a", transport=None, weight=1), BrokerGroup("b", transport=None, weight=3)]
+    sender = Sender(ticks=None, store=None, groups=groups, clock=None)
+    random.seed(7)
+    m = StoredMessage("id", "s", b"", 0)
+    picks = collections.Counter(sender.pick(Delivery(0, 0, 0, m), 0).name for _ in range(20_000))
+    assert abs(picks["b"] / 20_000 - 0.75) < 0.02
+
+
+def test_circuit_breaker_opens_half_opens_and_closes():
+    b = CircuitBreaker(failure_threshold=3, success_threshold=2, cooldown_ms=100)
+    for _ in range(3):
+        assert b.allows(0)
+        b.record_failure(0)
+    assert b.state == OPEN and not b.allows(50)
+    assert b.allows(100) and b.state == HALF_OPEN
+    b.record_failure(100)
+    assert b.state == OPEN and not b.allows(250) and b.allows(300)  # the cool-down doubled
+    b.record_success(300)
+    b.record_success(301)
+    assert b.state == CLOSED
+
+
+async def test_a_failing_group_is_skipped_and_its_messages_go_to_another(tmp_path, nursery, unused_port):
+    server = await start_node(nursery, node_config(tmp_path, [
+        {"name": "dead", "transport": "http", "address": f"http://127.0.0.1:{unused_port}/", "weight": 100},
+        {"name": "spool", "transport": "spool", "weight": 1}]))
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        await prod.send_many([Message("any.q", b"x", delay=0) for _ in range(100)])
+    await wait_until(lambda: server.sender.delivered == 100, 15)
+    dead = server.sender.groups["dead"]
+    assert dead.failed_batches >= 1 and dead.sent == 0
+    assert server.sender.groups["spool"].sent == 100
+
+
+async def test_flow_control_bounds_in_flight_and_drops_nothing(tmp_path, nursery, webhook_server):
+    webhook_server.respond(200, delay_ms=100)
+    server = await start_node(nursery, node_config(tmp_path, [
+        {"name": "hook", "transport": "http", "address": webhook_server.url}],
+        max_inflight=8, send_batch_size=4))
+    peak_waiting = peak_inflight = 0
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        await prod.send_many([Message("fc.q", b"x", delay=0) for _ in range(60)])
+    with trio.fail_after(30):
+        while server.sender.delivered < 60:
+            metrics = server.sender.metrics()
+            peak_waiting = max(peak_waiting, metrics["delayserver_due_waiting"])
+            peak_inflight = max(peak_inflight, metrics["delayserver_inflight"])
+            await trio.sleep(0.01)
+    assert peak_inflight <= 8 and peak_waiting > 0
+    delivered = collections.Counter(m["id"] for batch in webhook_server.batches for m in batch["messages"])
+    assert len(delivered) == 60
+
+
+async def test_a_permanent_rejection_parks_the_message_without_blocking_others(tmp_path, nursery, webhook_server):
+    webhook_server.respond(200, body=lambda batch: {"results": [
+        {"id": m["id"], "status": "rejected" if m["subject"] == "unknown.q" else "ok", "detail": "no such queue"}
+        for m in batch["messages"]]})
+    server = await start_node(nursery, node_config(tmp_path, [
+        {"name": "hook", "transport": "http", "address": webhook_server.url}]))
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        bad = await prod.send("unknown.q", b"nobody", delay=0)
+        good = await prod.send_many([Message("known.q", b"x", delay=0) for _ in range(20)])
+    await wait_until(lambda: server.sender.delivered == 20 and server.sender.parked_count == 1, 10)
+    parked = [p for _, p in iter_parked(server.config.data_dir / "parked")]
+    assert [p.message.message_id for p in parked] == [bad.message_id]
+    assert "no such queue" in parked[0].reason
+    assert server.ticks.loaded == 0

@@ -1,0 +1,327 @@
+"""The Spark reconciliation on a real local Spark session, over data directories written by the
+real pipeline (message_log -> Replayer -> schedule_log, tick manager, dispatch_log records as the
+sender writes them): every count exact, every missing and duplicated id in the Parquet and CSV.
+
+One session for the whole module (a session takes seconds to start); the CLI runs once as
+`python spark/reconcile.py` and once under spark-submit, each starting its own.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pyarrow.parquet as pq
+import pytest
+
+from delayserver import ctl
+from delayserver.spark import cli
+from delayserver.spark.reconcile import reconcile
+from delayserver.spark.report import Figures
+from delayserver.spark.segments import CORRUPT, DISPATCH_LOG, SCHEDULE_LOG, TORN_TAIL
+from delayserver.spark.session import get_session
+from delayserver.spark.source import register
+from delayserver.storage.buckets import bucket_name
+from delayserver.storage.record import (
+    Dispatch, Message, RecordType, encode_dispatch, encode_message, encode_record,
+)
+from tests.damage import flip_bit, record_offsets, truncate
+from tests.pipeline_node import GROUP, SCALE_MS, START_MS, Node
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("java") is None and "JAVA_HOME" not in os.environ,
+                       reason="Spark needs Java 17 or newer (no java on PATH, no JAVA_HOME)"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+AS_OF = START_MS + 10 * 60_000
+#: A second delivery of a message, as after a failover, recorded by another broker group's sender.
+OTHER_GROUP = "brokers-b"
+
+
+def bucket(t: int) -> str:
+    return bucket_name(t - t % SCALE_MS)
+
+
+@attrs.frozen
+class Plan:
+    """A message and what happens to it: delivered `lateness` ms after its time (once per entry),
+    and a cancel before it is sent, after it is sent, or while it is in flight ("race")."""
+
+    message_id: str
+    schedule_time: int
+    lateness: tuple[int, ...] = ()
+    cancel: str | None = None
+
+
+def write_node(root: Path, plans: list[Plan], headers: dict[str, str] | None = None) -> None:
+    """Run the pipeline over `plans` with time jumping from delivery to delivery."""
+    node = Node(root, START_MS)
+    for p in plans:
+        if p.cancel == "before":
+            node.cancel(p.message_id, p.schedule_time)
+    node.send([(p.message_id, p.schedule_time) for p in plans])
+    if headers:
+        extra = Message("with-headers", "orders.paid", b"body", START_MS + 2 * 3_600_000, headers, START_MS, 999)
+        node.store.message_log.append(encode_record(RecordType.MESSAGE, encode_message(extra)))
+    for p in plans:
+        if p.cancel == "after":
+            node.cancel(p.message_id, p.schedule_time)
+    node.replay_all()
+    in_flight = {}
+    for at, n, p in sorted((p.schedule_time + late, n, p) for p in plans for n, late in enumerate(p.lateness)):
+        node.now = at
+        node.tick()
+        in_flight.update((f.message.message_id, f) for f in node.take())
+        fired = in_flight[p.message_id]
+        if n == 0:
+            if p.cancel == "race":
+                node.cancel(p.message_id, p.schedule_time)
+                node.replay_all()
+            node.dispatch([fired])
+        else:
+            node.store.dispatch_log.append(fired.bucket, encode_record(
+                RecordType.DISPATCH, encode_dispatch(Dispatch(fired.offset, at, OTHER_GROUP))))
+    node.crash()
+
+
+B1 = START_MS + 1_000
+B2 = START_MS + SCALE_MS + 1_000
+FUTURE = START_MS + 3_600_000
+
+NODE_A = (
+    [Plan(f"d-{i}", B1 + 10 * i, (100 * i,)) for i in range(10)]
+    + [Plan(f"dup-{i}", B1 + 200 + 10 * i, (50, 5_000)) for i in range(2)]
+    + [Plan(f"miss-{i}", B1 + 300 + 10 * i) for i in range(3)]
+    + [Plan(f"c-{i}", B1 + 400 + 10 * i, cancel="after") for i in range(2)]
+    + [Plan("race-0", B1 + 500, (30,), cancel="race"),
+       Plan("early-cancel-0", B1 + 600, cancel="before"),  # a cancel applies to earlier records only
+       Plan("d2-0", B2, (1_000,)), Plan("miss2-0", B2 + 10)]
+    + [Plan(f"f-{i}", FUTURE + 10 * i) for i in range(4)]
+    + [Plan("cf-0", FUTURE + 100, cancel="after")]
+)
+NODE_B = [Plan(f"b-{i}", B1 + 10 * i, (10 * (i + 1),)) for i in range(3)] + [Plan("miss-0", B1 + 300)]
+
+
+def late(p50, p90, p99, p999, top) -> dict[str, int]:
+    return {"p50": p50, "p90": p90, "p99": p99, "p999": p999, "max": top}
+
+
+# Lateness is nearest rank: of 13 values 0 30 50 50 100 200 ... 900, P50 is the 7th, P90 the 12th.
+A_B1 = Figures(scheduled=19, cancelled=2, dispatched=13, duplicated=2, missing=4,
+               lateness_ms=late(300, 800, 900, 900, 900))
+A_B2 = Figures(scheduled=2, dispatched=1, missing=1, lateness_ms=late(1000, 1000, 1000, 1000, 1000))
+A_FUTURE = Figures(scheduled=5, cancelled=1, not_yet_due=4)
+A_TOTAL = Figures(scheduled=26, cancelled=3, dispatched=14, duplicated=2, missing=5, not_yet_due=4,
+                  lateness_ms=late(300, 900, 1000, 1000, 1000))
+B_B1 = Figures(scheduled=4, dispatched=3, missing=1, lateness_ms=late(20, 30, 30, 30, 30))
+B_LATER = Figures(scheduled=1, not_yet_due=1)
+B_TOTAL = Figures(scheduled=5, dispatched=3, missing=1, not_yet_due=1, lateness_ms=late(20, 30, 30, 30, 30))
+# 17 first dispatches: 0 10 20 30 30 50 50 100 200 ... 900 1000; P50 the 9th, P90 the 16th.
+TOTAL = Figures(scheduled=31, cancelled=3, dispatched=17, duplicated=2, missing=6, not_yet_due=5,
+                lateness_ms=late(200, 900, 1000, 1000, 1000))
+MISSING = {("a", "miss-0"), ("a", "miss-1"), ("a", "miss-2"), ("a", "early-cancel-0"), ("a", "miss2-0"),
+           ("b", "miss-0")}
+
+
+@pytest.fixture(scope="session")
+def spark():
+    session, owned = get_session("local[2]")
+    yield session
+    if owned:
+        session.stop()
+
+
+@pytest.fixture(scope="session")
+def nodes(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("nodes")
+    write_node(root / "a", NODE_A)
+    write_node(root / "b", NODE_B, headers={"trace": "t-1"})
+    Node(root / "empty", START_MS).crash()
+    return {name: str(root / name) for name in ("a", "b", "empty")}
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> dict:
+    """A node with a corrupt schedule segment (the 3rd of 6 records) and a torn dispatch_log tail
+    (the last of 3 records cut short)."""
+    root = tmp_path_factory.mktemp("damaged") / "d"
+    write_node(root, [Plan(f"s-{i}", B1 + 10 * i, (10,)) for i in range(6)]
+               + [Plan(f"t-{i}", B2 + 10 * i, (10,)) for i in range(3)])
+    schedule, dispatch = root / SCHEDULE_LOG / f"{bucket(B1)}.log", root / DISPATCH_LOG / f"{bucket(B2)}.log"
+    corrupt_at = record_offsets(schedule)[2]
+    flip_bit(schedule, corrupt_at + 30)
+    torn_at = record_offsets(dispatch)[2]
+    truncate(dispatch, torn_at + 5)
+    return {"dir": str(root), "schedule": str(schedule), "corrupt_at": corrupt_at, "dispatch": str(dispatch),
+            "torn_at": torn_at}
+
+
+def test_the_data_sources_read_every_record_with_its_node_bucket_and_offset(spark, nodes):
+    register(spark)
+    schedule = spark.read.format("delayserver.schedule_log").load([nodes["a"], nodes["b"], nodes["empty"]])
+    rows = schedule.collect()
+    cancels = sum(p.cancel is not None for p in NODE_A)
+    assert len(rows) == len(NODE_A) + cancels + len(NODE_B) + 1  # and the message with headers in b
+    by_node = {n: [r for r in rows if r.node == nodes[n]] for n in ("a", "b")}
+    assert {r.bucket for r in by_node["a"]} == {bucket(B1), bucket(B2), bucket(FUTURE)}
+    [with_headers] = [r for r in by_node["b"] if r.message_id == "with-headers"]
+    assert with_headers.headers == {"trace": "t-1"} and with_headers.body_size == 4
+    for r in by_node["a"]:
+        assert r.file == f"{nodes['a']}/{SCHEDULE_LOG}/{r.bucket}.log" and r.error is None
+    offsets = record_offsets(Path(nodes["a"]) / SCHEDULE_LOG / f"{bucket(B1)}.log")[:-1]
+    assert sorted(r.offset for r in by_node["a"] if r.bucket == bucket(B1)) == offsets
+    dispatch = (spark.read.format("delayserver.dispatch_log")
+                .option("data_dirs", json.dumps([nodes["a"], nodes["b"]])).load())
+    assert dispatch.filter("record_type = 'DISPATCH'").count() == 14 + 2 + 3
+    assert spark.read.format("delayserver.dispatch_log").load(nodes["empty"]).count() == 0
+
+
+@pytest.fixture(scope="module")
+def reconciled(spark, nodes, tmp_path_factory):
+    """The three nodes reconciled, ids written: (report, output directory)."""
+    out = tmp_path_factory.mktemp("reconciled") / "out"
+    return reconcile(spark, [nodes["a"], nodes["b"], nodes["empty"]], AS_OF, str(out)), out
+
+
+def test_counts_per_bucket_per_node_and_in_total_are_exact(reconciled, nodes):
+    report, _ = reconciled
+    assert _rename_all(nodes, report.buckets) == {
+        ("a", bucket(B1)): A_B1, ("a", bucket(B2)): A_B2, ("a", bucket(FUTURE)): A_FUTURE,
+        ("b", bucket(B1)): B_B1, ("b", bucket(START_MS + 2 * 3_600_000)): B_LATER,
+    }
+    assert _rename_all(nodes, report.nodes) == {"a": A_TOTAL, "b": B_TOTAL, "empty": Figures()}
+    assert report.total == TOTAL
+    assert report.damage == () and report.torn_tails == () and report.exit_status == 1
+
+
+def _rename_all(nodes, figures: dict) -> dict:
+    back = {v: k for k, v in nodes.items()}
+    return {(back[k] if isinstance(k, str) else (back[k[0]], k[1])): f for k, f in figures.items()}
+
+
+def read_ids(out: Path, kind: str, nodes) -> tuple[list[dict], list[dict]]:
+    back = {v: k for k, v in nodes.items()}
+    [parquet] = (out / f"{kind}.parquet").glob("*.parquet")
+    [csv_file] = (out / f"{kind}.csv").glob("*.csv")
+    from_parquet = pq.read_table(parquet).to_pylist()
+    with open(csv_file, newline="") as f:
+        from_csv = list(csv.DictReader(f))
+    for row in from_parquet + from_csv:
+        row["node"] = back[row["node"]]
+    return from_parquet, from_csv
+
+
+def test_every_missing_and_duplicated_id_is_written_as_parquet_and_csv(reconciled, nodes):
+    report, out = reconciled
+    assert report.outputs["missing"] == {"parquet": f"{out}/missing.parquet", "csv": f"{out}/missing.csv"}
+    parquet, in_csv = read_ids(out, "missing", nodes)
+    assert {(r["node"], r["message_id"]) for r in parquet} == MISSING
+    assert [(r["node"], r["message_id"], str(r["schedule_time"])) for r in parquet] == [
+        (r["node"], r["message_id"], r["schedule_time"]) for r in in_csv]
+    parquet, in_csv = read_ids(out, "duplicated", nodes)
+    assert [(r["node"], r["message_id"], r["dispatches"], r["broker_groups"]) for r in parquet] == [
+        ("a", "dup-0", 2, f"{GROUP},{OTHER_GROUP}"), ("a", "dup-1", 2, f"{GROUP},{OTHER_GROUP}")]
+    assert parquet[0]["first_dispatch_time"] == B1 + 200 + 50
+    assert [r["message_id"] for r in in_csv] == ["dup-0", "dup-1"]
+
+
+def test_delayctl_reconcile_of_an_empty_data_directory_exits_0_and_writes_empty_id_files(spark, nodes, tmp_path,
+                                                                                      capsys):
+    assert ctl.main(["reconcile", nodes["empty"], "--out", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert f"node {nodes['empty']}: no records" in text and "RESULT: nothing missing" in text
+    assert read_ids(tmp_path / "out", "missing", nodes) == ([], [])
+    assert read_ids(tmp_path / "out", "duplicated", nodes) == ([], [])
+
+
+def test_a_damaged_segment_is_reported_with_file_and_offset_and_what_precedes_it_is_counted(spark, damaged,
+                                                                                          capsys):
+    assert cli.main([damaged["dir"], "--as-of", str(AS_OF), "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    [damage] = report["damage"]
+    assert damage["file"] == damaged["schedule"] and damage["offset"] == damaged["corrupt_at"]
+    assert damage["kind"] == CORRUPT
+    message = f"{damaged['schedule']}: corrupt record at offset {damaged['corrupt_at']}"
+    assert message in damage["error"] and f"error: {message}" in captured.err
+    [torn] = report["torn_tails"]
+    assert (torn["file"], torn["offset"], torn["kind"]) == (damaged["dispatch"], damaged["torn_at"], TORN_TAIL)
+    buckets = {b.pop("bucket"): Figures(**{k: v for k, v in b.items() if k != "node"}) for b in report["buckets"]}
+    # The records after the damage are not read: their dispatches name nothing readable.
+    assert buckets[bucket(B1)] == Figures(scheduled=2, dispatched=2, orphan_dispatches=4,
+                                          lateness_ms=late(10, 10, 10, 10, 10))
+    # The torn dispatch record is not counted: that message shows as missing.
+    assert buckets[bucket(B2)] == Figures(scheduled=3, dispatched=2, missing=1,
+                                          lateness_ms=late(10, 10, 10, 10, 10))
+    assert report["exit_status"] == 1
+
+
+@attrs.frozen
+class Script:
+    """A run of spark/reconcile.py in the background; its output goes to files, not pipes, so
+    that Spark's start-up chatter never blocks it."""
+
+    process: subprocess.Popen
+    stdout: Path
+    stderr: Path
+    out: Path
+
+    @classmethod
+    def start(cls, directory: Path, command: list[str], *args: str) -> "Script":
+        env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+        stdout, stderr = directory / "stdout", directory / "stderr"
+        with open(stdout, "w") as out, open(stderr, "w") as err:
+            process = subprocess.Popen([*command, str(REPO / "spark" / "reconcile.py"), *args], env=env, cwd=REPO,
+                                       stdout=out, stderr=err, text=True)
+        return cls(process, stdout, stderr, directory / "out")
+
+    def finish(self) -> tuple[int, str, str]:
+        status = self.process.wait(timeout=300)
+        return status, self.stdout.read_text(), self.stderr.read_text()[-5000:]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scripts(nodes, tmp_path_factory):
+    """`spark/reconcile.py` run as a script and under spark-submit, started before anything else (an
+    autouse fixture of the widest scope) so that their Spark start-up overlaps this process's."""
+    python = tmp_path_factory.mktemp("python")
+    submit = tmp_path_factory.mktemp("spark-submit")
+    runs = {
+        "python": Script.start(python, [sys.executable], nodes["a"], nodes["b"], nodes["empty"], "--as-of",
+                               "2025-11-22T08:36:52.345Z", "--json", "--out", str(python / "out")),
+        "spark-submit": Script.start(submit, [str(Path(sys.executable).parent / "spark-submit"), "--master",
+                                              "local[2]", "--conf", "spark.ui.enabled=false"],
+                                     nodes["a"], nodes["b"], "--as-of", str(START_MS)),
+    }
+    yield runs
+    for run in runs.values():
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.wait()
+
+
+def test_reconcile_py_runs_as_a_script_and_exits_1_with_the_report_as_json(scripts, nodes):
+    status, stdout, stderr = scripts["python"].finish()
+    assert status == 1, stderr
+    report = json.loads(stdout)
+    assert report["as_of"] == AS_OF
+    assert Figures(**report["total"]) == TOTAL
+    parquet, _ = read_ids(scripts["python"].out, "missing", nodes)
+    assert {(r["node"], r["message_id"]) for r in parquet} == MISSING
+
+
+def test_reconcile_py_runs_unchanged_under_spark_submit_and_exits_0_when_nothing_is_missing(scripts, nodes):
+    status, stdout, stderr = scripts["spark-submit"].finish()
+    assert status == 0, stderr
+    # As of the start, nothing is due yet, so nothing can be missing.
+    assert f"node {nodes['a']}" in stdout and f"node {nodes['b']}" in stdout
+    assert ("total: 31 scheduled, 3 cancelled, 17 dispatched (2 more than once), 0 missing, 11 not yet due"
+            in stdout)
+    assert "RESULT: nothing missing" in stdout

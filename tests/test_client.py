@@ -1,0 +1,103 @@
+"""The Python client at its edges, against a real node over real sockets: bad addresses fail fast,
+bodies no node takes and times no node can hold are refused before sending, and a frame over a
+node's own cap comes back as MESSAGE_TOO_LARGE, never as a connection reset to retry forever."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from delayserver.client import AsyncProducer, Message, Producer
+from delayserver.config import Config
+from delayserver.message import AddressError, BadScheduleTime, Handle, MessageTooLarge
+from delayserver.node.server import DelayServer
+
+BIG = b"x" * (10 << 20)
+
+
+def start_node(tmp_path, **options):
+    """A node in a thread of its own (the blocking Producer is tested from this one)."""
+    config = Config.from_dict({"data_dir": str(tmp_path / "data"), "listen": "127.0.0.1:0", **options})
+    server = DelayServer(config)
+    started = threading.Event()
+    stop = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            stop["cancel"] = nursery.cancel_scope.cancel
+            stop["token"] = trio.lowlevel.current_trio_token()
+            await nursery.start(server.serve)
+            started.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert started.wait(60)
+    return server, lambda: (trio.from_thread.run_sync(stop["cancel"], trio_token=stop["token"]), thread.join())
+
+
+@pytest.fixture
+def node(tmp_path):
+    server, stop = start_node(tmp_path)
+    yield f"127.0.0.1:{server.port}", server
+    stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_address_that_is_not_host_port_fails_at_once():
+    began = time.monotonic()
+    with pytest.raises(AddressError):
+        Producer("127.0.0.1:notaport")
+    assert time.monotonic() - began < 10
+
+
+@pytest.mark.timeout(60)
+def test_nothing_listening_raises_connection_error_within_the_timeout(unused_port):
+    with Producer(f"127.0.0.1:{unused_port}", timeout=1) as producer:
+        with pytest.raises(ConnectionError):
+            producer.send("orders.q", b"x")
+
+
+@pytest.mark.timeout(120)
+def test_a_body_no_node_takes_is_refused_before_sending(node):
+    address, server = node
+    with Producer(address) as producer:
+        with pytest.raises(MessageTooLarge):
+            producer.send("orders.q", BIG)
+        results = producer.send_many([Message("orders.q", BIG, delay=0), Message("orders.q", b"fine", delay=10**6)])
+    assert isinstance(results[0], MessageTooLarge) and isinstance(results[1], Handle)
+    assert server.receiver.appended == 1  # the big one never reached the node
+
+
+@pytest.mark.timeout(120)
+def test_times_that_are_no_whole_64_bit_number_are_refused_as_bad_schedule_time(node):
+    address, _ = node
+    with Producer(address) as producer:
+        for kw in ({"delay": 2**70}, {"delay": 1.5}, {"deliver_at": -(2**64)}, {"delay_level": 2.0}):
+            with pytest.raises(BadScheduleTime):
+                producer.send("orders.q", b"x", **kw)
+        results = producer.send_many([Message("orders.q", b"x", delay=2**70), Message("orders.q", b"y", delay=5)])
+    assert isinstance(results[0], BadScheduleTime) and isinstance(results[1], Handle)
+
+
+@pytest.mark.timeout(180)
+def test_a_frame_over_the_nodes_own_cap_is_message_too_large_every_time(tmp_path):
+    server, stop = start_node(tmp_path, max_frame_bytes=65536, max_message_bytes=1 << 20)
+    try:
+        with Producer(f"127.0.0.1:{server.port}") as producer:
+            for _ in range(5):  # no race with the close: the node reads the frame out before closing
+                with pytest.raises(MessageTooLarge):
+                    producer.send("orders.q", b"x" * (1 << 20))
+            assert isinstance(producer.send("orders.q", b"small", delay=1000), Handle)  # and it goes on
+    finally:
+        stop()
+
+
+async def test_send_many_cuts_batches_by_bytes_as_well_as_count(tmp_path, nursery):
+    server = DelayServer(Config.from_dict({"data_dir": str(tmp_path / "data"), "listen": "127.0.0.1:0"}))
+    await nursery.start(server.serve)
+    body = b"y" * (3 << 20)  # three of these pass one frame: they must go in separate requests
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+        results = await producer.send_many([Message("orders.q", body, delay=10**6) for _ in range(5)])
+    assert all(isinstance(r, Handle) for r in results) and server.receiver.appended == 5
