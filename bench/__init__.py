@@ -20,4 +20,6 @@ BENCHMARKS = {
     "wheel": "bench.wheel",
     "deliver": "bench.deliver",
     "compare": "bench.compare",
+    "meta": "bench.meta",
+    "http": "bench.http",
 }

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -10,6 +9,7 @@ import sys
 import trio
 
 from delayserver.config import Config, ConfigError
+from delayserver.logs import configure as configure_logging
 from delayserver.storage.store import LayoutMismatch, check_layout
 
 
@@ -19,13 +19,15 @@ def _serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data-dir", help="data directory (default ./var)")
     ap.add_argument("--listen", help="HOST:PORT to serve producers on (default 127.0.0.1:20801)")
     ap.add_argument("--metrics-listen", help="HOST:PORT for Prometheus metrics (default: off)")
+    ap.add_argument("--http-listen", help="HOST:PORT for the HTTP API and web console (default: off)")
     ap.add_argument("--flush", choices=["sync", "async"], help="fsync before ack (sync) or on a timer (async)")
-    ap.add_argument("--meta", help="meta server HOST:PORT (default: none, embedded routing)")
+    ap.add_argument("--meta", help="meta servers HOST:PORT[,HOST:PORT...] (default: none, embedded routing)")
     ap.add_argument("--group", help="delay group this node belongs to (with --meta)")
     ap.add_argument("--node-id", help="this node's id in its group (with --meta; default: its address)")
     ap.add_argument("--replicate-from", help="run as a slave of the master at HOST:PORT (without --meta)")
     ap.add_argument("--advertised-address", help="HOST:PORT others reach this node at (default: --listen)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON objects")
     return ap
 
 
@@ -37,6 +39,10 @@ async def run_node(config: Config) -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.serve)
             print(f"delayserver: serving on {config.listen[0]}:{port}, data in {config.data_dir}", flush=True)
+            if server.http_port is not None:
+                scheme = "https" if config.tls_cert else "http"
+                print(f"delayserver: HTTP API and console on {scheme}://{config.http_listen[0]}:{server.http_port}/",
+                      flush=True)
             async for _ in signals:
                 await server.drain()
                 break
@@ -44,17 +50,18 @@ async def run_node(config: Config) -> None:
 
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {"data_dir": args.data_dir, "listen": args.listen, "metrics_listen": args.metrics_listen,
+                 "http_listen": args.http_listen, "log_format": args.log_format,
                  "flush": args.flush, "meta": args.meta, "group": args.group, "node_id": args.node_id,
                  "advertised_address": args.advertised_address, "replicate_from": args.replicate_from,
-                 "auth_secret": os.environ.get("DELAYSERVER_SECRET")}
+                 "auth_secret": os.environ.get("DELAYSERVER_SECRET"),
+                 "cluster_secret": os.environ.get("DELAYSERVER_CLUSTER_SECRET")}
     try:
         config = Config.load(args.config, **overrides)
     except ConfigError as e:
         print(f"delayserver: invalid configuration: {e}", file=sys.stderr)
         return 2
+    configure_logging(args.log_level, config.log_format)
     try:
         check_layout(config.data_dir, config.segment_scale_ms)
     except LayoutMismatch as e:

@@ -30,6 +30,7 @@ from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, MessageTooLarge, ResultCode, TimeSpec,
     check_body_size, error_for, parse_address,
 )
+from delayserver.meta.wire import parse_address_list
 from delayserver.protocol import SendItem
 from delayserver.trio_util import BackgroundTasks
 
@@ -348,12 +349,16 @@ class Producer:
 
     def __init__(self, address: str | None = None, *, meta: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  **options):
-        """Connect to one delay server (`address`), or to the delay groups a meta server lists
-        (`meta`: sends are spread over them and a dead group is skipped). `options` (`secret`,
-        `tls`) go to each connection, as for AsyncProducer."""
+        """Connect to one delay server (`address`), or to the delay groups the meta servers list
+        (`meta`: ``HOST:PORT[,HOST:PORT...]``, asked in turn; sends are spread over the groups and
+        a dead group is skipped; `meta_tls` is an SSLContext for TLS to the meta servers).
+        `options` (`secret`, `tls`) go to each connection, as for AsyncProducer."""
         if (address is None) == (meta is None):
             raise ValueError("give either address or meta")
-        parse_address(address if meta is None else meta, default_port=p.DEFAULT_PORT)  # AddressError now, here
+        if meta is None:
+            parse_address(address, default_port=p.DEFAULT_PORT)  # AddressError now, here
+        else:
+            parse_address_list(meta)  # ValueError now, here
         self._address, self._meta, self._timeout, self._options = address, meta, timeout, options
         self._ready = threading.Event()
         self._failure: BaseException | None = None

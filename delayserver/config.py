@@ -73,6 +73,8 @@ class Config:
     data_dir: Path = Path("var")
     listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT)
     metrics_listen: tuple[str, int] | None = None
+    http_listen: tuple[str, int] | None = None
+    log_format: str = "text"
     flush: str = "sync"
     flush_interval_ms: int = 10
     max_message_bytes: int = 4 << 20
@@ -105,6 +107,10 @@ class Config:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # Shared by the nodes, the meta servers and operators (not producers): the meta server
+    # requires it for registrations, heartbeats and changes.
+    cluster_secret: str = ""
+    meta_tls_ca: str = ""
     deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
 
@@ -139,6 +145,12 @@ class Config:
             kw["listen"] = parse_address(raw["listen"], "listen")
         if "metrics_listen" in raw:
             kw["metrics_listen"] = parse_address(raw["metrics_listen"], "metrics_listen", 20802)
+        if "http_listen" in raw:
+            kw["http_listen"] = parse_address(raw["http_listen"], "http_listen", 20803)
+        if "log_format" in raw:
+            if raw["log_format"] not in ("text", "json"):
+                raise ConfigError(f"log_format: expected 'text' or 'json', got {raw['log_format']!r}")
+            kw["log_format"] = raw["log_format"]
         if "flush" in raw:
             if raw["flush"] not in ("sync", "async"):
                 raise ConfigError(f"flush: expected 'sync' or 'async', got {raw['flush']!r}")
@@ -185,16 +197,17 @@ class Config:
         if raw.get("advertised_address"):
             parse_address(raw["advertised_address"], "advertised_address")
         if raw.get("meta"):
-            parse_address(raw["meta"], "meta", 20800)
+            for address in str(raw["meta"]).split(","):
+                parse_address(address.strip(), "meta", 20800)
         if raw.get("replicate_from"):
             parse_address(raw["replicate_from"], "replicate_from")
         if bool(raw.get("tls_cert")) != bool(raw.get("tls_key")):
             raise ConfigError("tls_cert: tls_cert and tls_key go together (PEM certificate chain and its key)")
-        for name in ("tls_cert", "tls_key", "tls_ca"):
+        for name in ("tls_cert", "tls_key", "tls_ca", "meta_tls_ca"):
             if raw.get(name) and not Path(raw[name]).is_file():
                 raise ConfigError(f"{name}: no such file {raw[name]!r}")
         for name in ("meta", "group", "node_id", "advertised_address", "replicate_from", "auth_secret",
-                     "tls_cert", "tls_key", "tls_ca"):
+                     "tls_cert", "tls_key", "tls_ca", "cluster_secret", "meta_tls_ca"):
             if name in raw:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")

@@ -1,7 +1,9 @@
 """A producer that finds its delay groups through the meta server and spreads sends over them.
 
-    async with AsyncGroupProducer(meta="127.0.0.1:20800") as producer:
+    async with AsyncGroupProducer(meta="10.0.0.1:20800,10.0.0.2:20800") as producer:
         handle = await producer.send("orders.expire", b"...", delay=30_000)
+
+`meta` names one meta server or several; the group list comes from the first that answers.
 
 Sends go round-robin to the masters of the live, writable delay groups. A group that fails a
 request (connection lost, timeout, NOT_MASTER, READ_ONLY, DISK_FULL, BUSY) is skipped for a
@@ -12,6 +14,7 @@ group whose answer was lost may be stored twice (at least once; the id travels w
 """
 from __future__ import annotations
 
+import ssl
 from typing import Iterable
 
 import trio
@@ -32,8 +35,11 @@ class NoDelayGroup(ConnectionError):
 
 
 class AsyncGroupProducer(BackgroundTasks):
-    def __init__(self, meta: str, *, timeout: float = 10.0, **options):
+    def __init__(self, meta: str, *, timeout: float = 10.0, meta_tls: ssl.SSLContext | None = None, **options):
+        """`meta`: ``HOST:PORT[,HOST:PORT...]``. `meta_tls`: TLS to the meta servers, checking
+        their certificates with this context. `options` go to each delay group's connection."""
         self.meta = meta
+        self.meta_tls = meta_tls
         self.timeout = timeout
         self.options = options  # for each delay group's connection (secret, tls)
         self._members: dict[str, AsyncProducer] = {}
@@ -52,11 +58,11 @@ class AsyncGroupProducer(BackgroundTasks):
         if not force and now - self._refreshed_at < REFRESH_S and self._groups:
             return
         try:
-            self._groups = await discover_delay_groups(self.meta, timeout_s=self.timeout)
+            self._groups = await discover_delay_groups(self.meta, timeout_s=self.timeout, tls=self.meta_tls)
             self._refreshed_at = now
         except (MetaUnavailable, MetaError):
             if not self._groups:
-                raise NoDelayGroup(f"meta server {self.meta} is unreachable and no delay group is known") from None
+                raise NoDelayGroup(f"meta servers {self.meta} are unreachable and no delay group is known") from None
 
     async def _member(self, address: str) -> AsyncProducer:
         member = self._members.get(address)

@@ -61,6 +61,8 @@ class ResultCode(enum.IntEnum):
     UNAUTHORIZED = 11
     NOT_FOUND = 12
     INTERNAL = 13
+    NODE_ID_TAKEN = 14
+    UNAVAILABLE = 15
 
     @property
     def description(self) -> str:
@@ -82,6 +84,8 @@ _DESCRIPTIONS = {
     ResultCode.UNAUTHORIZED: "authentication failed",
     ResultCode.NOT_FOUND: "no such message",
     ResultCode.INTERNAL: "internal error",
+    ResultCode.NODE_ID_TAKEN: "a live node is registered under this node id (another session)",
+    ResultCode.UNAVAILABLE: "the service cannot reach its database now; ask another instance",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 

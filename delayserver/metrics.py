@@ -1,16 +1,33 @@
-"""Metrics in Prometheus text format, served over plain HTTP at /metrics.
+"""A node's metrics through prometheus-client: its own registry, served at /metrics.
 
     curl -s 127.0.0.1:20802/metrics
+
+Counters and gauges are read from the node's services at scrape time by one collector (nothing
+in the hot paths changes); lateness and acknowledgement latency are histograms observed as
+deliveries and acknowledgements happen. Per broker group: delivered, retried, parked, in flight
+(queued or in the transport) and breaker state. Replication lag in bytes and seconds, pending
+messages per bucket (from the backlog's cached counts).
+
+Renamed from the hand-written text: `delayserver_lateness_ms{quantile=...}` (a summary over the
+last 100,000 deliveries) is now the histogram `delayserver_lateness_seconds`; every other name is
+kept.
 """
 from __future__ import annotations
 
-import logging
+import bisect
+import collections
+import time
 
-import trio
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from delayserver.storage.segment import storage_failures
 
-log = logging.getLogger("delayserver.metrics")
+#: Lateness bounds in seconds: a precise delay server lives in the first few.
+LATENESS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BREAKER_STATES = ("closed", "half-open", "open")
 
 
 def percentile(sorted_values: list[int], q: float) -> int:
@@ -21,66 +38,174 @@ def percentile(sorted_values: list[int], q: float) -> int:
     return sorted_values[rank]
 
 
-def collect(server) -> dict[str, float]:
-    ticks, receiver, replayer = server.ticks, server.receiver, server.replayer
-    values = {
-        "delayserver_received_total": receiver.appended,
-        "delayserver_commit_batches_total": receiver.batches,
-        "delayserver_read_only": int(bool(receiver.read_only_reason)),
-        "delayserver_message_log_end_offset": server.store.message_log.end_offset,
-        "delayserver_message_log_durable_offset": receiver.durable_offset,
-        "delayserver_replay_offset": replayer.offset,
-        "delayserver_replay_checkpoint_offset": replayer.checkpointed_offset,
-        "delayserver_replayed_total": replayer.replayed,
-        "delayserver_wheel_entries": len(ticks.wheel),
-        "delayserver_fired_total": ticks.fired,
-        "delayserver_cancelled_dropped_total": ticks.cancelled_drops,
-        "delayserver_loading_cursor_bucket": ticks.loading_bucket or 0,
-        "delayserver_loading_cursor_end_offset": ticks.loading_end,
-        "delayserver_loaded_cursor_offset": ticks.loaded_offset,
-        "delayserver_connections": server.connections,
-        "delayserver_storage_failures": len(storage_failures(server.store.root)),
-        "delayserver_quarantined_buckets": len(server.store.quarantined()),
-    }
-    values.update(server.sender.metrics())
-    lateness = sorted(server.sender.lateness_ms)
-    for q in (0.5, 0.9, 0.99, 0.999):
-        values[f'delayserver_lateness_ms{{quantile="{q}"}}'] = percentile(lateness, q)
-    return values
+class RecentHistogram:
+    """Counts of values per bound over the last `window_s` seconds, in `slice_s` slices: what the
+    console shows as "lateness of the last minutes" and the delivery rate. Bounded memory."""
+
+    def __init__(self, bounds: tuple[float, ...], window_s: int = 300, slice_s: int = 10, clock=time.monotonic):
+        self.bounds = bounds
+        self.window_s, self.slice_s = window_s, slice_s
+        self.clock = clock
+        self._slices: collections.deque[tuple[int, list[int]]] = collections.deque()
+
+    def _current(self) -> list[int]:
+        index = int(self.clock() // self.slice_s)
+        if not self._slices or self._slices[-1][0] != index:
+            self._slices.append((index, [0] * (len(self.bounds) + 1)))
+            oldest = index - self.window_s // self.slice_s
+            while self._slices and self._slices[0][0] <= oldest:
+                self._slices.popleft()
+        return self._slices[-1][1]
+
+    def observe(self, value: float) -> None:
+        self._current()[bisect.bisect_left(self.bounds, value)] += 1
+
+    def counts(self, within_s: int | None = None) -> list[int]:
+        """Per bound (the last one: over the highest bound), over the last `within_s` seconds."""
+        self._current()
+        since = int(self.clock() // self.slice_s) - (within_s or self.window_s) // self.slice_s
+        total = [0] * (len(self.bounds) + 1)
+        for index, counts in self._slices:
+            if index > since:
+                total = [a + b for a, b in zip(total, counts)]
+        return total
 
 
-def render(values: dict[str, float]) -> str:
-    lines, typed = [], set()
-    for name, value in values.items():
-        base = name.split("{", 1)[0]
-        if base not in typed:
-            typed.add(base)
-            kind = "counter" if base.endswith("_total") else ("summary" if "quantile" in name else "gauge")
-            lines.append(f"# TYPE {base} {kind}")
-        lines.append(f"{name} {value}")
-    return "\n".join(lines) + "\n"
+class NodeMetrics:
+    """The registry of one node; `register_node(node)` adds the collector that reads the rest from
+    the node's services (a `NodeView`) at scrape time."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.lateness = Histogram(
+            "delayserver_lateness_seconds", "Delivery time minus schedule time of delivered messages.",
+            ["broker_group"], buckets=LATENESS_BUCKETS, registry=self.registry)
+        self.ack_latency = Histogram(
+            "delayserver_ack_latency_seconds",
+            "From a send request's arrival to its acknowledgement (durable), per request.",
+            ["api"], buckets=ACK_BUCKETS, registry=self.registry)
+        self.recent_lateness = RecentHistogram(LATENESS_BUCKETS)
+
+    def delivered(self, group: str, lateness_ms: list[int]) -> None:
+        """The sender's hook: these messages were acknowledged by `group`."""
+        child = self.lateness.labels(group)
+        recent = self.recent_lateness
+        for ms in lateness_ms:
+            child.observe(ms / 1000)
+            recent.observe(ms / 1000)
+
+    def acknowledged(self, api: str, seconds: float) -> None:
+        """The message operations' hook: a send request through `api` was answered."""
+        self.ack_latency.labels(api).observe(seconds)
+
+    def register_node(self, node, backlog=None) -> None:
+        self.registry.register(_NodeCollector(node, backlog))
 
 
-async def serve_metrics(server, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    async def handle(stream: trio.SocketStream) -> None:
-        try:
-            with trio.move_on_after(5):
-                request = b""
-                while b"\r\n\r\n" not in request and len(request) < 8192:
-                    chunk = await stream.receive_some(4096)
-                    if not chunk:
-                        break
-                    request += chunk
-                path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
-                if path == b"/metrics":
-                    body, status = render(collect(server)).encode(), b"200 OK"
-                else:
-                    body, status = b"not found: try /metrics\n", b"404 Not Found"
-                await stream.send_all(b"HTTP/1.0 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await stream.aclose()
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
 
-    await trio.serve_tcp(handle, port, host=host, task_status=task_status)
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class _NodeCollector(Collector):
+    def __init__(self, node, backlog):
+        self.node = node
+        self.backlog = backlog
+
+    def collect(self):
+        s = self.node
+        ticks, receiver, replayer, sender = s.ticks, s.receiver, s.replayer, s.sender
+        yield _counter("delayserver_received_total", "Messages accepted (durable) by this node.", receiver.appended)
+        yield _counter("delayserver_commit_batches_total", "Group-commit batches written.", receiver.batches)
+        yield _gauge("delayserver_read_only", "1 while the node refuses writes after a failed fsync or an I/O error.",
+                     int(bool(receiver.read_only_reason)))
+        yield _gauge("delayserver_storage_failures", "Files of the data directory whose fsync or write failed.",
+                     len(storage_failures(s.store.root)))
+        yield _gauge("delayserver_quarantined_buckets", "Buckets quarantined for a damaged record.",
+                     len(s.store.quarantined()))
+        yield _gauge("delayserver_disk_full", "1 while new messages are refused for lack of disk space.",
+                     int(bool(s.disk.full)))
+        yield _gauge("delayserver_message_log_end_offset", "End offset of message_log.",
+                     s.store.message_log.end_offset)
+        yield _gauge("delayserver_message_log_durable_offset", "message_log offset up to which data is fsynced.",
+                     receiver.durable_offset)
+        yield _gauge("delayserver_replay_offset", "message_log offset replayed into schedule_log.", replayer.offset)
+        yield _gauge("delayserver_replay_checkpoint_offset", "Replay offset of the last checkpoint.",
+                     replayer.checkpointed_offset)
+        yield _counter("delayserver_replayed_total", "Records replayed into schedule_log.", replayer.replayed)
+        yield _gauge("delayserver_wheel_entries", "Messages waiting in the timing wheel.", len(ticks.wheel))
+        yield _counter("delayserver_fired_total", "Messages handed from the wheel to the sender.", ticks.fired)
+        yield _counter("delayserver_cancelled_dropped_total", "Cancelled messages dropped before delivery.",
+                       ticks.cancelled_drops)
+        yield _gauge("delayserver_loading_cursor_bucket", "Start (epoch ms) of the bucket being loaded.",
+                     ticks.loading_bucket or 0)
+        yield _gauge("delayserver_loading_cursor_end_offset", "End offset pinned when its loading began.",
+                     ticks.loading_end)
+        yield _gauge("delayserver_loaded_cursor_offset", "Offset up to which the loading bucket is in memory.",
+                     ticks.loaded_offset)
+        yield _gauge("delayserver_connections", "Open producer connections.", s.connections())
+        yield _counter("delayserver_delivered_total", "Messages delivered (acknowledged by a broker).",
+                       sender.delivered)
+        yield _counter("delayserver_retries_total", "Delivery attempts that will be retried.", sender.retried)
+        yield _counter("delayserver_parked_total", "Messages a broker rejected for good (parked).",
+                       sender.parked_count)
+        yield _gauge("delayserver_inflight", "Deliveries in flight.", len(ticks.inflight))
+        yield _gauge("delayserver_due_waiting", "Due messages waiting for room in flight.", len(ticks.ready))
+        yield _gauge("delayserver_retry_waiting", "Deliveries waiting for their retry back-off.",
+                     sender.metrics()["delayserver_retry_waiting"])
+        yield from self._groups(sender)
+        yield from self._replication(s)
+        if self.backlog is not None:
+            pending = GaugeMetricFamily("delayserver_bucket_pending",
+                                        "Pending messages per bucket (UTC start), for buckets holding any.",
+                                        labels=["bucket"])
+            for row in self.backlog.rows():
+                if row["pending"]:  # a drained bucket's series ends rather than staying at 0
+                    pending.add_metric([row["bucket"]], row["pending"])
+            yield pending
+            yield _gauge("delayserver_pending", "Pending messages in all buckets.", self.backlog.total_pending())
+
+    def _groups(self, sender):
+        delivered = CounterMetricFamily("delayserver_broker_group_delivered", "Messages delivered, per broker group.",
+                                        labels=["broker_group"])
+        retried = CounterMetricFamily("delayserver_broker_group_retried", "Deliveries retried, per broker group.",
+                                      labels=["broker_group"])
+        parked = CounterMetricFamily("delayserver_broker_group_parked", "Messages parked, per broker group.",
+                                     labels=["broker_group"])
+        failed = CounterMetricFamily("delayserver_broker_group_failed_batches", "Batches that failed whole.",
+                                     labels=["broker_group"])
+        inflight = GaugeMetricFamily("delayserver_broker_group_inflight",
+                                     "Messages queued for or in the transport of a broker group.",
+                                     labels=["broker_group"])
+        breaker = GaugeMetricFamily("delayserver_broker_group_breaker",
+                                    "1 for the circuit breaker's current state.", labels=["broker_group", "state"])
+        for g in list(sender.groups.values()):
+            delivered.add_metric([g.name], g.sent)
+            retried.add_metric([g.name], g.retried)
+            parked.add_metric([g.name], g.parked)
+            failed.add_metric([g.name], g.failed_batches)
+            inflight.add_metric([g.name], len(g.queue) + g.sending)
+            for state in BREAKER_STATES:
+                breaker.add_metric([g.name, state], int(g.breaker.state == state))
+        yield from (delivered, retried, parked, failed, inflight, breaker)
+
+    def _replication(self, s):
+        lag_bytes = GaugeMetricFamily("delayserver_replication_lag_bytes",
+                                      "message_log bytes a slave is behind its master (on the master: per slave).",
+                                      labels=["peer"])
+        lag_seconds = GaugeMetricFamily("delayserver_replication_lag_seconds",
+                                        "How long a slave has been behind its master (0 when caught up).",
+                                        labels=["peer"])
+        durable = s.receiver.durable_offset
+        for node, offset in list(s.master.message_log_offsets.items()):
+            lag_bytes.add_metric([node], max(0, durable - offset))
+        slave = s.slave
+        if slave is not None and s.role.is_slave():
+            peer = s.role.master_address() or ""
+            lag_bytes.add_metric([peer], slave.lag_bytes)
+            lag_seconds.add_metric([peer], slave.lag_seconds())
+        yield lag_bytes
+        yield lag_seconds

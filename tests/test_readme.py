@@ -44,6 +44,7 @@ class Run:
     meta: str
     delay: str
     metrics: str
+    http: str
     var: Path
     env: dict
     stdout: list[str]
@@ -51,7 +52,8 @@ class Run:
     def moved(self, text: str) -> str:
         """README's addresses and data directory replaced by this run's."""
         for readme, here in (("127.0.0.1:20800", self.meta), ("127.0.0.1:20801", self.delay),
-                             ("127.0.0.1:20802", self.metrics), ("var/node", f"{self.var}/node")):
+                             ("127.0.0.1:20802", self.metrics), ("127.0.0.1:20803", self.http),
+                             ("var/node", f"{self.var}/node")):
             text = text.replace(readme, here)
         return text
 
@@ -63,8 +65,9 @@ class Run:
 @pytest.fixture(scope="module")
 def ops_run(tmp_path_factory):
     var = tmp_path_factory.mktemp("ops-run") / "var"
-    meta, delay, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    meta, delay, metrics, http = (f"127.0.0.1:{free_port()}" for _ in range(4))
     env = dict(os.environ, VAR_DIR=str(var), META_LISTEN=meta, DELAY_LISTEN=delay, METRICS_LISTEN=metrics,
+               HTTP_LISTEN=http,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     log = open(var.parent / "ops-run.log", "w")
     proc = subprocess.Popen(["bash", str(REPO / "ops" / "run")], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -82,7 +85,7 @@ def ops_run(tmp_path_factory):
     try:
         assert ready.wait(180), f"ops/run did not come up: {lines}\n{(var.parent / 'ops-run.log').read_text()}"
         time.sleep(0.5)  # the blank line after the hint
-        yield Run(meta, delay, metrics, var, env, lines)
+        yield Run(meta, delay, metrics, http, var, env, lines)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -1,6 +1,6 @@
 """`delayctl meta`: look at and change what the meta server holds.
 
-    delayctl meta [--meta HOST:PORT] groups|nodes|broker-groups|routes [--json]
+    delayctl meta [--meta HOST:PORT[,HOST:PORT...]] [--tls-ca PEM] groups|nodes|broker-groups|routes [--json]
     delayctl meta broker-group add NAME --transport spool|redis|http --address A
                                [--weight N] [--read-only] [--option KEY=VALUE ...]
     delayctl meta broker-group update NAME [--transport T] [--address A] [--weight N]
@@ -10,6 +10,9 @@
     delayctl meta route remove PATTERN
     delayctl meta group read-only NAME on|off
     delayctl meta resolve SUBJECT [--json]
+    delayctl meta epochs GROUP [--json]
+
+The cluster secret, when the meta servers require one, is read from $DELAYSERVER_CLUSTER_SECRET.
 
 An option VALUE is read as JSON when it is JSON (1000, true, "text", [1,2]) and as a string
 otherwise. Exit codes: 0 done, 1 the meta server refused (its message on stderr) or could not be
@@ -20,14 +23,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import ssl
 import sys
 from typing import Any
 
 import trio
 
-from delayserver.message import parse_address
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
-from delayserver.meta.wire import DEFAULT_META_PORT
+from delayserver.meta.wire import DEFAULT_META_PORT, parse_address_list
 
 LISTINGS = {
     # listing: (op, result key, columns)
@@ -38,23 +42,29 @@ LISTINGS = {
     "broker-groups": ("list_broker_groups", "broker_groups", ("name", "transport", "address", "weight", "read_only",
                                                               "options")),
     "routes": ("list_routes", "routes", ("pattern", "broker_groups")),
+    "epochs": ("epoch_history", "epochs", ("epoch", "node_id", "granted")),
 }
 
 LISTING_HELP = {"groups": "delay groups and their masters", "nodes": "delay-server nodes",
-                "broker-groups": "broker groups", "routes": "subject routes"}
+                "broker-groups": "broker groups", "routes": "subject routes",
+                "epochs": "grants of mastership of a delay group"}
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("meta", help="list and change groups, nodes, broker groups and routes",
                               description="Look at and change what the meta server holds.",
                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
-    p.add_argument("--meta", default=f"127.0.0.1:{DEFAULT_META_PORT}", type=_address, metavar="HOST:PORT",
-                   help=f"the meta server (default 127.0.0.1:{DEFAULT_META_PORT})")
+    p.add_argument("--meta", default=f"127.0.0.1:{DEFAULT_META_PORT}", type=_address, metavar="HOST:PORT[,...]",
+                   help=f"the meta servers, tried in turn (default 127.0.0.1:{DEFAULT_META_PORT})")
+    p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, checking the meta servers' certificates "
+                                                 "against this CA")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
     commands = p.add_subparsers(metavar="WHAT", required=True)
 
     for name in LISTINGS:
         listing = commands.add_parser(name, help=f"list the {LISTING_HELP[name]}")
+        if name == "epochs":
+            listing.add_argument("group", help="the delay group")
         listing.add_argument("--json", action="store_true", help="JSON lines, one object per line")
         listing.set_defaults(run=run, build=lambda args, name=name: _list_request(name, args))
 
@@ -110,7 +120,12 @@ def register(subparsers) -> None:
 def run(args) -> int:
     op, request = args.build(args)
     try:
-        response = trio.run(_request, args.meta, args.timeout, op, request)
+        tls = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
+    except (OSError, ssl.SSLError) as exc:
+        print(f"error: --tls-ca {args.tls_ca}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        response = trio.run(_request, args.meta, args.timeout, op, request, tls)
     except (MetaError, MetaUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -123,14 +138,15 @@ def run(args) -> int:
     return 0
 
 
-async def _request(address: str, timeout: float, op: str, request: dict) -> dict:
-    async with MetaClient(address, timeout_s=timeout) as client:
+async def _request(addresses: str, timeout: float, op: str, request: dict, tls: ssl.SSLContext | None) -> dict:
+    secret = os.environ.get("DELAYSERVER_CLUSTER_SECRET", "")
+    async with MetaClient(addresses, timeout_s=timeout, secret=secret, tls=tls) as client:
         return await client.request(op, **request)
 
 
 def _list_request(name: str, args) -> tuple[str, dict]:
     args.listing = name
-    return LISTINGS[name][0], {}
+    return LISTINGS[name][0], ({"group": args.group} if name == "epochs" else {})
 
 
 def _add_broker_group(args) -> tuple[str, dict]:
@@ -177,8 +193,8 @@ def _cell(row: dict, column: str) -> str:
         return master.get("node_id", "-")
     if column in ("master_address", "master_state"):
         return master.get(column.removeprefix("master_"), "-")
-    if column == "last_heartbeat":
-        when = datetime.datetime.fromtimestamp(row["last_heartbeat_ms"] / 1000, datetime.timezone.utc)
+    if column in ("last_heartbeat", "granted"):
+        when = datetime.datetime.fromtimestamp(row[f"{column}_ms"] / 1000, datetime.timezone.utc)
         return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     value = row[column]
     if isinstance(value, bool):
@@ -199,7 +215,7 @@ def _print_table(columns, rows: list[list[str]]) -> None:
 
 def _address(text: str) -> str:
     try:
-        parse_address(text)
+        parse_address_list(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

@@ -6,6 +6,12 @@ registration) and keeps them in memory and in a cache file, written atomically, 
 can go on from them while the meta server is unreachable, and a node restarted during an outage
 still has them.
 
+The node may name several meta servers: heartbeats go to the one that last answered and move to
+the next when it fails (see `MetaClient`); over a shared store any of them knows the node's
+registration, so the node keeps its session, role and epoch. The session is kept in a file
+beside the cache too: a node restarted within its lease registers again with it, as the same
+node; anyone else is refused the node id while the node is live.
+
 Delivery is fenced (see `may_deliver`): a node delivers only while it is master at the group's
 current epoch and holds a lease, renewed by every answered heartbeat and measured on trio's
 monotonic clock from the moment that heartbeat was sent. The meta server marks a node down, and
@@ -15,8 +21,10 @@ so the former master's lease has run out before its successor is told it is mast
 from __future__ import annotations
 
 import logging
+import secrets
+import ssl
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import trio
 
@@ -46,13 +54,17 @@ class MetaAgent:
     """
 
     def __init__(
-        self, meta_address: str, group: str, node_id: str, advertised_address: str, clock,
+        self, meta_address: str | Sequence[str], group: str, node_id: str, advertised_address: str, clock,
         cache_path: str | Path, *, want_role: str = "master",
         refresh_interval_ms: int = DEFAULT_REFRESH_INTERVAL_MS,
         deliver_through_meta_outage: bool = False,
+        cluster_secret: str = "", tls: ssl.SSLContext | None = None,
         run_blocking: Callable = trio.to_thread.run_sync,
     ):
-        """`want_role` "slave" registers a node that is never made master.
+        """`want_role` "slave" registers a node that is never made master. `meta_address`: one
+        meta server or several (``a,b,c``). `cluster_secret` and `tls` go to each connection
+        to them (see MetaClient). The session is kept in `<cache name>.session.json` beside
+        `cache_path`.
 
         `deliver_through_meta_outage`: by default a master stops delivering when its lease runs
         out, which a meta server outage longer than the lease causes too. With True, a master that
@@ -62,7 +74,7 @@ class MetaAgent:
         deliver (duplicates) until the node hears from the meta server again.
 
         `run_blocking` runs the cache file I/O (a worker thread; tests under MockClock's autojump
-        run it inline). Raises ValueError for a meta address that is not HOST:PORT.
+        run it inline). Raises ValueError for a meta address list that is not HOST:PORT[,...].
         """
         self.group = group
         self.node_id = node_id
@@ -73,7 +85,10 @@ class MetaAgent:
         self.refresh_interval_ms = refresh_interval_ms
         self.deliver_through_meta_outage = deliver_through_meta_outage
         self.run_blocking = run_blocking
-        self._client = MetaClient(meta_address)
+        self.session_path = self.cache_path.with_name(self.cache_path.stem + ".session.json")
+        self._client = MetaClient(meta_address, secret=cluster_secret, tls=tls)
+        self._previous_session: str | None = None
+        self._proposed_session: str | None = None
 
         self.role: Role | None = None
         self.epoch = 0
@@ -155,17 +170,29 @@ class MetaAgent:
             if self._session is not None:
                 return False
         sent = trio.current_time()
-        reply = await self._ask("register", group=self.group, node_id=self.node_id,
-                                address=self.advertised_address, want_role=self.want_role)
+        previous = {"previous_session": self._previous_session} if self._previous_session else {}
+        # Kept until an answer comes: a retry after a lost answer is the same registration.
+        self._proposed_session = self._proposed_session or secrets.token_hex(16)
+        reply = await self._ask("register", group=self.group, node_id=self.node_id, session=self._proposed_session,
+                                address=self.advertised_address, want_role=self.want_role, **previous)
         if reply is None:
             return False
-        self._session = reply["session"]
+        self._session = self._previous_session = reply["session"]
+        self._proposed_session = None
         self._apply(reply, sent)
+        try:
+            await self.run_blocking(write_checkpoint, self.session_path,
+                                    {"group": self.group, "node_id": self.node_id, "session": self._session})
+        except StorageError as exc:
+            # Only a restart within the lease needs it: that restart then waits the lease out.
+            log.error("cannot keep the meta session in %s: %s", self.session_path, exc)
         return True
 
     async def _ask(self, op: str, **args) -> dict | None:
         """The answer to a register or heartbeat; None when there is none, after stopping
-        delivery at once if the meta server refused (it no longer knows this registration)."""
+        delivery at once if the meta server no longer knows this registration (NOT_FOUND). Any
+        other refusal (NODE_ID_TAKEN, BUSY, UNAUTHORIZED, INTERNAL) renews nothing: the lease
+        runs out unless a later answer renews it."""
         try:
             reply = await self._client.request(op, timeout_s=self._interval_ms / 1000, **args)
         except MetaUnavailable as exc:
@@ -175,11 +202,13 @@ class MetaAgent:
             return None
         except MetaError as exc:
             self._reachable = True
-            self.role = None
-            self._lease_until = float("-inf")
-            self._session = None
-            level = logging.WARNING if exc.code is ResultCode.NOT_FOUND else logging.ERROR
-            log.log(level, "meta server refused %s of node %s: %s", op, self.node_id, exc)
+            if exc.code is ResultCode.NOT_FOUND:
+                self.role = None
+                self._lease_until = float("-inf")
+                self._session = None
+                log.warning("meta server refused %s of node %s: %s", op, self.node_id, exc)
+            else:
+                log.error("meta server refused %s of node %s: %s", op, self.node_id, exc)
             return None
         if not self._reachable:
             log.info("meta server reachable")
@@ -225,6 +254,12 @@ class MetaAgent:
             log.error("cannot write the route cache: %s", exc)
 
     async def _load_cache(self) -> None:
+        try:
+            kept = await self.run_blocking(read_checkpoint, self.session_path)
+            if kept and kept.get("group") == self.group and kept.get("node_id") == self.node_id:
+                self._previous_session = str(kept["session"])
+        except (OSError, StorageError, KeyError, TypeError, ValueError) as exc:
+            log.error("ignoring the kept meta session %s: %s", self.session_path, exc)
         try:
             data = await self.run_blocking(read_checkpoint, self.cache_path)
             if data is None:

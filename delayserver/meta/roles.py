@@ -11,6 +11,11 @@ Rules (each function takes the group and its nodes and returns them changed):
 - A node that registers again gets a new session; heartbeats from the older session are refused
   (`NotRegistered`), so an older incarnation of a node is never told it is master. A master that
   registers again stays master, with a new epoch.
+- A node id is bound to its session while the node is live (up, heard from after `live_after_ms`):
+  registering it again needs that session (`previous_session`: the same node, restarted), and is
+  refused otherwise (`NodeIdTaken`), so no one can take over a live node's id and role.
+- A registration repeated with the session it proposed (a retry, maybe through another meta
+  server, of one whose answer was lost) is a heartbeat: the node keeps that registration.
 - A down node that heartbeats with its current session is up again, in whatever role its record
   has: a master that was marked down while no other node could take over is still the only holder
   of the current epoch, so it may go on.
@@ -33,12 +38,29 @@ class NotRegistered(Exception):
     """The node has no registration, or a later registration replaced the one it uses."""
 
 
+class NodeIdTaken(Exception):
+    """A live node holds this node id under another session."""
+
+
 def register(
     group: DelayGroup | None, nodes: list[Node], *, name: str, node_id: str, address: str,
-    eligible: bool, session: str, now_ms: int,
+    eligible: bool, session: str, now_ms: int, previous_session: str | None = None,
+    live_after_ms: int | None = None,
 ) -> tuple[DelayGroup, list[Node]]:
-    """The group after `node_id` (re-)registers with a fresh `session`; creates the group if new."""
+    """The group after `node_id` (re-)registers with a fresh `session`; creates the group if new.
+
+    With `live_after_ms`, raises NodeIdTaken when the node id is held by a node that is up, was
+    heard from after `live_after_ms`, and whose session is not `previous_session`."""
     group = group or DelayGroup(name)
+    old = next((n for n in nodes if n.node_id == node_id), None)
+    if old is not None and old.session == session:
+        return heartbeat(group, nodes, node_id=node_id, session=session, now_ms=now_ms)
+    if (live_after_ms is not None and old is not None and old.state is NodeState.UP
+            and old.last_heartbeat_ms > live_after_ms and old.session != previous_session):
+        raise NodeIdTaken(f"node id {node_id!r} of delay group {name!r} is held by a live node "
+                          f"(last heard from {now_ms - old.last_heartbeat_ms} ms ago, at {old.address}); "
+                          "a node registers again under its id with its previous session, or once the "
+                          "holder is down")
     others = [n for n in nodes if n.node_id != node_id]
     node = Node(name, node_id, address, Role.SLAVE, NodeState.UP, now_ms, group.master_epoch,
                 eligible, session)

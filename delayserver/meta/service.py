@@ -4,7 +4,15 @@ A request is an object ``{"op": NAME, ...arguments}``; the response is ``{"code"
 "message": text, ...results}``. The operations, their arguments and results are in `OPS` and the
 docstrings of the `op_*` methods. An argument the operation does not take, a missing one, or one
 of the wrong type or out of its range is BAD_REQUEST; naming a group, node, broker group or route
-that does not exist is NOT_FOUND; a store failure is INTERNAL. The message says which and why.
+that does not exist is NOT_FOUND; a request that needs the cluster secret on a connection that
+has not given it is UNAUTHORIZED; a database that cannot be reached is UNAVAILABLE (ask another
+meta server); any other store failure is INTERNAL. The message says which and why.
+
+Several meta servers may serve one store (PostgreSQL). Every change to a delay group is read,
+decided by the pure rules of `roles`, and written back compare-and-set in one call into the
+store; when another meta server wrote the group in between (`Conflict`), it is read and decided
+again. Times of heartbeats and lease deadlines come from the store's clock when it has one (the
+database server's), so that every meta server measures leases on one clock.
 """
 from __future__ import annotations
 
@@ -19,7 +27,9 @@ import trio
 
 from delayserver.message import SUBJECT_RE, DelayServerError, ResultCode, parse_address
 from delayserver.meta import roles, routing
-from delayserver.meta.store import DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError
+from delayserver.meta.store import (
+    Conflict, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, StoreUnavailable,
+)
 from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 log = logging.getLogger("delayserver.meta")
@@ -29,6 +39,11 @@ MAX_WEIGHT = 1_000_000
 MAX_BROKER_ADDRESS = 1024
 MAX_OPTIONS_JSON = 16 * 1024
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_SESSION_RE = re.compile(r"[0-9a-f]{32}")
+#: What a connection that has not given the cluster secret may ask: producers find delay groups.
+OPEN_OPS = frozenset({"live_delay_groups"})
+#: Reads and decisions again after this many Conflicts in a row, then gives up with INTERNAL.
+MAX_CONFLICTS = 20
 
 
 class BadRequest(DelayServerError):
@@ -37,6 +52,10 @@ class BadRequest(DelayServerError):
 
 class NotFound(DelayServerError):
     code = ResultCode.NOT_FOUND
+
+
+class _Changes(Exception):
+    """Raised inside a group update to return a result without writing (nothing changed)."""
 
 
 @attrs.define
@@ -82,24 +101,25 @@ class MetaService:
     """The operations over one store. Store calls run one at a time, in a worker thread."""
 
     store: MetaStore
-    clock: Any  # has now_ms()
+    clock: Any  # has now_ms(); used when the store has no clock of its own
     heartbeat_interval_ms: int = 5000
     missed_heartbeats: int = 3
     # How blocking store calls run. Tests under MockClock's autojump run them inline: the mock
     # clock would jump ahead while a worker thread works.
     run_blocking: Callable = trio.to_thread.run_sync
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
-    _started_ms: int = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._started_ms = self.clock.now_ms()
+    # When this meta server last began to reach its store (start, or the end of an outage), on the
+    # store's clock; None while it cannot. Nodes could not heartbeat through it before then.
+    _reachable_since_ms: int | None = attrs.field(default=None, init=False)
+    _store_down: bool | None = attrs.field(default=None, init=False)  # None: not tried yet
 
     @property
     def lease_ms(self) -> int:
         return self.heartbeat_interval_ms * self.missed_heartbeats
 
-    async def handle(self, request: Any) -> dict:
-        """The response to one decoded request; never raises for a bad request."""
+    async def handle(self, request: Any, *, authenticated: bool = True) -> dict:
+        """The response to one decoded request; never raises for a bad request. A connection
+        that has not given the cluster secret (`authenticated` False) may ask `OPEN_OPS` only."""
         try:
             if not isinstance(request, dict):
                 raise BadRequest("a meta request must be a JSON object with an 'op'")
@@ -107,11 +127,16 @@ class MetaService:
             method = OPS.get(op) if isinstance(op, str) else None
             if method is None:
                 raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}")
+            if not authenticated and op not in OPEN_OPS:
+                raise DelayServerError(f"{op} needs the cluster secret: authenticate first (AUTH)",
+                                       code=ResultCode.UNAUTHORIZED)
             args = _Args(op, {k: v for k, v in request.items() if k != "op"})
             result = await method(self, args)
             return {"code": int(ResultCode.OK), "message": result.pop("message", "ok"), **result}
         except DelayServerError as exc:
             return {"code": int(exc.code), "message": exc.message}
+        except StoreUnavailable as exc:  # logged once by _call
+            return {"code": int(ResultCode.UNAVAILABLE), "message": str(exc)}
         except StoreError as exc:
             log.error("meta store failed: %s", exc)
             return {"code": int(ResultCode.INTERNAL), "message": str(exc)}
@@ -120,34 +145,110 @@ class MetaService:
             return {"code": int(ResultCode.INTERNAL), "message": f"internal error: {exc!r}"}
 
     async def _call(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` in a worker thread, one at a time; keeps track of the store's reachability."""
         async with self._lock:
-            return await self.run_blocking(fn, *args)
+            fallback_ms = self.clock.now_ms()
+            try:
+                result = await self.run_blocking(fn, *args)
+            except StoreUnavailable as exc:
+                if not self._store_down:
+                    log.error("meta store unreachable (answering UNAVAILABLE until it is back): %s", exc)
+                self._store_down = True
+                self._reachable_since_ms = None
+                raise
+            if self._store_down is not False:
+                if self._store_down:
+                    log.warning("meta store reachable again; no node is marked down for a lease")
+                self._store_down = False
+                self._reachable_since_ms = await self.run_blocking(self._now_ms, fallback_ms)
+            return result
+
+    def _now_ms(self, fallback_ms: int) -> int:
+        """The store's clock, or `fallback_ms` (this meta server's) when it has none. Blocking."""
+        now = self.store.clock_ms()
+        return fallback_ms if now is None else now
+
+    async def _update_group(self, name: str, change: Callable) -> tuple[list[Node], DelayGroup, list[Node]]:
+        """Read group `name`, decide `change(group | None, nodes, now_ms) -> (group, nodes)` and
+        write the result compare-and-set, again from a fresh read after each Conflict; the nodes
+        before, and the group and nodes as written. `change` may raise to write nothing."""
+        fallback_ms = self.clock.now_ms()
+
+        def update():
+            for _ in range(MAX_CONFLICTS):
+                group, nodes, now = self.store.load_group_at(name)
+                now = fallback_ms if now is None else now
+                new_group, new_nodes = change(group, nodes, now)
+                new_group = self._with_lease(group, nodes, new_group, new_nodes, now)
+                try:
+                    saved = self.store.save_group(new_group, _changed_nodes(nodes, new_nodes), now_ms=now)
+                except Conflict:
+                    log.info("delay group %s changed under us (another meta server): deciding again", name)
+                    continue
+                return nodes, saved, new_nodes
+            raise StoreError(f"delay group {name!r} kept changing under {MAX_CONFLICTS} attempts")
+
+        return await self._call(update)
+
+    def _with_lease(self, old: DelayGroup | None, old_nodes: list[Node], group: DelayGroup, nodes: list[Node],
+                    now: int) -> DelayGroup:
+        """`group` with the lease of its master (its last heartbeat plus a lease).
+
+        Refuses (BUSY, nothing written) a grant of a newer epoch to another node while the
+        former master's lease in the group row runs: by `roles` that cannot happen, since a
+        master is marked down only a lease after its last heartbeat; this keeps it so whatever
+        wrote the row.
+        """
+        master = roles.master_of(nodes)
+        if old is not None and group.master_epoch > old.master_epoch and master is not None:
+            former = roles.master_of(old_nodes)
+            if former is not None and former.node_id != master.node_id and old.lease_expires_ms > now:
+                raise DelayServerError(
+                    f"delay group {group.name!r}: the lease of master {former.node_id} runs "
+                    f"{old.lease_expires_ms - now} ms more; no promotion before it ends", code=ResultCode.BUSY)
+        if master is None or master.state is not NodeState.UP:
+            return group
+        return attrs.evolve(group, lease_expires_ms=master.last_heartbeat_ms + self.lease_ms)
+
+    async def start(self) -> None:
+        """Note when this meta server began to reach its store (see `reap`); never raises."""
+        try:
+            await self._call(self.store.list_groups)
+        except StoreError:
+            pass  # logged by _call
 
     # --- nodes --------------------------------------------------------------------------------
 
     async def op_register(self, args: _Args) -> dict:
-        """register(group, node_id, address, want_role="master"|"slave") -> role, epoch, session,
-        heartbeat_interval_ms, missed_heartbeats, read_only, master. A node wanting "slave" is
-        never made master."""
+        """register(group, node_id, address, want_role="master"|"slave", previous_session=None,
+        session=None) -> role, epoch, session, heartbeat_interval_ms, missed_heartbeats,
+        read_only, master. A node wanting "slave" is never made master. NODE_ID_TAKEN while a
+        live node holds `node_id` under a session other than `previous_session`. `session`, 32
+        random hex digits the node proposes, makes a retry idempotent: registering again with it
+        answers the registration already made (default: the meta server draws one)."""
         name, node_id = args.name("group"), args.name("node_id")
         address = _node_address(args)
         want = args.get("want_role", str, "master")
         if want not in (Role.MASTER.value, Role.SLAVE.value):
             raise BadRequest(f"register: want_role must be 'master' or 'slave', not {want!r}")
+        previous = args.get("previous_session", str, None)
+        session = args.get("session", str, None)
+        if session is not None and not _SESSION_RE.fullmatch(session):
+            raise BadRequest("register: session must be 32 hex digits, drawn at random by the node")
         args.finish()
-        session = secrets.token_hex(16)
-        now = self.clock.now_ms()
+        session = session or secrets.token_hex(16)
 
-        def register():
-            group, nodes = self.store.load_group(name)
-            new_group, new_nodes = roles.register(
-                group, nodes, name=name, node_id=node_id, address=address,
-                eligible=want == Role.MASTER.value, session=session, now_ms=now,
-            )
-            self.store.save_group(new_group, new_nodes)
-            return nodes, new_group, new_nodes
+        def register(group, nodes, now):
+            try:
+                return roles.register(
+                    group, nodes, name=name, node_id=node_id, address=address,
+                    eligible=want == Role.MASTER.value, session=session, now_ms=now,
+                    previous_session=previous, live_after_ms=now - self.lease_ms,
+                )
+            except roles.NodeIdTaken as exc:
+                raise DelayServerError(str(exc), code=ResultCode.NODE_ID_TAKEN) from None
 
-        old_nodes, group, nodes = await self._call(register)
+        old_nodes, group, nodes = await self._update_group(name, register)
         _log_changes(old_nodes, group, nodes)
         reply = self._node_reply(group, nodes, node_id)
         log.info("registered node=%s group=%s address=%s role=%s epoch=%d",
@@ -160,19 +261,14 @@ class MetaService:
         name, node_id = args.name("group"), args.name("node_id")
         session = args.get("session", str)
         args.finish()
-        now = self.clock.now_ms()
 
-        def heartbeat():
-            group, nodes = self.store.load_group(name)
+        def heartbeat(group, nodes, now):
             try:
-                new_group, new_nodes = roles.heartbeat(group, nodes, node_id=node_id, session=session,
-                                                       now_ms=now)
+                return roles.heartbeat(group, nodes, node_id=node_id, session=session, now_ms=now)
             except roles.NotRegistered as exc:
                 raise NotFound(str(exc)) from None
-            self.store.save_group(new_group, new_nodes)
-            return nodes, new_group, new_nodes
 
-        old_nodes, group, nodes = await self._call(heartbeat)
+        old_nodes, group, nodes = await self._update_group(name, heartbeat)
         _log_changes(old_nodes, group, nodes)
         return self._node_reply(group, nodes, node_id)
 
@@ -191,33 +287,49 @@ class MetaService:
     async def reap(self) -> None:
         """Mark down the nodes not heard from for a whole lease, and promote where that is due.
 
-        Nothing is marked down during the first lease after start: a node could not heartbeat
-        while the meta server was down, and is given the time to before it loses its role.
+        Nothing is marked down until this meta server has reached its store for a whole lease
+        (after its start, or after a store outage): a node could not heartbeat through it before,
+        and is given that time before it loses its role.
         """
-        now = self.clock.now_ms()
-        deadline = now - self.lease_ms
-        if deadline <= self._started_ms:
+        if self._reachable_since_ms is None:
+            await self._call(self.store.list_groups)  # to learn when the store is back
             return
+        names = [g.name for g in await self._call(self.store.list_groups)]
+        for name in names:
+            if self._reachable_since_ms is None:
+                return
 
-        def reap():
-            changes = []
-            for group in self.store.list_groups():
-                nodes = self.store.list_nodes(group.name)
+            def expire(group, nodes, now):
+                deadline = now - self.lease_ms
+                if group is None or deadline <= (self._reachable_since_ms or now):
+                    raise _Changes()
                 new_group, new_nodes = roles.expire(group, nodes, deadline_ms=deadline)
-                if (new_group, new_nodes) != (group, nodes):
-                    self.store.save_group(new_group, new_nodes)
-                    changes.append((nodes, new_group, new_nodes))
-            return changes
+                if (new_group, new_nodes) == (group, nodes):
+                    raise _Changes()
+                return new_group, new_nodes
 
-        for change in await self._call(reap):
-            _log_changes(*change)
+            try:
+                _log_changes(*await self._update_group(name, expire))
+            except _Changes:
+                pass
+            except DelayServerError as exc:  # a promotion that must wait (BUSY): the next round tries again
+                log.warning("delay group %s: %s", name, exc)
+
+    async def op_epoch_history(self, args: _Args) -> dict:
+        """epoch_history(group) -> epochs: [{epoch, node_id, granted_ms}]: every grant of
+        mastership in the group, oldest first."""
+        name = args.name("group")
+        args.finish()
+        rows = await self._call(self.store.list_epochs, name)
+        return {"epochs": [{"epoch": e, "node_id": n, "granted_ms": t} for e, n, t in rows]}
 
     async def op_list_groups(self, args: _Args) -> dict:
-        """list_groups() -> groups: [{name, read_only, master_epoch, master}]."""
+        """list_groups() -> groups: [{name, read_only, master_epoch, lease_expires_ms, master}]."""
         args.finish()
         groups, nodes = await self._call(lambda: (self.store.list_groups(), self.store.list_nodes()))
         return {"groups": [
             {"name": g.name, "read_only": g.read_only, "master_epoch": g.master_epoch,
+             "lease_expires_ms": g.lease_expires_ms,
              "master": _master_json(roles.master_of([n for n in nodes if n.group == g.name]))}
             for g in groups
         ]}
@@ -237,15 +349,12 @@ class MetaService:
         read_only = args.get("read_only", bool)
         args.finish()
 
-        def set_read_only():
-            group, _ = self.store.load_group(name)
+        def set_read_only(group, nodes, now):
             if group is None:
                 raise NotFound(f"no delay group {name!r}")
-            group = attrs.evolve(group, read_only=read_only)
-            self.store.save_group(group, [])
-            return group
+            return attrs.evolve(group, read_only=read_only), nodes
 
-        group = await self._call(set_read_only)
+        _, group, _ = await self._update_group(name, set_read_only)
         log.info("delay group %s read_only=%s", name, read_only)
         state = "read-only" if read_only else "writable"
         return {"message": f"delay group {name!r} is {state}",
@@ -442,6 +551,11 @@ def _master_json(master: Node | None) -> dict | None:
     if master is None:
         return None
     return {"node_id": master.node_id, "address": master.address, "state": master.state.value}
+
+
+def _changed_nodes(before: list[Node], after: list[Node]) -> list[Node]:
+    old = {n.node_id: n for n in before}
+    return [n for n in after if old.get(n.node_id) != n]
 
 
 def _node_json(node: Node) -> dict:

@@ -11,6 +11,7 @@ groups and routes cached in DATA_DIR/meta_cache.json) and follows it:
 from __future__ import annotations
 
 import logging
+import ssl
 
 from delayserver.meta.agent import MetaAgent
 from delayserver.node.role import NodeRole
@@ -34,9 +35,11 @@ async def follow_meta(config, clock, port: int, role: NodeRole, sender: Sender, 
     """Register with the meta server (returns even while it is unreachable), make `role` follow
     its word, and keep `sender`'s broker groups in line with the meta server's."""
     advertised = config.advertised_address or f"{config.listen[0]}:{port}"
+    tls = ssl.create_default_context(cafile=config.meta_tls_ca) if config.meta_tls_ca else None
     agent = MetaAgent(config.meta, config.group, config.node_id or advertised, advertised, clock,
                       config.data_dir / "meta_cache.json",
-                      deliver_through_meta_outage=config.deliver_through_meta_outage)
+                      deliver_through_meta_outage=config.deliver_through_meta_outage,
+                      cluster_secret=config.cluster_secret, tls=tls)
     role.follow(agent)
     await nursery.start(agent.run)
     await apply_broker_groups(config, sender, agent)

@@ -33,19 +33,26 @@ _SETTLED = {MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
 
 
 class MessageOperations:
-    def __init__(self, store: Store, receiver: Receiver, replayer: Replayer, ticks: TickManager, role: NodeRole):
+    def __init__(self, store: Store, receiver: Receiver, replayer: Replayer, ticks: TickManager, role: NodeRole,
+                 *, on_acknowledged=lambda api, seconds: None):
         self.store = store
         self.receiver = receiver
         self.replayer = replayer
         self.ticks = ticks
         self.role = role
+        # (api, seconds from a send request's arrival to its answer): the metrics' hook.
+        self.on_acknowledged = on_acknowledged
 
-    async def send(self, items: list[p.SendItem]) -> list[p.SendResult]:
-        """Store a batch; each item gets its result (OK only once durable), in order."""
+    async def send(self, items: list[p.SendItem], api: str = "binary") -> list[p.SendResult]:
+        """Store a batch; each item gets its result (OK only once durable), in order. `api` names
+        the door it came in by (binary protocol or HTTP) for the acknowledgement latency."""
         refusal = self.role.write_refusal()
         if refusal is not None:
             return [p.SendResult(refusal, refusal.description, 0, i.message_id) for i in items]
-        return await self.receiver.send(items)
+        started = trio.current_time()
+        results = await self.receiver.send(items)
+        self.on_acknowledged(api, trio.current_time() - started)
+        return results
 
     async def _replayed_past(self, offset: int, timeout_s: float = 5.0) -> None:
         with trio.move_on_after(timeout_s):

@@ -7,7 +7,9 @@ One pump serves every framed connection, the delay server's and the meta server'
 - frames go to `respond`, up to `max_in_flight` at a time (1: one after another, in order), and
   each answer is written whole under one lock, within `send_timeout_s` (a peer that does not read
   its answers does not hold the task forever);
-- an optional `gate` sees every frame, in line, until it lets the connection in (AUTH);
+- an optional `gate` sees every frame, in line, until it lets the connection in (AUTH): it answers
+  the frame itself and returns True (let in), False (refused: close) or None (answered, not in
+  yet: the next frame goes to the gate too, as the meta server's open requests before AUTH do);
 - a peer that breaks the protocol (bad magic, a declared length over the cap, a bad crc) gets an
   ERROR frame with the code of its RemoteProtocolError and the connection is closed; for a frame
   refused for its size (MESSAGE_TOO_LARGE, naming its request) the rest of it is read and dropped
@@ -35,7 +37,7 @@ ABUSE_LOG_PER_MINUTE = 20
 LINGER_BYTES = 64 * 1024 * 1024
 
 Respond = Callable[[p.Frame], Awaitable[bytes]]
-Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool]]
+Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool | None]]
 
 
 @attrs.frozen
@@ -180,10 +182,11 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                     break
                 if not admitted:
                     # In line, before any later frame of the same connection.
-                    admitted = await gate(frame, send)
-                    if not admitted:
+                    verdict = await gate(frame, send)
+                    if verdict is False:
                         nursery.cancel_scope.cancel()
                         return
+                    admitted = verdict is True
                     continue
                 await slots.acquire()
                 nursery.start_soon(answer, frame)

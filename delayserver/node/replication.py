@@ -149,6 +149,13 @@ class Slave:
         self.poll_ms = poll_ms
         self.pulled = 0
         self.stopped_reason = ""
+        self.lag_bytes = 0  # the master's durable end minus ours, at the last pull
+        self.in_sync = False  # the last pull left nothing of the master's durable log to fetch
+        self._behind_since: float | None = None  # trio time of the first pull that found us behind
+
+    def lag_seconds(self) -> float:
+        """How long this slave has been behind its master (0 when caught up at the last pull)."""
+        return 0.0 if self._behind_since is None else trio.current_time() - self._behind_since
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from delayserver.client import AsyncProducer
@@ -185,8 +192,14 @@ class Slave:
         offset = store.message_log.end_offset
         request = _ML_REQ.pack(offset, MAX_SYNC_BYTES, self.poll_ms, len(self.node_id)) + self.node_id
         reply = await conn.request(p.Command.SYNC_MESSAGE_LOG, request)
-        start, _master_end = _ML_RESP.unpack_from(reply, 0)
+        start, master_end = _ML_RESP.unpack_from(reply, 0)
         data = reply[_ML_RESP.size :]
+        self.lag_bytes = max(0, master_end - offset - len(data))
+        self.in_sync = not self.lag_bytes
+        if not self.lag_bytes:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = trio.current_time()
         if not data:
             return
         if start != offset:

@@ -1,7 +1,7 @@
 """One delay-server node: the wiring of its services in one trio nursery.
 
 Services, each started with `nursery.start` so that it reports readiness: receiver (group commit),
-replayer, tick manager, sender, cleaner, metrics, meta agent, listener. Each takes the narrow
+replayer, tick manager, sender, cleaner, metrics and the HTTP API, meta agent, listener. Each takes the narrow
 collaborators it uses in its constructor; nothing reaches back into this object. `drain()` is the
 SIGTERM path: stop accepting, finish the batch, flush, replay, checkpoint.
 """
@@ -18,13 +18,14 @@ from delayserver import protocol as p
 from delayserver.clock import WallClock
 from delayserver.config import Config
 from delayserver.message import ResultCode
-from delayserver.metrics import serve_metrics
+from delayserver.metrics import NodeMetrics
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
 from delayserver.node.replication import Master, Slave
 from delayserver.node.role import NodeRole
+from delayserver.node.view import NodeView
 from delayserver.replayer import Replayer
 from delayserver.sender.parked import ParkedLog, parked_offsets
 from delayserver.sender.sender import Sender
@@ -47,6 +48,8 @@ class DelayServer:
         self.connections = 0
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.metrics = NodeMetrics()
         self._listener_scope = trio.CancelScope()
         self.role = NodeRole.configured(config)
         self.slave: Slave | None = None
@@ -82,7 +85,9 @@ class DelayServer:
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
                              batches_in_flight=c.send_batches_in_flight, parked=self.parked,
                              may_deliver=self.role.may_deliver, on_disk_full=self.disk.enter_full)
-        self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role)
+        self.sender.on_delivered = self.metrics.delivered
+        self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
+                                            on_acknowledged=self.metrics.acknowledged)
         self.requests = Requests(self.operations, self.master)
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION)
@@ -101,21 +106,20 @@ class DelayServer:
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self.role.is_master))
                 await nursery.start(self.sender.serve)
-                if c.metrics_listen is not None:
-                    listeners = await nursery.start(serve_metrics, self, *c.metrics_listen)
-                    self.metrics_port = listeners[0].socket.getsockname()[1]
                 # Bound now (the meta server is told the port), accepting only once the role is
                 # known: a producer quick off the mark waits in the backlog for its answer instead
                 # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
                 listeners = await trio.open_tcp_listeners(c.listen[1], host=c.listen[0])
                 self.port = listeners[0].socket.getsockname()[1]
-                if c.meta:
-                    await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
-                await nursery.start(self._listen, listeners)
                 if c.meta or c.replicate_from:
                     node_id = c.node_id or f"{c.listen[0]}:{self.port}"
                     self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
                                        tls_ca=c.tls_ca)
+                await self._serve_http(nursery)
+                if c.meta:
+                    await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
+                await nursery.start(self._listen, listeners)
+                if self.slave is not None:
                     await nursery.start(self.slave.run)
                 nursery.start_soon(self._clean_periodically)
                 log.info("serving on %s:%d, data in %s", c.listen[0], self.port, c.data_dir)
@@ -124,6 +128,30 @@ class DelayServer:
             await self.sender.aclose()
             self.parked.close()
             self.store.close()
+
+    async def _serve_http(self, nursery) -> None:
+        """Metrics (prometheus-client) and, with http_listen, the HTTP API and console."""
+        from delayserver.node.http.app import create_app, metrics_app
+        from delayserver.node.http.backlog import Backlog
+        from delayserver.node.http.ops import ServerOps
+        from delayserver.node.http.serve import serve_asgi
+
+        c = self.config
+        view = NodeView(c, self.clock, self.port, self.store, self.receiver, self.disk, self.replayer, self.ticks,
+                        self.sender, self.master, self.slave, self.role, self.operations,
+                        connections=lambda: self.connections)
+        self.backlog = Backlog(c.data_dir, self.clock, c.segment_scale_ms)
+        self.metrics.register_node(view, self.backlog)
+        if c.metrics_listen is not None or c.http_listen is not None:
+            await nursery.start(self.backlog.serve)
+        if c.metrics_listen is not None:
+            self.metrics_port = await nursery.start(serve_asgi, metrics_app(self.metrics), *c.metrics_listen)
+        if c.http_listen is not None:
+            app = create_app(ServerOps(view), secret=c.auth_secret, metrics=self.metrics, backlog=self.backlog,
+                             max_body_bytes=c.max_frame_bytes, clock=self.clock)
+            self.http_port = await nursery.start(functools.partial(
+                serve_asgi, app, *c.http_listen, certfile=c.tls_cert, keyfile=c.tls_key,
+                read_timeout_s=c.frame_timeout_ms / 1000))
 
     async def _listen(self, listeners, task_status=trio.TASK_STATUS_IGNORED) -> None:
         handler = self._handle

@@ -56,6 +56,9 @@ class BrokerGroup:
     wakeup: Wakeup = attrs.field(factory=Wakeup)
     sent: int = 0
     failed_batches: int = 0
+    retried: int = 0
+    parked: int = 0
+    sending: int = 0  # messages handed to the transport, not settled yet
     scope: trio.CancelScope | None = None
     spec: object = None  # what the group was built from (a meta server's broker group), if anything
 
@@ -95,6 +98,8 @@ class Sender:
         self.retried = 0
         self.no_route = 0
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
+        # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
+        self.on_delivered = lambda group, lateness_ms: None
         self._settled_wakeup = Wakeup()
 
     # --- routing ------------------------------------------------------------------------------
@@ -225,7 +230,11 @@ class Sender:
             # Once handed to the transport a batch must finish (acked or requeued), even if the
             # group is being removed: shield it from that cancellation.
             with trio.CancelScope(shield=True):
-                await self._send(group, batch)
+                group.sending += len(batch)
+                try:
+                    await self._send(group, batch)
+                finally:
+                    group.sending -= len(batch)
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
         batch = [d for d in batch if d.generation == self.ticks.generation]
@@ -255,6 +264,7 @@ class Sender:
                 d.attempt += 1
                 d.tried.add(group.name)
                 self.retried += 1
+                group.retried += 1
                 self._retry_later(d, now)
         if failed == len(batch):
             group.failed_batches += 1
@@ -292,9 +302,11 @@ class Sender:
                 if isinstance(e, DiskFull):
                     self.on_disk_full()  # releases the reserve: the retry finds room
                 await trio.sleep(0.5)
+        lateness = [now - d.message.schedule_time for d in acked]
         for d in acked:
             self.ticks.on_dispatched(d.ref)
-            self.lateness_ms.append(now - d.message.schedule_time)
+        self.lateness_ms.extend(lateness)
+        self.on_delivered(group.name, lateness)
         group.sent += len(acked)
         self.delivered += len(acked)
         self._settled_wakeup.set()
@@ -305,6 +317,7 @@ class Sender:
         if self.parked is not None:
             await self.parked.park(d, f"{group.name}: {reason}", now)
         self.parked_count += 1
+        group.parked += 1
         self.ticks.on_dispatched(d.ref)
         self._settled_wakeup.set()
 

@@ -121,7 +121,9 @@ async def test_nodes_on_time_stay_up_and_a_silent_master_is_replaced(store, auto
         old = await c.request("heartbeat", group="g1", node_id="a", session=a["session"])
         assert (old["role"], old["epoch"]) == ("slave", 2)
         groups = (await c.request("list_groups"))["groups"]
+        b_node = next(n for n in (await c.request("list_nodes"))["nodes"] if n["node_id"] == "b")
         assert groups == [{"name": "g1", "read_only": False, "master_epoch": 2,
+                           "lease_expires_ms": b_node["last_heartbeat_ms"] + LEASE_S * 1000,
                            "master": {"node_id": "b", "address": "h:2", "state": "up"}}]
 
 
@@ -152,7 +154,8 @@ async def test_a_restarted_meta_server_gives_nodes_a_lease_before_marking_them_d
 async def test_a_stale_session_is_told_to_register_again(store, autojump_clock):
     async with meta_server(store) as address, client(address) as c:
         first = await c.request("register", group="g1", node_id="a", address="h:1")
-        second = await c.request("register", group="g1", node_id="a", address="h:1")
+        second = await c.request("register", group="g1", node_id="a", address="h:1",
+                                 previous_session=first["session"])
         assert (second["role"], second["epoch"]) == ("master", 2)
         await expect_error(c.request("heartbeat", group="g1", node_id="a", session=first["session"]),
                            ResultCode.NOT_FOUND, "registered again")

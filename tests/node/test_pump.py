@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import trio
+import trio.testing
 
 from delayserver import protocol as p
 from delayserver.config import Config
@@ -85,3 +86,58 @@ def test_the_abuse_log_refills_and_says_how_many_lines_it_kept_back(caplog):
     now[0] = 30.0  # half a minute: one line's worth back
     limiter.warn("a connection", "peer", ValueError("bad"))
     assert "(3 more not logged)" in caplog.records[-1].getMessage() and limiter.suppressed == 0
+
+
+async def _pump_frames(frames: list[p.Frame], gate) -> tuple[list[p.Frame], list[str]]:
+    """Run the pump over an in-memory connection carrying `frames`, then EOF; the frames it
+    answered and who answered each (the gate or the responder)."""
+    client, server = trio.testing.memory_stream_pair()
+    by: list[str] = []
+
+    async def respond(frame: p.Frame) -> bytes:
+        by.append("respond")
+        return p.encode(p.Frame(frame.command, frame.request_id, b"in:" + frame.payload, is_response=True))
+
+    async def gated(frame, send):
+        by.append("gate")
+        return await gate(frame, send)
+
+    limits = pump_module.PumpLimits(4096, idle_timeout_s=10, max_in_flight=1, say_timeout=False)
+    async with trio.open_nursery() as nursery:
+        async def serve():
+            async with server:  # the pump does not close the stream; its caller does
+                await pump_module.pump(server, limits, respond, gate=gated)
+
+        nursery.start_soon(serve)
+        await client.send_all(b"".join(p.encode(f) for f in frames))
+        await client.send_eof()
+        decoder = p.FrameDecoder()
+        with trio.fail_after(10):
+            while chunk := await client.receive_some(65536):
+                decoder.feed(chunk)
+    answers = []
+    while (frame := decoder.next_frame()) is not p.NEED_DATA:
+        answers.append(frame)
+    return answers, by
+
+
+async def test_a_gate_may_answer_frames_and_keep_the_connection_outside_until_auth():
+    async def gate(frame, send):
+        if frame.command == p.Command.AUTH:
+            ok = frame.payload == b"secret"
+            await send(p.encode(p.Frame(p.Command.AUTH if ok else p.Command.ERROR, frame.request_id, b"",
+                                        is_response=True)))
+            return ok
+        await send(p.encode(p.Frame(frame.command, frame.request_id, b"out:" + frame.payload, is_response=True)))
+        return None  # answered; not let in
+
+    meta = lambda rid, body: p.Frame(p.Command.META, rid, body)  # noqa: E731
+    answers, by = await _pump_frames(
+        [meta(1, b"a"), meta(2, b"b"), p.Frame(p.Command.AUTH, 3, b"secret"), meta(4, b"c")], gate)
+    assert [(f.request_id, f.payload) for f in answers] == [(1, b"out:a"), (2, b"out:b"), (3, b""), (4, b"in:c")]
+    assert by == ["gate", "gate", "gate", "respond"]
+
+    # A refusal closes the connection: nothing after it is read or answered.
+    answers, by = await _pump_frames([meta(1, b"a"), p.Frame(p.Command.AUTH, 2, b"guess"), meta(3, b"b")], gate)
+    assert [(f.command, f.request_id) for f in answers] == [(p.Command.META, 1), (p.Command.ERROR, 2)]
+    assert by == ["gate", "gate"]
