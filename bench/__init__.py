@@ -21,5 +21,6 @@ BENCHMARKS = {
     "deliver": "bench.deliver",
     "compare": "bench.compare",
     "meta": "bench.meta",
+    "reconcile": "bench.reconcile",
     "http": "bench.http",
 }

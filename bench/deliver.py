@@ -1,7 +1,11 @@
-"""`ops/bench deliver [--quick]`: end-to-end delivery of messages falling due at a steady rate.
+"""`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge]`: end-to-end
+delivery of messages falling due at a steady rate.
 
-The real server runs as its own process on a temp data directory, delivering to the spool (first
-run) or to Redis Streams on a redis-server the benchmark starts on a free port (second run). A load
+The real server runs as its own process on a temp data directory, delivering, one run each, to
+the spool, to Redis Streams on a redis-server, to a durable RabbitMQ queue (publisher confirms)
+on a rabbitmq-server, and to a JetStream stream (publish acks) on a nats-server, each broker
+started by the benchmark on a free port. `--bridge` also measures the trio -> asyncio crossing
+the RabbitMQ and NATS transports make once per batch. A load
 generator process sends the workload (see `workload.py`: by default 100,000 messages of 256 B due
 uniformly over 10 s, that is 10,000 msg/s falling due) and every send is acknowledged before the
 first message falls due, so the figures are delivery alone. Once the window has passed and
@@ -14,7 +18,8 @@ the stream) and prints:
 - lateness, dispatch time minus schedule time, at P50, P90, P99, P999 and max, where the dispatch
   time is the one the sender stamps on the message as it hands its batch to the broker; for Redis
   also arrival time minus schedule time, the arrival being the millisecond part of the stream
-  entry id (Redis's clock, when it took the entry);
+  entry id (Redis's clock, when it took the entry), and for NATS the stream's timestamp of the
+  stored message (RabbitMQ stamps none);
 - early deliveries (must be 0), duplicates and missing messages;
 - the server's peak RSS (sampled every 50 ms).
 
@@ -23,6 +28,7 @@ P999 <= 200 ms.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import json
@@ -43,6 +49,9 @@ TARGET_P99_MS = 50
 TARGET_P999_MS = 200
 #: How long after the window closes the benchmark waits for stragglers before counting them missing.
 GRACE_MS = 30_000
+TRANSPORTS = ("spool", "redis", "rabbitmq", "nats")
+#: Whose clock stamps a message's arrival, per transport that has one.
+ARRIVAL_CLOCK = {"redis": "Redis", "nats": "JetStream"}
 
 
 def send_workload(address: str, w: Workload, t0: int, kind: str = "ours", zset_key: str = "") -> dict:
@@ -103,16 +112,42 @@ def sustained(delivered: list[Delivered], schedule: list[int], t0: int, window_m
     return by_second_out[slowest], by_second_due[slowest]
 
 
+def _broker(transport: str, tmp: Path, stack: contextlib.ExitStack):
+    """Start the broker `transport` delivers to; (its broker group's config text, a function
+    returning a reader of what arrived). None for the spool."""
+    if transport == "spool":
+        return None
+    if transport == "redis":
+        broker = RedisProcess(tmp / "broker").start()
+        stack.callback(broker.stop)
+        return (f'transport = "redis"\naddress = "{broker.address}"\n', lambda: _stream_reader(broker, stack))
+    from bench import broker_readers
+    from bench.brokers import NatsProcess, RabbitMqProcess, nats_executable
+
+    if transport == "rabbitmq":
+        broker = RabbitMqProcess(tmp / "broker").start()
+        stack.callback(broker.stop)
+        broker_readers.declare_queue(broker.url, SUBJECT)
+        return (f'transport = "rabbitmq"\naddress = "{broker.url}"\n',
+                lambda: broker_readers.queue_reader(broker.url, SUBJECT))
+    if transport == "nats":
+        broker = NatsProcess(nats_executable(), tmp / "broker").start()
+        stack.callback(broker.stop)
+        broker_readers.add_stream(broker.url, SUBJECT)
+        return (f'transport = "nats"\naddress = "{broker.url}"\n',
+                lambda: broker_readers.stream_reader(broker.url, SUBJECT))
+    raise ValueError(f"no deliver benchmark for transport {transport!r}")
+
+
 def run_deliver(transport: str, w: Workload) -> dict:
-    """One run, delivering to `transport` ("spool" or "redis"); the measured figures as a dict."""
+    """One run, delivering to `transport` (one of TRANSPORTS); the measured figures as a dict."""
     with tempfile.TemporaryDirectory(prefix="bench-deliver-") as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         config = None
-        if transport == "redis":
-            broker = RedisProcess(tmp / "broker").start()
-            stack.callback(broker.stop)
+        broker = _broker(transport, tmp, stack)
+        if broker is not None:
             config = tmp / "server.toml"
-            config.write_text(f'[[broker_group]]\nname = "redis"\ntransport = "redis"\naddress = "{broker.address}"\n')
+            config.write_text(f'[[broker_group]]\nname = "{transport}"\n{broker[0]}')
         server = DelayServerProcess(tmp / "data", config)
         stack.callback(server.stop)
         server.start()
@@ -120,15 +155,13 @@ def run_deliver(transport: str, w: Workload) -> dict:
         until = t0 + w.window_ms + GRACE_MS
         with PeakRss(lambda: pids_of(server)) as rss:
             load = send_workload(server.address, w, t0)
-            if transport == "redis":
-                new = _stream_reader(broker, stack)
-            else:
-                new = _spool_reader(tmp / "data")
+            new = broker[1]() if broker is not None else _spool_reader(tmp / "data")
             time.sleep(max(0, t0 - now_ms()) / 1000)
             cpu_at_t0 = cpu_seconds(server.process)
             delivered = _wait_delivered(new, load["acked"], until)
             cpu = cpu_seconds(server.process) - cpu_at_t0
-        return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport == "redis"), "cpu_seconds": cpu}
+        return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
+                "cpu_seconds": cpu}
 
 
 def _figures(w: Workload, t0: int, load: dict, delivered: list[Delivered], peak_rss: int, *, with_arrival: bool) -> dict:
@@ -166,7 +199,7 @@ def report(transport: str, w: Workload, r: dict) -> str:
         f"  lateness, dispatch - schedule: {format_lateness(r['dispatch'])}",
     ]
     if r["arrival"] is not None:
-        lines.append(f"  lateness, arrival in Redis - schedule: {format_lateness(r['arrival'])}")
+        lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
     lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
                  f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message)")
     late = r["dispatch"]
@@ -185,7 +218,22 @@ def report(transport: str, w: Workload, r: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    w = QUICK if argv[:1] == ["--quick"] else FULL
+    parser = argparse.ArgumentParser(prog="ops/bench deliver")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK.describe()} instead of {FULL.describe()}")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS),
+                        help=f"comma-separated, from {', '.join(TRANSPORTS)} (default: all)")
+    parser.add_argument("--bridge", action="store_true",
+                        help="also measure one trio -> asyncio crossing (the rabbitmq and nats transports' bridge)")
+    args = parser.parse_args(argv)
+    w = QUICK if args.quick else FULL
     print(f"deliver benchmark on {environment_note()}; flush=sync", flush=True)
-    for transport in ("spool", "redis"):
+    if args.bridge:
+        from bench.broker_readers import bridge_cost
+
+        sequential, parallel = bridge_cost()
+        print(f"asyncio bridge: {sequential:.1f} us per crossing one at a time; {parallel:,.0f} crossings/s "
+              f"with 64 trio tasks at once", flush=True)
+    for transport in args.transports.split(","):
+        if transport not in TRANSPORTS:
+            parser.error(f"unknown transport {transport!r}")
         print(report(transport, w, run_deliver(transport, w)), flush=True)

@@ -15,6 +15,7 @@ import attrs
 from delayserver.message import MAX_BODY_BYTES, AddressError, parse_address as _parse_address
 from delayserver.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
 from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+from delayserver.sender.transport import check_options
 from delayserver.storage.buckets import MINUTE_MS
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
@@ -237,8 +238,9 @@ def _broker_groups(items: Any) -> tuple[BrokerGroupSpec, ...]:
         if unknown:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown option")
         transport = item.get("transport", "spool")
-        if transport not in ("spool", "redis", "http"):
-            raise ConfigError(f"{where}.transport: expected spool, redis or http, got {transport!r}")
+        kinds = [k.value for k in TransportKind]
+        if transport not in kinds:
+            raise ConfigError(f"{where}.transport: expected one of {', '.join(kinds)}, got {transport!r}")
         weight = item.get("weight", 1)
         if not isinstance(weight, int) or isinstance(weight, bool) or weight <= 0:
             raise ConfigError(f"{where}.weight: expected a positive integer, got {weight!r}")
@@ -247,7 +249,15 @@ def _broker_groups(items: Any) -> tuple[BrokerGroupSpec, ...]:
             raise ConfigError(f"{where}.subjects: expected an array of subject names")
         if transport != "spool" and not item.get("address"):
             raise ConfigError(f"{where}.address: required for the {transport} transport")
-        out.append(BrokerGroupSpec(item["name"], TransportKind(transport), str(item.get("address", "")), weight,
-                                   options=dict(item.get("options", {})),
-                                   subjects=tuple(subjects) if subjects is not None else None))
+        if not isinstance(item.get("options", {}), dict):
+            raise ConfigError(f"{where}.options: expected a table")
+        spec = BrokerGroupSpec(item["name"], TransportKind(transport), str(item.get("address", "")), weight,
+                               options=dict(item.get("options", {})),
+                               subjects=tuple(subjects) if subjects is not None else None)
+        try:
+            # A bad address or option stops the start with a clear message, not a traceback.
+            check_options(spec)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        out.append(spec)
     return tuple(out)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.brokers import nats_executable, rabbitmq_installed
 from bench.compare import compare, ratios, table
 from bench.deliver import report, run_deliver
 from bench.workload import Workload
@@ -22,12 +23,16 @@ pytestmark = [
 TINY = Workload(n=300, window_ms=1000, producers=4, batch=16)
 
 
-@pytest.mark.parametrize("transport", ["spool", "redis"])
+@pytest.mark.parametrize("transport", [
+    "spool", "redis",
+    pytest.param("rabbitmq", marks=pytest.mark.skipif(not rabbitmq_installed(), reason="rabbitmq-server is not installed")),
+    pytest.param("nats", marks=pytest.mark.skipif(nats_executable() is None, reason="nats-server is not installed")),
+])
 def test_deliver_measures_every_message(transport):
     r = run_deliver(transport, TINY)
     assert (r["acked"], r["delivered"], r["missing"]) == (300, 300, 0)
     assert r["dispatch"]["early"] == 0
-    assert (r["arrival"] is not None) == (transport == "redis")
+    assert (r["arrival"] is not None) == (transport in ("redis", "nats"))
     assert f"deliver {transport}:" in report(transport, TINY, r)
 
 

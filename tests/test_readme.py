@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from tests.conftest import free_port
+from tests.sender.test_readme_consumers import consumer_example
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -155,8 +156,9 @@ def test_the_python_examples_run_and_print_what_their_comments_say(ops_run, exam
 
 
 def test_the_other_python_examples_are_covered_elsewhere():
-    """TLS needs certificates (tests/node/test_server.py runs TLS end to end) and the Spark data
-    source a Spark session (tests/spark): README's examples of those are not run here."""
-    covered = set(python_examples())
+    """TLS needs certificates (tests/node/test_server.py runs TLS end to end), the Spark data
+    source a Spark session (tests/spark) and the RabbitMQ and NATS consumers their brokers
+    (tests/sender/test_readme_consumers.py): README's examples of those are not run here."""
+    covered = set(python_examples()) | {consumer_example("RabbitMQ"), consumer_example("NATS JetStream")}
     rest = [b for b in code_blocks(README, "python") if b not in covered]
     assert rest and all("ssl" in b or "spark" in b for b in rest)

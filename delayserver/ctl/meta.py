@@ -1,7 +1,7 @@
 """`delayctl meta`: look at and change what the meta server holds.
 
     delayctl meta [--meta HOST:PORT[,HOST:PORT...]] [--tls-ca PEM] groups|nodes|broker-groups|routes [--json]
-    delayctl meta broker-group add NAME --transport spool|redis|http --address A
+    delayctl meta broker-group add NAME --transport spool|redis|http|rabbitmq|nats --address A
                                [--weight N] [--read-only] [--option KEY=VALUE ...]
     delayctl meta broker-group update NAME [--transport T] [--address A] [--weight N]
                                [--read-only | --writable] [--option KEY=VALUE ...] [--remove-option KEY ...]
@@ -32,6 +32,7 @@ import trio
 
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
 from delayserver.meta.wire import DEFAULT_META_PORT, parse_address_list
+from delayserver.sender.groups import TransportKind
 
 LISTINGS = {
     # listing: (op, result key, columns)
@@ -72,7 +73,7 @@ def register(subparsers) -> None:
     actions = broker_group.add_subparsers(metavar="ACTION", required=True)
     add = actions.add_parser("add", help="add a broker group")
     add.add_argument("name")
-    add.add_argument("--transport", required=True, choices=["spool", "redis", "http"])
+    add.add_argument("--transport", required=True, choices=[k.value for k in TransportKind])
     add.add_argument("--address", required=True)
     add.add_argument("--weight", type=int, default=1)
     add.add_argument("--read-only", action="store_true", help="send nothing to it for now")
@@ -80,7 +81,7 @@ def register(subparsers) -> None:
     add.set_defaults(run=run, build=_add_broker_group)
     update = actions.add_parser("update", help="change some fields of a broker group")
     update.add_argument("name")
-    update.add_argument("--transport", choices=["spool", "redis", "http"])
+    update.add_argument("--transport", choices=[k.value for k in TransportKind])
     update.add_argument("--address")
     update.add_argument("--weight", type=int)
     writable = update.add_mutually_exclusive_group()

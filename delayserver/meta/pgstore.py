@@ -84,6 +84,11 @@ PG_MIGRATIONS = [
         PRIMARY KEY (group_name, epoch)
     )
     """,
+    """
+    ALTER TABLE broker_groups DROP CONSTRAINT broker_groups_transport_check;
+    ALTER TABLE broker_groups ADD CONSTRAINT broker_groups_transport_check
+        CHECK (transport IN ('spool', 'redis', 'http', 'rabbitmq', 'nats'))
+    """,
 ]
 assert len(PG_MIGRATIONS) == SCHEMA_VERSION
 

@@ -31,6 +31,7 @@ from delayserver.meta.store import (
     Conflict, DelayGroup, MetaStore, Node, NodeState, Role, Route, StoreError, StoreUnavailable,
 )
 from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+from delayserver.sender.transport import check_options
 
 log = logging.getLogger("delayserver.meta")
 
@@ -393,6 +394,7 @@ class MetaService:
             options=_options(args.get("options", dict, {})),
         )
         args.finish()
+        _check_transport_options(spec)
 
         def add():
             if any(s.name == spec.name for s in self.store.list_broker_groups()):
@@ -425,6 +427,7 @@ class MetaService:
                 raise NotFound(f"no broker group {name!r}")
             options = {k: v for k, v in {**spec.options, **patch}.items() if v is not None}
             spec = attrs.evolve(spec, options=_options(options), **changes)
+            _check_transport_options(spec)
             self.store.put_broker_group(spec)
             return spec
 
@@ -545,6 +548,14 @@ def _options(value: dict) -> dict:
     if len(json.dumps(value)) > MAX_OPTIONS_JSON:
         raise BadRequest(f"options are over {MAX_OPTIONS_JSON} bytes of JSON")
     return value
+
+
+def _check_transport_options(spec: BrokerGroupSpec) -> None:
+    """BAD_REQUEST naming the field when the group's address or options cannot work."""
+    try:
+        check_options(spec)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _master_json(master: Node | None) -> dict | None:

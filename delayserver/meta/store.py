@@ -59,7 +59,7 @@ class Conflict(StoreError):
 
 
 #: The schema this code reads and writes; `migrations` of each store lead up to it.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @attrs.frozen
@@ -227,12 +227,29 @@ SQLITE_MIGRATIONS = [
         PRIMARY KEY (group_name, epoch)
     );
     """,
+    # Version 3: the rabbitmq and nats transports. SQLite cannot change a CHECK in place: the table
+    # is rebuilt with its rows, in the migration's one transaction.
+    """
+    CREATE TABLE broker_groups_v3 (
+        name TEXT PRIMARY KEY,
+        transport TEXT NOT NULL CHECK (transport IN ('spool', 'redis', 'http', 'rabbitmq', 'nats')),
+        address TEXT NOT NULL,
+        weight INTEGER NOT NULL,
+        read_only INTEGER NOT NULL,
+        options TEXT NOT NULL
+    );
+    INSERT INTO broker_groups_v3 (name, transport, address, weight, read_only, options)
+        SELECT name, transport, address, weight, read_only, options FROM broker_groups;
+    DROP TABLE broker_groups;
+    ALTER TABLE broker_groups_v3 RENAME TO broker_groups
+    """,
 ]
 assert len(SQLITE_MIGRATIONS) == SCHEMA_VERSION
 
 
 class SchemaTooNew(StoreError):
     """The store was migrated by a newer meta server; this one cannot read it safely."""
+
 
 
 class StoreLocked(StoreError):

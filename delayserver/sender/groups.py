@@ -16,6 +16,8 @@ class TransportKind(str, enum.Enum):
     SPOOL = "spool"
     REDIS = "redis"
     HTTP = "http"
+    RABBITMQ = "rabbitmq"
+    NATS = "nats"
 
 
 @attrs.frozen

@@ -308,3 +308,31 @@ def test_the_store_reconnects_after_postgres_restarts(own_postgres):
         assert store.clock_ms() > 1_700_000_000_000
     finally:
         store.close()
+
+
+def test_every_transport_kind_can_be_stored(any_store):
+    for kind in TransportKind:
+        any_store.put_broker_group(BrokerGroupSpec(f"g-{kind.value}", kind, "127.0.0.1:1"))
+    assert {g.transport for g in any_store.list_broker_groups()} == set(TransportKind)
+
+
+def test_a_postgres_store_of_schema_2_takes_the_rabbitmq_and_nats_kinds_after_migration(postgres_url):
+    from delayserver.meta.pgstore import PostgresMetaStore
+
+    store = PostgresMetaStore.open(postgres_url)
+    try:  # put the database back to schema 2: the transport CHECK of before rabbitmq and nats
+        store.put_broker_group(BrokerGroupSpec("r", TransportKind.REDIS, "127.0.0.1:6379", 2))
+        with store._transaction() as cur:
+            cur.execute("ALTER TABLE broker_groups DROP CONSTRAINT broker_groups_transport_check")
+            cur.execute("ALTER TABLE broker_groups ADD CONSTRAINT broker_groups_transport_check "
+                        "CHECK (transport IN ('spool', 'redis', 'http'))")
+            cur.execute("UPDATE schema_version SET version = 2")
+    finally:
+        store.close()
+    store = PostgresMetaStore.open(postgres_url)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+        store.put_broker_group(BrokerGroupSpec("js", TransportKind.NATS, "127.0.0.1:4222"))
+        assert [g.name for g in store.list_broker_groups()] == ["js", "r"]
+    finally:
+        store.close()

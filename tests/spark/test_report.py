@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from delayserver.spark.report import Damage, Figures, Report, utc
+from spark.report import Damage, Figures, Report, utc
 
 LATE = {"p50": 20, "p90": 30, "p99": 30, "p999": 30, "max": 30}
 BUCKET = Figures(scheduled=4, dispatched=3, missing=1, lateness_ms=LATE)
@@ -40,7 +40,7 @@ def test_the_summary_has_a_table_per_node_the_totals_and_the_damage():
     assert "node /n/empty: no records" in lines
     assert "lateness (first dispatch - schedule time): P50 20 ms, P90 30 ms, P99 30 ms, P99.9 30 ms, max 30 ms" in lines
     assert f"DAMAGED: {damage.error}; the figures above leave those records out" in lines
-    assert lines[-1] == "RESULT: 1 damaged segment(s), 1 missing"
+    assert lines[-1] == "RESULT: 1 damaged place(s), 1 missing"
 
 
 def test_the_json_holds_every_figure_at_every_level():
@@ -50,3 +50,16 @@ def test_the_json_holds_every_figure_at_every_level():
     assert [n["node"] for n in out["nodes"]] == ["/n/a", "/n/empty"]
     assert out["buckets"][0]["bucket"] == "202511220826" and out["buckets"][0]["missing"] == 1
     assert out["damage"] == [] and out["outputs"] == {}
+
+
+def test_an_early_dispatch_fails_the_run_and_the_breakdowns_are_shown():
+    early = Figures(scheduled=1, dispatched=1, early=1, lateness_ms={**LATE, "max": -5},
+                    lateness_histogram=(1,) + (0,) * 18)
+    text = report(total=early, subjects={"orders.paid": early}, broker_groups={None: Figures(scheduled=2)},
+                  truncated=("bucket",)).render()
+    assert report(total=early).exit_status == 1
+    assert "by subject" in text and "  orders.paid" in text
+    assert "by broker group (of the first dispatch)" in text and "\n  -  " in text
+    assert "more bucket rows than shown: every one is in the summary written with --out" in text
+    assert text.splitlines()[-1] == "RESULT: 1 messages dispatched early, 0 missing"
+    assert early.to_json()["lateness_histogram"][0] == {"from_ms": None, "to_ms": 0, "count": 1}

@@ -1,4 +1,5 @@
-"""The result of a reconciliation: figures per bucket, per node and in total; as text or JSON.
+"""The result of a reconciliation: figures in total, per node, per bucket (each node's own), per
+subject and per broker group (of a message's first dispatch; "-": not dispatched); as text or JSON.
 
 What the figures mean (each scheduled message, a SCHEDULED record, is exactly one of dispatched,
 cancelled, missing or not yet due):
@@ -11,8 +12,10 @@ cancelled, missing or not yet due):
 - orphan_dispatches: dispatch records whose offset holds no readable scheduled message (follows
   damage to the schedule segment);
 - lateness_ms: first dispatch time minus schedule time over dispatched messages, at P50, P90, P99,
-  P99.9 (nearest rank: the smallest lateness that many of them are within; exact up to 1/10000 of
-  the rank on big buckets) and the exact max; None when nothing was dispatched.
+  P99.9 (nearest rank: the smallest lateness that many of them are within; exact, computed on the
+  executors) and max; None when nothing was dispatched;
+- lateness_histogram: how many dispatched messages fall in each bin of HISTOGRAM_BINS (the first is
+  "early", below 0 ms); None when nothing was dispatched.
 """
 from __future__ import annotations
 
@@ -21,6 +24,13 @@ import datetime as _dt
 import attrs
 
 PERCENTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
+LEVELS = ("total", "node", "bucket", "subject", "broker_group")
+#: Lower edges of the lateness histogram's bins, in ms; a bin runs to the next edge, the last one
+#: has no upper edge, and before the first (0) is one more bin, "early".
+HISTOGRAM_EDGES_MS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000,
+                      300_000, 3_600_000)
+#: (from_ms, to_ms) of each bin, None where it is open.
+HISTOGRAM_BINS = ((None, 0),) + tuple(zip(HISTOGRAM_EDGES_MS, HISTOGRAM_EDGES_MS[1:] + (None,)))
 COUNTS = ("scheduled", "cancelled", "dispatched", "duplicated", "missing", "not_yet_due", "orphan_dispatches",
           "early")
 LATENESS = tuple(name for name, _ in PERCENTILES) + ("max",)
@@ -38,14 +48,19 @@ class Figures:
     orphan_dispatches: int = 0
     early: int = 0
     lateness_ms: dict[str, int] | None = None
+    lateness_histogram: tuple[int, ...] | None = None
 
     def to_json(self) -> dict:
-        return attrs.asdict(self)
+        out = attrs.asdict(self)
+        if self.lateness_histogram is not None:
+            out["lateness_histogram"] = [{"from_ms": low, "to_ms": high, "count": n}
+                                         for (low, high), n in zip(HISTOGRAM_BINS, self.lateness_histogram)]
+        return out
 
 
 @attrs.frozen
 class Damage:
-    """A CORRUPT or TORN_TAIL row of a data source: what and where."""
+    """A CORRUPT, TORN_TAIL or AMBIGUOUS_SPLIT row of a data source: what and where."""
 
     file: str
     offset: int
@@ -63,15 +78,21 @@ class Report:
     total: Figures
     nodes: dict[str, Figures]
     buckets: dict[tuple[str, str], Figures]
+    subjects: dict[str | None, Figures] = attrs.field(factory=dict)
+    broker_groups: dict[str | None, Figures] = attrs.field(factory=dict)
     damage: tuple[Damage, ...] = ()
     torn_tails: tuple[Damage, ...] = ()
-    #: {"missing": {"parquet": dir, "csv": dir}, "duplicated": {...}} when ids were written.
+    #: {"missing": {"parquet": dir, "csv": dir}, "duplicated": {...}, ...} when written.
     outputs: dict[str, dict[str, str]] = attrs.field(factory=dict)
+    #: The levels with more keys than the report holds (all of them are in the written summary).
+    truncated: tuple[str, ...] = ()
+    #: Damage found in all (the report holds the first ones).
+    damage_count: int = 0
 
     @property
     def exit_status(self) -> int:
         """0 when nothing is missing and nothing is damaged, else 1."""
-        return 1 if self.total.missing or self.damage else 0
+        return 1 if self.total.missing or self.total.early or self.damage else 0
 
     def to_json(self) -> dict:
         return {
@@ -82,6 +103,10 @@ class Report:
             "nodes": [{"node": node, **f.to_json()} for node, f in self.nodes.items()],
             "buckets": [{"node": node, "bucket": bucket, **f.to_json()}
                         for (node, bucket), f in self.buckets.items()],
+            "subjects": [{"subject": subject, **f.to_json()} for subject, f in self.subjects.items()],
+            "broker_groups": [{"broker_group": group, **f.to_json()} for group, f in self.broker_groups.items()],
+            "truncated": list(self.truncated),
+            "damage_count": self.damage_count,
             "damage": [d.to_json() for d in self.damage],
             "torn_tails": [d.to_json() for d in self.torn_tails],
             "outputs": self.outputs,
@@ -94,6 +119,8 @@ class Report:
                  f"{len(self.data_dirs)} data director{'y' if len(self.data_dirs) == 1 else 'ies'}", ""]
         for node, figures in self.nodes.items():
             lines += _node_table(node, figures, {b: f for (n, b), f in self.buckets.items() if n == node})
+        lines += _table("subject", "SUBJECT", self.subjects)
+        lines += _table("broker group (of the first dispatch)", "BROKER_GROUP", self.broker_groups)
         lines += _summary(self)
         return "\n".join(lines) + "\n"
 
@@ -117,10 +144,20 @@ def _node_table(node: str, total: Figures, buckets: dict[str, Figures]) -> list[
     if not buckets:
         return [f"node {node}: no records", ""]
     rows = [_HEAD] + [_row(b, f) for b, f in sorted(buckets.items())] + [_row("node total", total)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEAD))]
-    table = ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    return [f"node {node}"] + table + [""]
+    return [f"node {node}"] + _aligned(rows) + [""]
+
+
+def _table(title: str, head: str, figures: dict) -> list[str]:
+    if not figures:
+        return []
+    rows = [(head,) + _HEAD[1:]] + [_row("-" if key is None else key, f) for key, f in figures.items()]
+    return [f"by {title}"] + _aligned(rows) + [""]
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
 
 
 def _summary(report: Report) -> list[str]:
@@ -138,10 +175,16 @@ def _summary(report: Report) -> list[str]:
         lines.append(f"warning: {d.error} (the records before it are counted)")
     for d in report.damage:
         lines.append(f"DAMAGED: {d.error}; the figures above leave those records out")
+    if report.damage_count > len(report.damage) + len(report.torn_tails):
+        lines.append(f"{report.damage_count} damaged places in all (the first {len(report.damage)} shown)")
+    for level in report.truncated:
+        lines.append(f"more {level} rows than shown: every one is in the summary written with --out")
     for kind, paths in report.outputs.items():
         lines.append(f"{kind} ids: {paths['parquet']} (Parquet), {paths['csv']} (CSV)")
     if report.damage:
-        lines.append(f"RESULT: {len(report.damage)} damaged segment(s), {t.missing} missing")
+        lines.append(f"RESULT: {len(report.damage)} damaged place(s), {t.missing} missing")
+    elif t.early:
+        lines.append(f"RESULT: {t.early} messages dispatched early, {t.missing} missing")
     elif t.missing:
         lines.append(f"RESULT: {t.missing} messages missing")
     else:

@@ -1,0 +1,299 @@
+"""The reconciliation on DataFrames: classify every scheduled message, count, write the ids.
+
+A message is one SCHEDULED record, keyed by (node, bucket, offset): a dispatch_log record names the
+schedule_log offset of its own bucket on its own node. What each figure means is in `report`.
+
+Nothing grows with the number of messages on the driver. The logs are decoded once (cached, memory
+then disk); one aggregation over grouping sets turns the classified messages into counts per
+(level, key, state, lateness value) -- as many rows as distinct lateness values, not messages --
+from which the counts, the exact nearest-rank percentiles (a running sum over the sorted values,
+per key) and the lateness histogram of every level come. The driver collects at most `max_rows`
+keys per level; with `out`, every level and every id is written there by the executors.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from spark import source
+from spark.logs import (
+    COLUMNS, DEFAULT_SPLIT_BYTES, DISPATCH_LOG, SCHEDULE_LOG, check_data_dir, normalize_data_dirs,
+)
+from spark.report import HISTOGRAM_EDGES_MS, LEVELS, PERCENTILES, Damage, Figures, Report
+
+KEY = ["node", "bucket", "offset"]
+#: The rows of each breakdown (bucket, subject, broker group) the driver collects for the report.
+DEFAULT_MAX_ROWS = 1000
+#: Damage rows the driver collects (all are counted, and written with `out`).
+MAX_DAMAGE = 1000
+SCHEDULE_COLUMNS = ["node", "bucket", "file", "offset", "record_type", "message_log_offset", "schedule_time",
+                    "sequence", "message_id", "subject", "error"]
+DISPATCH_COLUMNS = ["node", "bucket", "file", "offset", "record_type", "schedule_offset", "dispatch_time",
+                    "broker_group", "error"]
+MESSAGE_COLUMNS = ["node", "bucket", "offset", "message_log_offset", "message_id", "subject", "schedule_time",
+                   "sequence"]
+DISPATCH_FIGURES = ["dispatches", "first_dispatch_time", "last_dispatch_time", "broker_groups"]
+#: The id tables written with `out`: which messages, with which columns.
+ID_TABLES = {
+    "missing": MESSAGE_COLUMNS,
+    "duplicated": MESSAGE_COLUMNS + DISPATCH_FIGURES,
+    "early": MESSAGE_COLUMNS + DISPATCH_FIGURES + ["lateness"],
+    "orphans": ["node", "bucket", "offset"] + DISPATCH_FIGURES,
+}
+
+
+def read_log(spark: SparkSession, log: str, data_dirs: list[str], names: list[str],
+             split_bytes: int = DEFAULT_SPLIT_BYTES) -> DataFrame:
+    """The columns `names` of `log` in the data directories, through the data source."""
+    source.register(spark)
+    kinds = dict(COLUMNS[log])
+    return (spark.read.format(f"delayserver.{log}")
+            .schema(", ".join(f"{name} {kinds[name]}" for name in names))
+            .option("data_dirs", json.dumps(data_dirs)).option("split_bytes", str(split_bytes)).load())
+
+
+def reconcile(spark: SparkSession, data_dirs: list[str], as_of: int, out: str | None = None, *,
+              split_bytes: int = DEFAULT_SPLIT_BYTES, max_rows: int = DEFAULT_MAX_ROWS) -> Report:
+    """Reconcile the data directories as of `as_of` (epoch ms); with `out`, write the summaries and
+    the ids of missing, duplicated and early messages and of orphan dispatches there (Parquet and
+    CSV, replacing earlier output).
+
+    Raises ValueError for a malformed list of data directories (see `normalize_data_dirs`) and
+    NotADataDirectory for a path that is not a data directory, before Spark reads anything.
+    """
+    data_dirs = normalize_data_dirs(data_dirs)
+    for data_dir in data_dirs:
+        check_data_dir(data_dir)
+    schedule = read_log(spark, SCHEDULE_LOG, data_dirs, SCHEDULE_COLUMNS, split_bytes).persist(
+        StorageLevel.MEMORY_AND_DISK)
+    dispatch = read_log(spark, DISPATCH_LOG, data_dirs, DISPATCH_COLUMNS, split_bytes).persist(
+        StorageLevel.MEMORY_AND_DISK)
+    cached = [schedule, dispatch]
+    try:
+        damage_rows = _damage_rows(schedule, dispatch)
+        damage = [Damage(r.file, r.offset, r.record_type, r.error)
+                  for r in damage_rows.orderBy("file", "offset").limit(MAX_DAMAGE).collect()]
+        damage_count = damage_rows.count() if len(damage) == MAX_DAMAGE else len(damage)
+        messages = classify(schedule, dispatch, as_of)
+        orphaned = orphans(schedule, dispatch)
+        stats = _stats(spark, messages, orphaned).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(stats)
+        summary = summarize(stats)
+        levels, truncated = _collect(summary, max_rows)
+        outputs = {}
+        if out:
+            outputs = write_all(out, summary, id_tables(messages, orphaned), damage_rows)
+    finally:
+        for frame in cached:
+            frame.unpersist()
+    return Report(as_of, tuple(data_dirs), levels["total"].get((None, None), Figures()),
+                  {d: levels["node"].get((d, None), Figures()) for d in data_dirs},
+                  levels["bucket"], {key: f for (key, _), f in levels["subject"].items()},
+                  {key: f for (key, _), f in levels["broker_group"].items()},
+                  tuple(d for d in damage if d.kind != "TORN_TAIL"),
+                  tuple(d for d in damage if d.kind == "TORN_TAIL"),
+                  outputs, truncated, damage_count)
+
+
+def _damage_rows(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
+    columns = ["node", "bucket", "file", "offset", "record_type", "error"]
+    return (schedule.filter(F.col("error").isNotNull()).select(*columns)
+            .unionByName(dispatch.filter(F.col("error").isNotNull()).select(*columns)))
+
+
+def _dispatches(dispatch: DataFrame) -> DataFrame:
+    """Per dispatched offset: how many records, first and last time, the broker groups, the group
+    of the first dispatch."""
+    return (dispatch.filter(F.col("record_type") == "DISPATCH")
+            .groupBy("node", "bucket", F.col("schedule_offset").alias("offset"))
+            .agg(F.count("*").alias("dispatches"),
+                 F.min("dispatch_time").alias("first_dispatch_time"),
+                 F.max("dispatch_time").alias("last_dispatch_time"),
+                 F.concat_ws(",", F.array_sort(F.collect_set("broker_group"))).alias("broker_groups"),
+                 F.min_by("broker_group", F.struct("dispatch_time", "broker_group")).alias("broker_group")))
+
+
+def classify(schedule: DataFrame, dispatch: DataFrame, as_of: int) -> DataFrame:
+    """One row per scheduled message with its `state` (dispatched, cancelled, missing, not_yet_due),
+    its dispatch figures, `broker_group` (of its first dispatch) and `lateness` (first dispatch -
+    schedule time, null if not dispatched)."""
+    scheduled = schedule.filter(F.col("record_type") == "SCHEDULED")
+    # A cancel applies to the earlier records of its key, so the latest cancel of a key decides.
+    cancels = (schedule.filter(F.col("record_type") == "SCHEDULED_CANCEL")
+               .groupBy("node", "bucket", "schedule_time", "message_id")
+               .agg(F.max("offset").alias("last_cancel_offset")))
+    joined = (scheduled.join(cancels, ["node", "bucket", "schedule_time", "message_id"], "left")
+              .join(_dispatches(dispatch), KEY, "left")
+              .fillna(0, ["dispatches"]))
+    state = (F.when(F.col("dispatches") > 0, "dispatched")
+             .when(F.col("last_cancel_offset") > F.col("offset"), "cancelled")
+             .when(F.col("schedule_time") < F.lit(as_of), "missing")
+             .otherwise("not_yet_due"))
+    return joined.select(*MESSAGE_COLUMNS, *DISPATCH_FIGURES, "broker_group", state.alias("state"),
+                         (F.col("first_dispatch_time") - F.col("schedule_time")).alias("lateness"))
+
+
+def orphans(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
+    """Dispatched offsets with no scheduled message, with their dispatch figures."""
+    scheduled = schedule.filter(F.col("record_type") == "SCHEDULED").select(*KEY)
+    return _dispatches(dispatch).join(scheduled, KEY, "left_anti")
+
+
+_GROUPING_SETS = {
+    # level: the columns its key is made of
+    "total": [],
+    "node": ["node"],
+    "bucket": ["node", "bucket"],
+    "subject": ["subject"],
+    "broker_group": ["broker_group"],
+}
+assert tuple(_GROUPING_SETS) == LEVELS
+
+
+def _stats(spark: SparkSession, messages: DataFrame, orphaned: DataFrame) -> DataFrame:
+    """Counts per (level, key, state, lateness): one pass over the messages, grouping sets.
+
+    The messages are first counted per combination of every dimension (few: the distinct lateness
+    values times buckets, subjects and groups), so that the grouping sets expand those counts
+    five-fold rather than every message."""
+    dimensions = ["node", "bucket", "subject", "broker_group", "state", "lateness"]
+    facts = (messages.select(*dimensions[:-1], "lateness", F.lit(1).alias("n"),
+                             (F.col("dispatches") > 1).cast("int").alias("duplicated"),
+                             F.lit(0).cast("bigint").alias("orphan_dispatches"))
+             .unionByName(orphaned.select("node", "bucket", F.lit(None).cast("string").alias("subject"),
+                                          "broker_group", F.lit("orphan").alias("state"),
+                                          F.lit(None).cast("bigint").alias("lateness"), F.lit(1).alias("n"),
+                                          F.lit(0).alias("duplicated"),
+                                          F.col("dispatches").alias("orphan_dispatches")))
+             .groupBy(*dimensions).agg(F.sum("n").alias("n"), F.sum("duplicated").alias("duplicated"),
+                                       F.sum("orphan_dispatches").alias("orphan_dispatches")))
+    view = f"facts_{uuid.uuid4().hex}"
+    facts.createOrReplaceTempView(view)
+    sets = ", ".join("(" + ", ".join(cols + ["state", "lateness"]) + ")" for cols in _GROUPING_SETS.values())
+    level = "CASE " + " ".join(
+        f"WHEN {' AND '.join(f'grouping({c}) = 0' for c in cols)} THEN '{name}'"
+        for name, cols in sorted(_GROUPING_SETS.items(), key=lambda kv: -len(kv[1])) if cols) + " ELSE 'total' END"
+    try:
+        return spark.sql(f"""
+            SELECT {level} AS level,
+                   CASE WHEN grouping(node) = 0 THEN node WHEN grouping(subject) = 0 THEN subject
+                        WHEN grouping(broker_group) = 0 THEN broker_group END AS key,
+                   CASE WHEN grouping(bucket) = 0 THEN bucket END AS sub_key,
+                   state, lateness, sum(n) AS n, sum(duplicated) AS duplicated,
+                   sum(orphan_dispatches) AS orphan_dispatches
+            FROM {view} GROUP BY GROUPING SETS ({sets})""")
+    finally:
+        spark.catalog.dropTempView(view)
+
+
+def _bin(lateness):
+    """Index of the histogram bin of `lateness` (0: early; see report.HISTOGRAM_EDGES_MS)."""
+    expr = F.when(lateness < 0, F.lit(0))
+    for i, edge in enumerate(HISTOGRAM_EDGES_MS[1:], start=1):
+        expr = expr.when(lateness < edge, F.lit(i))
+    return expr.otherwise(F.lit(len(HISTOGRAM_EDGES_MS)))
+
+
+def summarize(stats: DataFrame) -> DataFrame:
+    """One row per (level, key, sub_key): the counts, the lateness percentiles (exact nearest
+    rank), max and the histogram (an array of counts, one per bin).
+
+    One window (a running count of dispatched messages over the sorted lateness values of a key)
+    and one aggregation over it: the stats are small, and each stage more costs more than its data.
+    """
+    keys = ["level", "key", "sub_key"]
+    state, n, lateness = F.col("state"), F.col("n"), F.col("lateness")
+    dispatched = state == "dispatched"
+    by_key = Window.partitionBy(*keys)
+    ranked = (stats.withColumn("cum", F.sum(F.when(dispatched, n).otherwise(0)).over(
+                  by_key.orderBy(lateness.asc_nulls_first(), "state")
+                  .rowsBetween(Window.unboundedPreceding, Window.currentRow)))
+              .withColumn("total", F.sum(F.when(dispatched, n).otherwise(0)).over(by_key))
+              .withColumn("bin", _bin(lateness)))
+
+    def total(condition, value=n):
+        return F.coalesce(F.sum(F.when(condition, value)), F.lit(0)).cast("bigint")
+
+    # Nearest rank: the P-th percentile is the smallest value with at least ceil(P * count) values <= it.
+    percentiles = [F.min(F.when(dispatched & (F.col("cum") >= F.ceil(F.lit(p) * F.col("total"))), lateness))
+                   .alias(name) for name, p in PERCENTILES]
+    bins = [total(dispatched & (F.col("bin") == i)) for i in range(len(HISTOGRAM_EDGES_MS) + 1)]
+    return ranked.groupBy(*keys).agg(
+        total(state != "orphan").alias("scheduled"), total(state == "cancelled").alias("cancelled"),
+        total(dispatched).alias("dispatched"), total(dispatched, F.col("duplicated")).alias("duplicated"),
+        total(state == "missing").alias("missing"), total(state == "not_yet_due").alias("not_yet_due"),
+        total(F.lit(True), F.col("orphan_dispatches")).alias("orphan_dispatches"),
+        total(dispatched & (lateness < 0)).alias("early"),
+        *percentiles, F.max(F.when(dispatched, lateness)).alias("max"),
+        F.when(F.max(F.when(dispatched, lateness)).isNotNull(), F.array(*bins)).alias("lateness_histogram"))
+
+
+def _collect(summary: DataFrame, max_rows: int):
+    """{level: {(key, sub_key): Figures}} with at most `max_rows` keys of each level, and the
+    levels cut short there."""
+    ranked = summary.withColumn("rank", F.row_number().over(
+        Window.partitionBy("level").orderBy(F.col("key").asc_nulls_first(), "sub_key")))
+    rows = ranked.filter(F.col("rank") <= max_rows + 1).collect()
+    levels = {level: {} for level in LEVELS}
+    truncated = []
+    for r in sorted(rows, key=lambda r: r["rank"]):
+        if r["rank"] > max_rows:
+            truncated.append(r.level)
+            continue
+        levels[r.level][(r.key, r.sub_key)] = _figures(r)
+    return levels, tuple(sorted(set(truncated)))
+
+
+def _figures(r) -> Figures:
+    lateness = None
+    if r["max"] is not None:
+        lateness = {name: r[name] for name, _ in PERCENTILES} | {"max": r["max"]}
+    return Figures(r.scheduled, r.cancelled, r.dispatched, r.duplicated, r.missing, r.not_yet_due,
+                   r.orphan_dispatches, r.early, lateness,
+                   tuple(r.lateness_histogram) if r.lateness_histogram is not None else None)
+
+
+def id_tables(messages: DataFrame, orphaned: DataFrame) -> dict[str, DataFrame]:
+    """The messages (and orphan dispatches) an operator must look at, by kind."""
+    state = F.col("state")
+    return {
+        "missing": messages.filter(state == "missing"),
+        "duplicated": messages.filter((state == "dispatched") & (F.col("dispatches") > 1)),
+        "early": messages.filter((state == "dispatched") & (F.col("lateness") < 0)),
+        "orphans": orphaned,
+    }
+
+
+def write_all(out: str, summary: DataFrame, ids: dict[str, DataFrame], damage: DataFrame) -> dict[str, dict[str, str]]:
+    """Write OUT/{missing,duplicated,early,orphans}.{parquet,csv} (sorted by node, bucket, offset),
+    OUT/summary.{parquet,csv} and OUT/damage.{parquet,csv}; one part file each, written even when
+    empty (so that a reader finds them), replacing earlier output. Returns where."""
+    out = out.rstrip("/")
+    # The rows to look at are few next to the messages: computed once, in one pass, then written.
+    problems = None
+    for kind, frame in ids.items():
+        rows = frame.select(F.lit(kind).alias("kind"), *[F.col(c) for c in ID_TABLES[kind]])
+        problems = rows if problems is None else problems.unionByName(rows, allowMissingColumns=True)
+    problems = problems.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        written = {kind: _write(problems.filter(F.col("kind") == kind).select(*ID_TABLES[kind]), out, kind, KEY)
+                   for kind in ids}
+        flat = summary.withColumn("lateness_histogram", F.to_json("lateness_histogram"))
+        written["summary"] = _write(flat, out, "summary", ["level", "key", "sub_key"])
+        written["damage"] = _write(damage, out, "damage", ["file", "offset"])
+    finally:
+        problems.unpersist()
+    return written
+
+
+def _write(frame: DataFrame, out: str, name: str, order: list[str]) -> dict[str, str]:
+    # One shuffle into one partition keeps the upstream work parallel (coalesce would not).
+    single = frame.repartition(1).sortWithinPartitions(*order)
+    paths = {"parquet": f"{out}/{name}.parquet", "csv": f"{out}/{name}.csv"}
+    single.write.mode("overwrite").parquet(paths["parquet"])
+    single.write.mode("overwrite").option("header", True).csv(paths["csv"])
+    return paths
