@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from delayserver.storage.segment import storage_failures
+
 #: Lateness bounds in seconds: a precise delay server lives in the first few.
 LATENESS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -118,8 +120,12 @@ class _NodeCollector(Collector):
         ticks, receiver, replayer, sender = s.ticks, s.receiver, s.replayer, s.sender
         yield _counter("delayserver_received_total", "Messages accepted (durable) by this node.", receiver.appended)
         yield _counter("delayserver_commit_batches_total", "Group-commit batches written.", receiver.batches)
-        yield _gauge("delayserver_read_only", "1 while the node refuses writes after a failed fsync.",
+        yield _gauge("delayserver_read_only", "1 while the node refuses writes after a failed fsync or an I/O error.",
                      int(bool(receiver.read_only_reason)))
+        yield _gauge("delayserver_storage_failures", "Files of the data directory whose fsync or write failed.",
+                     len(storage_failures(s.store.root)))
+        yield _gauge("delayserver_quarantined_buckets", "Buckets quarantined for a damaged record.",
+                     len(s.store.quarantined()))
         yield _gauge("delayserver_disk_full", "1 while new messages are refused for lack of disk space.",
                      int(bool(s.disk.full)))
         yield _gauge("delayserver_message_log_end_offset", "End offset of message_log.",

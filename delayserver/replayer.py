@@ -55,6 +55,8 @@ class Replayer:
         self.caught_up = Wakeup()
         self.recent_batch = recent_batch
         self.on_disk_full = on_disk_full
+        # One checkpoint writer at a time (replay loop, cleaner, drain): snapshot, fsync, rename.
+        self._checkpoint_lock = trio.Lock()
 
     @property
     def checkpoint_path(self):
@@ -186,13 +188,18 @@ class Replayer:
         self.checkpointed_offset = data["message_log_offset"]
 
     async def checkpoint_async(self) -> None:
-        """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread)."""
-        snapshot = self._snapshot()
-        try:
-            await trio.to_thread.run_sync(self._write_checkpoint, snapshot)
-        except StorageError:
-            self.store.schedule_log.mark_dirty(snapshot[0])
-            raise
+        """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread).
+
+        Serialized: a second caller waits, then snapshots afresh, so no checkpoint names sizes whose
+        fsync another writer still has in progress, and none replaces a newer one.
+        """
+        async with self._checkpoint_lock:
+            snapshot = self._snapshot()
+            try:
+                await trio.to_thread.run_sync(self._write_checkpoint, snapshot)
+            except StorageError:
+                self.store.schedule_log.mark_dirty(snapshot[0])
+                raise
 
     async def serve(self, clock, durable_offset, new_data: Wakeup, *, checkpoint_interval_ms: int = 1000,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:

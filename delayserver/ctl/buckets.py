@@ -2,7 +2,9 @@
 cancelled and pending (and dispatched twice), then the totals. Read-only.
 
 A torn tail is counted up to its last whole record (and reported on stderr); a bucket with
-corruption is reported, left out of the totals, and makes the exit code 1.
+corruption is reported, left out of the totals, and makes the exit code 1. A bucket the node
+quarantined (a damaged record found while delivering) is shown as QUARANTINED with the file, offset
+and reason, and makes the exit code 1 until `delayctl salvage` lifts it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import attrs
 
 from delayserver.ctl.progress import Progress
 from delayserver.storage.bucket_log import BucketLog
+from delayserver.storage.quarantine import Quarantined, list_quarantined
 from delayserver.storage.buckets import bucket_name
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.store import BucketStats, bucket_stats
@@ -50,21 +53,43 @@ def run(args) -> int:
             progress.advance(1)
     schedule_log.close()
     dispatch_log.close()
+    quarantined = list_quarantined(data_dir)
     totals = {c: sum(getattr(row, c) for row in rows) for c in COLUMNS}
-    (print_json if args.json else print_table)(rows, totals)
+    (print_json if args.json else print_table)(rows, totals, quarantined)
     for e in damaged:
         print(f"error: {e}", file=sys.stderr)
-    return 1 if damaged else 0
+    for q in quarantined.values():
+        print(f"error: bucket {bucket_name(q.bucket)} QUARANTINED: {q.path} offset {q.offset}: {q.reason} "
+              f"(delayctl salvage {data_dir} {bucket_name(q.bucket)})", file=sys.stderr)
+    return 1 if damaged or quarantined else 0
 
 
-def print_table(rows: list[BucketStats], totals: dict) -> None:
+def _quarantine_note(q: Quarantined) -> str:
+    return f"QUARANTINED {q.path} offset {q.offset}: {q.reason}"
+
+
+def print_table(rows: list[BucketStats], totals: dict, quarantined: dict[int, Quarantined]) -> None:
     print(f"{'BUCKET':<14}" + "".join(f"{h:>12}" for h in HEADINGS))
+    shown = set()
     for row in rows:
-        print(f"{bucket_name(row.bucket):<14}" + "".join(f"{getattr(row, c):>12}" for c in COLUMNS))
+        note = f"  {_quarantine_note(quarantined[row.bucket])}" if row.bucket in quarantined else ""
+        shown.add(row.bucket)
+        print(f"{bucket_name(row.bucket):<14}" + "".join(f"{getattr(row, c):>12}" for c in COLUMNS) + note)
+    for bucket, q in sorted(quarantined.items()):
+        if bucket not in shown:
+            print(f"{bucket_name(bucket):<14}  {_quarantine_note(q)}")
     print(f"{'total':<14}" + "".join(f"{totals[c]:>12}" for c in COLUMNS))
 
 
-def print_json(rows: list[BucketStats], totals: dict) -> None:
+def print_json(rows: list[BucketStats], totals: dict, quarantined: dict[int, Quarantined]) -> None:
+    shown = set()
     for row in rows:
-        print(json.dumps({**attrs.asdict(row), "bucket": bucket_name(row.bucket)}))
+        extra = {}
+        if row.bucket in quarantined:
+            extra = {"state": "QUARANTINED", "quarantine": attrs.asdict(quarantined[row.bucket])}
+        shown.add(row.bucket)
+        print(json.dumps({**attrs.asdict(row), "bucket": bucket_name(row.bucket), **extra}))
+    for bucket, q in sorted(quarantined.items()):
+        if bucket not in shown:
+            print(json.dumps({"bucket": bucket_name(bucket), "state": "QUARANTINED", "quarantine": attrs.asdict(q)}))
     print(json.dumps({"bucket": "total", **totals}))

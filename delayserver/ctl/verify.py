@@ -5,6 +5,7 @@ What is checked:
   its payload decodes, that its type belongs to that log; a schedule_log record's time lies in its
   bucket; a dispatch_log record names a scheduled message of its bucket's schedule segment;
 - message_log's sealed segments each end where the next one begins;
+- no bucket is quarantined (a QUARANTINED bucket is damage until `delayctl salvage` lifts it);
 - the checkpoints: each parses and its crc holds; replay.json's message_log offset is a record
   boundary within message_log, and each schedule segment size it holds is a record boundary within
   that segment (the replayer truncates back to it at start, so it must not lie past the end).
@@ -28,6 +29,7 @@ from delayserver.ctl.segments import LOG_OF_TYPE, SegmentFile
 from delayserver.replayer import CHECKPOINT_NAME
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import CorruptCheckpoint, read_checkpoint
+from delayserver.storage.quarantine import list_quarantined
 from delayserver.storage.record import RecordType
 
 LOGS = ("message_log", "schedule_log", "dispatch_log")
@@ -101,6 +103,9 @@ def run(args) -> int:
         check_checkpoints(v)
         check_message_log(v, progress)
         check_bucket_logs(v, progress)
+    for q in list_quarantined(data_dir).values():
+        v.problems.append(f"bucket {bucket_name(q.bucket)} QUARANTINED: {q.path} offset {q.offset}: {q.reason} "
+                          f"(recover it with: delayctl salvage {data_dir} {bucket_name(q.bucket)})")
     report(v)
     return 1 if v.problems else 0
 

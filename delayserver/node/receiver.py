@@ -12,7 +12,13 @@ Failure rules:
   keep flowing) and refuses new messages until free space is back, then takes the reserve again
   and resumes by itself.
 - An fsync error is fatal for acknowledgements: after it the node answers READ_ONLY to every write,
-  since the kernel may have dropped the dirty pages; it is never retried.
+  since the kernel may have dropped the dirty pages; it is never retried, and no later fsync of
+  the file is trusted (storage/segment.py), so every batch written since the last good fsync gets
+  READ_ONLY too. A failed fsync of any other file of the data directory (schedule_log,
+  dispatch_log, a checkpoint, the spool) also turns the node read-only.
+- The log's end never runs more than `message_log.max_unsynced_bytes` ahead of the last completed
+  fsync: a batch that would go further waits for the fsync in progress. Recovery relies on that
+  bound to tell a power-loss tail from corruption (storage/message_log.py).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
     HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, record_header, set_sequence,
 )
-from delayserver.storage.segment import fsync_path
+from delayserver.storage.segment import fsync_path, storage_failures
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
@@ -161,7 +167,16 @@ class Receiver:
         check_schedule_time(when)
         return when
 
+    def _check_fsync_failures(self) -> None:
+        """Turn read-only on any failed fsync (or I/O error) in the data directory."""
+        if not self.read_only_reason:
+            failures = storage_failures(self.store.root)
+            if failures:
+                path, error = next(iter(failures.items()))
+                self._go_read_only(f"{path}: {error}")
+
     def _refuse_writes(self) -> ResultCode | None:
+        self._check_fsync_failures()
         if self.read_only_reason:
             return ResultCode.READ_ONLY
         if self.disk.refuses():
@@ -238,13 +253,50 @@ class Receiver:
                     await self._wakeup.wait()
                     continue
                 self._idle = trio.Event()
-                batch, self._queue, self._queued, self._queued_bytes = self._queue, [], 0, 0
-                self._write_batch(batch)
+                batch, size = self._take_batch()
+                if batch:
+                    await self._wait_for_room(size)
+                    self._write_batch(batch)
                 # Let the connections queue the next batch while this one is fsynced.
                 await trio.lowlevel.checkpoint()
 
+    def _take_batch(self) -> tuple[list[_Pending], int]:
+        """The queued requests that fit in `max_unsynced_bytes` (at least one), and their size. A
+        request larger than that on its own is refused (it could never be written in bounds)."""
+        limit = self.store.message_log.max_unsynced_bytes
+        batch, total, taken = [], 0, 0
+        for p in self._queue:
+            payload_bytes = sum(len(payload) for payload in p.payloads)
+            size = payload_bytes + HEADER_SIZE * len(p.payloads)
+            if batch and total + size > limit:
+                break
+            taken += 1
+            if size > limit:
+                self._finish([p], ResultCode.MESSAGE_TOO_LARGE,
+                             f"request of {size} bytes is over the {limit}-byte write window of message_log")
+                self._queued -= len(p.payloads)
+                self._queued_bytes -= payload_bytes
+                continue
+            batch.append(p)
+            total += size
+            self._queued -= len(p.payloads)
+            self._queued_bytes -= payload_bytes
+        del self._queue[:taken]
+        return batch, total
+
+    async def _wait_for_room(self, size: int) -> None:
+        """Wait until writing `size` more bytes keeps message_log's end within
+        `max_unsynced_bytes` of the last completed fsync (nothing unsynced always has room)."""
+        message_log = self.store.message_log
+        while not self.read_only_reason:
+            ahead = message_log.end_offset - self.durable_offset
+            if ahead <= 0 or ahead + size <= message_log.max_unsynced_bytes:
+                return
+            await self.durable_changed.wait()
+
     def _write_batch(self, batch: list[_Pending]) -> None:
         """One write for the whole batch; with flush=sync it then waits for the flusher."""
+        self._check_fsync_failures()
         if self.read_only_reason:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         parts, seq = [], max(self.next_sequence, self.sequence_floor())
@@ -307,6 +359,13 @@ class Receiver:
                 continue
             finally:
                 self._flushing = False
+            self._check_fsync_failures()
+            if self.read_only_reason:
+                # Another file's fsync failed meanwhile: once read-only, nothing more is
+                # acknowledged or counted durable (a restart replays it all the same).
+                for _, batch in items:
+                    self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
+                continue
             self.set_durable(items[-1][0])
             for _, batch in items:
                 self._acknowledge(batch)
@@ -338,6 +397,7 @@ class Receiver:
         while True:
             await trio.sleep(self.config.flush_interval_ms / 1000)
             end = self.store.message_log.end_offset
+            self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
                     await trio.to_thread.run_sync(self.store.message_log.sync)
@@ -352,8 +412,14 @@ class Receiver:
             p.done.set()
 
     def _go_read_only(self, reason: str) -> None:
-        log.critical("no more writes are acknowledged: %s", reason)
+        if self.read_only_reason:
+            return
+        log.critical("read-only at message_log durable offset %d: no more writes are acknowledged: %s",
+                     self.durable_offset, reason)
         self.read_only_reason = reason
+        # Wake whoever waits for durability: it will not come.
+        self.durable_changed.set()
+        self.durable_changed = trio.Event()
 
     async def drain(self) -> None:
         """Finish what is queued and make it durable (used on shutdown)."""
@@ -361,5 +427,9 @@ class Receiver:
             await self._idle.wait()
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
-            await trio.to_thread.run_sync(self.store.message_log.sync)
+            try:
+                await trio.to_thread.run_sync(self.store.message_log.sync)
+            except FsyncFailed as e:
+                self._go_read_only(str(e))
+                return
             self.set_durable(self.store.message_log.end_offset)

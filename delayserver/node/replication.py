@@ -238,4 +238,8 @@ class Slave:
                 log.error("dispatch_log bucket %d from the master not stored: %s", bucket, e)
         if count:
             paths, new_files = dispatch_log.take_dirty()
-            await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+            try:
+                await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+            except StorageError as e:  # a failed fsync is final (the node turns read-only), not fatal
+                log.error("replicated dispatch_log records not durable: %s", e)
+                await trio.sleep(1)

@@ -7,6 +7,7 @@ records in `parked/redriven.json` the parked.log offset up to which everything w
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import trio
@@ -17,9 +18,14 @@ from delayserver.storage.reader import read_records
 from delayserver.storage.record import (
     RecordType, decode_parked, encode_message, encode_parked, encode_record, encode_scheduled,
 )
+from delayserver.storage.errors import StorageError
 from delayserver.storage.segment import Segment, read_file
 
+log = logging.getLogger("delayserver.sender")
+
 REDRIVEN = "redriven.json"
+#: Back-off of a failed park: 100 ms doubling to this.
+MAX_PARK_BACKOFF_S = 30.0
 
 
 class ParkedLog:
@@ -33,9 +39,24 @@ class ParkedLog:
         m = delivery.message
         payload = encode_parked(now, delivery.attempt, delivery.schedule_offset, reason,
                                 encode_scheduled(0, encode_message(m, max_body_bytes=len(m.body))))
+        record = encode_record(RecordType.PARKED, payload)
+        delay, appended = 0.1, False
         async with self._lock:
-            self.segment.append(encode_record(RecordType.PARKED, payload))
-            await trio.to_thread.run_sync(self.segment.sync)
+            while True:
+                # A failed park is retried with back-off, never raised: the message stays in flight
+                # (not delivered, not lost) until its PARKED record is durable. A failed write is
+                # rolled back and written again; a failed fsync is not retried by rewriting (no
+                # later fsync of the file is trusted), so it keeps failing until a restart.
+                try:
+                    if not appended:
+                        self.segment.append(record)
+                        appended = True
+                    await trio.to_thread.run_sync(self.segment.sync)
+                    return
+                except StorageError as e:
+                    log.error("parking message %s failed, retrying in %.1f s: %s", m.message_id, delay, e)
+                await trio.sleep(delay)
+                delay = min(delay * 2, MAX_PARK_BACKOFF_S)
 
     def close(self) -> None:
         self.segment.close()

@@ -34,8 +34,8 @@ from delayserver import failpoints
 from delayserver.sender.breaker import CLOSED, OPEN, CircuitBreaker
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
+from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
-from delayserver.storage.errors import DiskFull, StorageError
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
 
@@ -91,7 +91,7 @@ class Sender:
                  parked: ParkedLog | None = None,
                  may_deliver=lambda: True, resolve=None, on_disk_full=lambda: None):
         """`max_inflight` is each broker group's in-flight budget."""
-        self.due = DueQueue(ticks) if ticks is not None else None
+        self.due = DueQueue(ticks, on_corrupt=store.quarantine) if ticks is not None else None
         self.store = store
         self.groups = {g.name: g for g in groups}
         self.clock = clock
@@ -161,8 +161,9 @@ class Sender:
             self._assign(d, None)
             return  # the tick manager was reset (a change of role): the reload owns it now
         now = monotonic_ms() if now is None else now
-        if d.message is None:
-            self.due.reread(d)
+        if d.message is None and self.due.reread(d) is None:
+            self._assign(d, None)
+            return  # its record is damaged: its bucket is quarantined
         serving = self._candidates(d.message.subject)
         if not serving:
             self.no_route += 1
@@ -427,6 +428,11 @@ class Sender:
                     dispatch_log.append(bucket, b"".join(recs))
                 paths, new_files = dispatch_log.take_dirty()
                 await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+                break
+            except FsyncFailed as e:
+                # Never retried (fsyncgate): the records are not durable, so these messages go out
+                # again after a restart; settle them in memory rather than deliver again now.
+                log.error("dispatch_log not durable, a restart delivers these %d again: %s", len(acked), e)
                 break
             except StorageError as e:
                 # The broker has them: a lost dispatch record only means a redelivery after a

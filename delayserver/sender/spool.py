@@ -6,6 +6,8 @@ record format of `storage.record`). The writer promises:
 - one write and one fsync per subject per batch, and ACKED only after the fsync returned;
 - a failed write or fsync (ENOSPC, EIO, any OSError) gives RETRY for that subject's part of the
   batch and truncates the file back to where it ended, so a later append never lands after garbage;
+  after a failed fsync no later append to that file counts as delivered either (RETRY until the
+  node restarts: a later fsync that succeeds proves nothing about the pages the kernel dropped);
 - every append holds an exclusive flock on the file, so several spool transports (two broker groups
   on one data directory, or two processes) never interleave their records;
 - a transport's first append to a file scans it under the lock: a torn tail (a crash cut an append
@@ -33,12 +35,14 @@ import trio
 
 from delayserver.message import SUBJECT_RE, InvalidMessage
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
+from delayserver import failpoints
+from delayserver.storage.errors import StorageError
 from delayserver.storage.reader import Damage, read_file_records
 from delayserver.storage.record import (
     HEADER_SIZE, MAX_PAYLOAD_BYTES, Message, RecordError, RecordType, decode_delivered, encode_delivered,
     encode_message, encode_record,
 )
-from delayserver.storage.segment import fsync_dir
+from delayserver.storage.segment import fsync_dir, fsync_fd, note_io_error
 
 log = logging.getLogger("delayserver.sender.spool")
 
@@ -196,10 +200,14 @@ def _append_durably(path: Path, data: bytes, *, check_tail: bool) -> None:
             try:
                 view = memoryview(data)
                 written = 0
+                failpoints.io("write", path)
                 while written < len(view):
                     written += os.pwrite(fd, view[written:], end + written)
-                os.fsync(fd)
-            except OSError:
+                # Once an fsync of this file failed, every later one raises too (fsyncgate).
+                fsync_fd(fd, path)
+            except (OSError, StorageError) as e:
+                if isinstance(e, OSError):
+                    note_io_error(path, e)
                 try:
                     os.ftruncate(fd, end)
                 except OSError:
@@ -218,7 +226,7 @@ def _truncate_torn_tail(fd: int, path: Path) -> None:
     if valid_end < size:
         log.warning("%s: truncating a torn tail of %d bytes at offset %d", path, size - valid_end, valid_end)
         os.ftruncate(fd, valid_end)
-        os.fsync(fd)
+        fsync_fd(fd, path)
 
 
 def _encode(m: OutboundMessage) -> bytes:
@@ -298,6 +306,10 @@ class SpoolTransport(Transport):
                 self._checked.discard(subject)
                 log.warning("%s: append failed, will retry: %s", path, e)
                 return DeliveryResult(Outcome.RETRY, f"{path}: {e.strerror or e}")
+            except StorageError as e:  # a failed fsync: nothing of this append counts as delivered
+                self._checked.discard(subject)
+                log.error("%s: append not durable, will retry: %s", path, e)
+                return DeliveryResult(Outcome.RETRY, str(e))
             except SpoolCorrupt as e:
                 log.error("%s", e)
                 return DeliveryResult(Outcome.RETRY, str(e))

@@ -29,9 +29,13 @@ MAX_OPEN_FDS = 128
 class BucketLog:
     """A directory of per-bucket segments; `sizes` maps bucket start -> end of the last record."""
 
-    def __init__(self, directory: Path, max_open: int = MAX_OPEN_FDS, readonly: bool = False):
+    def __init__(self, directory: Path, max_open: int = MAX_OPEN_FDS, readonly: bool = False,
+                 power_loss_window: int | None = None):
         self.directory = Path(directory)
         self.readonly = readonly
+        # How far past its last completed fsync a segment may have been written (see segment.scan):
+        # damage that close to the end, followed by valid records, is a power-loss tail.
+        self.power_loss_window = power_loss_window
         self.sizes: SegmentDirectory[int] = SegmentDirectory()
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._dirty: set[int] = set()
@@ -157,7 +161,7 @@ class BucketLog:
         path = self.path(bucket)
         if not path.exists():
             return None
-        result = scan(read_file(path), path)
+        result = scan(read_file(path), path, power_loss_window=self.power_loss_window)
         if result.torn_bytes:
             if self.readonly:
                 log.warning("%s: torn tail at offset %d (%s): %d bytes left for the node to truncate",

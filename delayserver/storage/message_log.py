@@ -8,6 +8,16 @@ Sealed segments are not scanned at open (that would read the whole log); a bad r
 found when it is read. Their sizes are checked at open, though: each must end where the next one
 begins. One that does not is quarantined: opening succeeds and says so loudly, and any read that
 reaches the segment raises CorruptSegment (a read from a later offset is unaffected).
+
+The last durable offset. The writer (the receiver) never lets the log's end run more than
+`max_unsynced_bytes` past its last completed fsync: a batch that would go further waits for the
+fsync in progress. So after a power loss the last durable offset is at least the end of the last
+valid record on disk minus `max_unsynced_bytes`, and nothing before that point was written after
+the last completed fsync. At open, damage in the active segment followed by valid records is a
+power-loss tail when it starts within `max_unsynced_bytes` of the last valid record: it is
+truncated and the records dropped with it are logged (no acknowledgement, replay checkpoint or
+replica relied on them, since all of those wait for an fsync). Damage before that point is
+corruption. Sealed segments were fsynced whole at their roll, so damage in them is corruption.
 """
 from __future__ import annotations
 
@@ -23,6 +33,8 @@ from delayserver.storage.segment import Segment, fsync_dir, read_file
 log = logging.getLogger("delayserver.storage")
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+#: How far the log's end may run ahead of its last completed fsync (see the module docstring).
+DEFAULT_MAX_UNSYNCED_BYTES = 32 * 1024 * 1024
 SUFFIX = ".log"
 
 
@@ -31,21 +43,24 @@ def segment_name(base: int) -> str:
 
 
 class MessageLog:
-    def __init__(self, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+    def __init__(self, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES):
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
+        self.max_unsynced_bytes = max_unsynced_bytes
         self.segments: SegmentDirectory[int] = SegmentDirectory()  # base -> size of sealed segment
         self.active: Segment | None = None
         self.active_base = 0
         self.quarantined: dict[int, tuple[int, str]] = {}  # base -> (file offset, reason)
 
     @classmethod
-    def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "MessageLog":
-        """Open the log, recovering the last segment's torn tail and quarantining sealed segments
-        that do not end where the next one begins. Raises CorruptSegment for damage in the last
-        segment that is not a torn tail.
+    def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+             max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES) -> "MessageLog":
+        """Open the log, recovering the last segment's torn or power-loss tail and quarantining
+        sealed segments that do not end where the next one begins. Raises CorruptSegment for
+        damage in the last segment before its last durable offset (module docstring).
         """
-        self = cls(directory, segment_bytes)
+        self = cls(directory, segment_bytes, max_unsynced_bytes)
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.directory.glob("*" + SUFFIX)):
             stem = path.name[: -len(SUFFIX)]
@@ -57,7 +72,7 @@ class MessageLog:
             self._start_segment(0)
         else:
             self.active_base = last
-            self.active = Segment.open(self.path(last))
+            self.active = Segment.open(self.path(last), power_loss_window=max_unsynced_bytes)
             self.segments[last] = self.active.size
         return self
 
@@ -101,7 +116,7 @@ class MessageLog:
         return self.active_base + pos
 
     def roll(self) -> None:
-        self.active.sync()
+        self.active.sync(site="roll")
         failpoints.hit("segment-roll")
         base = self.end_offset
         self.active.close()

@@ -206,20 +206,53 @@ class ScanResult:
     records: int
     torn_bytes: int
     torn_reason: str = ""
+    #: Power-loss damage: whole valid records past the damage that were dropped with it.
+    dropped_records: int = 0
 
 
-def scan(buf, path, *, allow_torn_tail: bool = True) -> ScanResult:
+def last_valid_end(buf, pos: int) -> tuple[int, int]:
+    """After damage at `pos`: the end of the last whole valid record past it, and how many valid
+    records lie past it ((pos, 0) when none)."""
+    end, count = pos, 0
+    nxt = find_valid_record_after(buf, pos)
+    while nxt is not None:
+        p = nxt
+        for _, _, _, p in read_records(buf, start=nxt, report=_ignore):
+            count += 1
+        end = p
+        nxt = find_valid_record_after(buf, p)
+    return end, count
+
+
+def _ignore(damage: Damage) -> None:
+    pass
+
+
+def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | None = None) -> ScanResult:
     """Walk every record of a segment image and classify its end (recovery's view of
     `read_records`): where the valid records end, how many there are, and the torn tail.
 
     Raises CorruptSegment for damage followed by valid data, or for any damage when
     `allow_torn_tail` is False (a sealed segment has no tail that may be torn).
+
+    A file written past its last completed fsync can come back from a power loss damaged in any
+    way: unsynced writes lost, reordered or torn, so a hole can be followed by valid later writes.
+    Where the writer bounds how far it runs ahead of its last completed fsync, `power_loss_window`
+    is that bound: damage followed by valid data that starts within that many bytes of the end of
+    the last valid record is past what anyone relied on, and is cut like a torn tail (the result
+    counts the whole records dropped with it). Damage before that point stays corruption.
     """
     found: list[Damage] = []
     count = sum(1 for _ in read_records(buf, path, sealed=not allow_torn_tail, report=found.append))
     if not found:
         return ScanResult(len(buf), count, 0)
     damage = found[0]
-    if not damage.torn:
-        raise damage.error()
-    return ScanResult(damage.offset, count, damage.length, damage.reason)
+    if damage.torn:
+        return ScanResult(damage.offset, count, damage.length, damage.reason)
+    if allow_torn_tail and power_loss_window is not None:
+        valid_end, dropped = last_valid_end(buf, damage.offset)
+        if damage.offset >= valid_end - power_loss_window:
+            return ScanResult(damage.offset, count, damage.length,
+                              f"{damage.reason}, then {dropped} valid records written after the last durable "
+                              "point (power loss)", dropped)
+    raise damage.error()

@@ -3,6 +3,15 @@
 Recovery reads the segment with the one reader (`storage.reader.scan`), which keeps the three
 outcomes apart: clean end; torn tail (truncated here, with the file, offset and bytes dropped
 logged); corruption (CorruptSegment names the file and offset; nothing past it is ever yielded).
+Where the writer bounds how far it runs ahead of its last completed fsync (`power_loss_window`),
+damage within that many bytes of the last valid record is a power-loss tail, truncated and logged
+like a torn one (see `reader.scan`).
+
+fsync failures are final (fsyncgate): Linux reports a writeback error once and may drop the dirty
+pages, so a later fsync of the same file, through any descriptor, that succeeds proves nothing.
+Every failed fsync is remembered per file for the life of the process, and every later fsync of
+that file raises FsyncFailed too: nothing written to it since its last good fsync is ever counted
+durable. `fsync_failures()` lists them (the node turns read-only and says why).
 """
 from __future__ import annotations
 
@@ -13,16 +22,82 @@ from pathlib import Path
 
 import attrs
 
+from delayserver import failpoints
 from delayserver.storage.errors import CorruptSegment, DiskFull, FsyncFailed, StorageError
 from delayserver.storage.reader import scan
 
 log = logging.getLogger("delayserver.storage")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+# path -> why its fsync failed; see the module docstring (fsyncgate).
+_failed_fsyncs: dict[str, str] = {}
+
+
+def _fsync_key(path) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+# path -> an I/O error (EIO, not ENOSPC) of a write or rename of it: the device is failing.
+_io_errors: dict[str, str] = {}
+
+
+def _under(failures: dict[str, str], under) -> dict[str, str]:
+    if under is None or not failures:
+        return dict(failures)
+    root = _fsync_key(under)
+    return {k: v for k, v in failures.items() if k == root or k.startswith(root + os.sep)}
+
+
+def fsync_failures(under=None) -> dict[str, str]:
+    """Every file (or directory) whose fsync failed in this process, with the error; with
+    `under`, those of that directory and below only."""
+    return _under(_failed_fsyncs, under)
+
+
+def storage_failures(under=None) -> dict[str, str]:
+    """fsync failures and I/O errors (not a full disk) of writes and renames: what turns a node
+    read-only."""
+    return {**_under(_io_errors, under), **_under(_failed_fsyncs, under)}
+
+
+def note_io_error(path, error: OSError) -> None:
+    """Remember an I/O error (EIO and the like; a full disk is not one) of a write or rename."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        _io_errors.setdefault(_fsync_key(path), str(error))
+
+
+def forget_fsync_failures(under) -> None:
+    """Forget the failed fsyncs of files under `under`: only for a data directory being opened
+    afresh by recovery, which trusts only what is on disk (a restart within one process)."""
+    for failures in (_failed_fsyncs, _io_errors):
+        for key in _under(failures, under):
+            del failures[key]
+
+
+def _fsync(fd: int, path, op: str, site: str | None = None) -> None:
+    key = _fsync_key(path)
+    earlier = _failed_fsyncs.get(key)
+    if earlier is not None:
+        raise FsyncFailed(f"{path}: an earlier fsync of it failed ({earlier}); nothing written to it since "
+                          "its last good fsync counts as durable")
     try:
+        failpoints.io(op, path, site)
         os.fsync(fd)
+    except OSError as e:
+        _failed_fsyncs[key] = str(e)
+        log.critical("%s: fsync failed (%s): what was written to it since its last good fsync is never counted "
+                     "durable, and no later fsync of it is trusted", path, e)
+        raise FsyncFailed(f"{path}: fsync failed: {e}") from e
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (after creating, renaming or deleting in it). Raises FsyncFailed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise StorageError(f"{path}: could not open the directory to fsync it: {e}") from e
+    try:
+        _fsync(fd, path, "dirfsync")
     finally:
         os.close(fd)
 
@@ -42,6 +117,7 @@ def write_all(fd: int, data, pos: int, path) -> None:
     view = memoryview(data)
     written = 0
     try:
+        failpoints.io("write", path)
         while written < len(view):
             written += os.pwrite(fd, view[written:], pos + written)
     except OSError as e:
@@ -51,15 +127,14 @@ def write_all(fd: int, data, pos: int, path) -> None:
             log.error("%s: could not truncate back to %d after a failed write", path, pos)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"{path}: no space left on device") from e
+        note_io_error(path, e)
         raise StorageError(f"{path}: write failed: {e}") from e
 
 
-def fsync_fd(fd: int, path) -> None:
-    """fsync, translated: an fsync error is never retried (the page cache may have dropped data)."""
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise FsyncFailed(f"{path}: fsync failed: {e}") from e
+def fsync_fd(fd: int, path, site: str | None = None) -> None:
+    """fsync, translated: an fsync error is never retried (the page cache may have dropped data),
+    and once an fsync of `path` failed, every later one raises FsyncFailed too."""
+    _fsync(fd, path, "fsync", site)
 
 
 def fsync_path(path) -> None:
@@ -81,7 +156,8 @@ class Segment:
     size: int
 
     @classmethod
-    def open(cls, path: Path, *, create: bool = True, recover: bool = True, sealed: bool = False) -> "Segment":
+    def open(cls, path: Path, *, create: bool = True, recover: bool = True, sealed: bool = False,
+             power_loss_window: int | None = None) -> "Segment":
         """Open (and with `recover`, scan) a segment; a torn tail is truncated and logged.
 
         Raises CorruptSegment when damage is not a torn tail (see `scan`).
@@ -91,11 +167,14 @@ class Segment:
         try:
             size = os.fstat(fd).st_size
             if recover and size:
-                result = scan(read_file(path), path, allow_torn_tail=not sealed)
+                result = scan(read_file(path), path, allow_torn_tail=not sealed,
+                              power_loss_window=power_loss_window)
                 if result.torn_bytes:
                     log.warning(
-                        "%s: torn tail at offset %d (%s): truncating %d bytes",
+                        "%s: torn tail at offset %d (%s): truncating %d bytes%s",
                         path, result.valid_end, result.torn_reason, result.torn_bytes,
+                        f" holding {result.dropped_records} whole records never acknowledged" if result.dropped_records
+                        else "",
                     )
                     os.ftruncate(fd, result.valid_end)
                     fsync_fd(fd, path)
@@ -112,8 +191,8 @@ class Segment:
         self.size = pos + len(data)
         return pos
 
-    def sync(self) -> None:
-        fsync_fd(self.fd, self.path)
+    def sync(self, site: str | None = None) -> None:
+        fsync_fd(self.fd, self.path, site)
 
     def read(self, start: int, end: int | None = None) -> bytes:
         end = self.size if end is None else min(end, self.size)

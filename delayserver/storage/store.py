@@ -16,13 +16,21 @@ import attrs
 
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
-from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
+from delayserver.storage.checkpoint import read_checkpoint, remove_stale_temp_files, write_checkpoint
 from delayserver.storage.errors import StorageError
-from delayserver.storage.message_log import DEFAULT_SEGMENT_BYTES, MessageLog
+from delayserver.storage.message_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_BYTES, MessageLog
+from delayserver.storage.quarantine import forget as forget_quarantines, list_quarantined, quarantine_error
+from delayserver.storage.segment import forget_fsync_failures
 from delayserver.storage.record import (
     Dispatch, RecordType, cancel_key, decode_dispatch, dispatch_schedule_offset, scheduled_key,
 )
 
+
+#: How far dispatch_log may have been written past its last completed fsync: the sender fsyncs each
+#: batch's records before it settles the batch, and has at most `max_inflight` (20000 by default)
+#: deliveries unsettled, each with at most one record of a few hundred bytes. A dispatch record lost
+#: to a power loss only means a redelivery, never a lost message.
+DISPATCH_POWER_LOSS_WINDOW = 8 << 20
 
 #: What must stay free besides the reserve for a node to start taking messages.
 RESERVE_HEADROOM = 1 << 20
@@ -64,24 +72,36 @@ class Store:
 
     @classmethod
     def open(cls, root: Path, *, segment_scale_ms: int = DEFAULT_SCALE_MS,
-             message_log_segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "Store":
+             message_log_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+             max_unsynced_bytes: int = DEFAULT_MAX_UNSYNCED_BYTES) -> "Store":
         """Open the data directory at `root`; raises LayoutMismatch when it was written under
         another segment_scale (see `check_layout`)."""
         root = Path(root)
         check_scale(segment_scale_ms)
+        # Recovery trusts only what is on disk: a restart within one process starts afresh.
+        forget_fsync_failures(root)
+        forget_quarantines(root)
         (root / "checkpoint").mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(root / "checkpoint")
         check_layout(root, segment_scale_ms)
         return cls(
             root,
             segment_scale_ms,
-            MessageLog.open(root / "message_log", message_log_segment_bytes),
+            MessageLog.open(root / "message_log", message_log_segment_bytes, max_unsynced_bytes),
             BucketLog.open(root / "schedule_log"),
-            BucketLog.open(root / "dispatch_log"),
+            BucketLog.open(root / "dispatch_log", power_loss_window=DISPATCH_POWER_LOSS_WINDOW),
         )
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.root / "checkpoint"
+
+    def quarantine(self, bucket: int, error) -> None:
+        """Set a bucket aside after a CorruptSegment in its segments (storage/quarantine.py)."""
+        quarantine_error(self.root, bucket, error)
+
+    def quarantined(self) -> dict:
+        return list_quarantined(self.root)
 
     def dispatched(self, bucket: int) -> dict[int, Dispatch]:
         """schedule_log offset -> its first dispatch record, after recovering a torn tail."""

@@ -6,6 +6,10 @@ forgets one without delivering it, `retry_later` holds one for a while on a mono
 `generation` tells whether what the sender holds is still owed (the tick manager was reset by a
 change of role: the reload owns it now). Waiting is by wake-ups, never by polling: `ready` is set
 when messages are due, `retry_wakeup` when a retry was scheduled.
+
+A due record that cannot be read (CorruptSegment) is handed to `on_corrupt(bucket, error)` (the
+node quarantines its bucket, storage/quarantine.py), settled in memory and skipped: the other
+messages keep going out. Without `on_corrupt` the error is raised.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ import logging
 import attrs
 import trio
 
-from delayserver.storage.record import Message
 from delayserver.storage.errors import CorruptSegment
+from delayserver.storage.record import Message
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.wheel")
@@ -40,8 +44,9 @@ class Due:
 
 
 class DueQueue:
-    def __init__(self, ticks):
+    def __init__(self, ticks, on_corrupt=None):
         self._ticks = ticks
+        self._on_corrupt = on_corrupt
         self.ready = Wakeup()
         self.retry_wakeup = Wakeup()
         self._retries: list = []
@@ -69,12 +74,15 @@ class DueQueue:
     def take(self, limit: int) -> list[Due]:
         """Up to `limit` due messages, read from schedule_log; cancelled ones are dropped here.
 
-        Raises CorruptSegment when a due record cannot be read (it stays undelivered)."""
+        A record that cannot be read goes to `on_corrupt` and is skipped (raised without it)."""
         ticks = self._ticks
         out = []
         generation = ticks.generation
         for ref in ticks.take(limit):
-            bucket, offset, _mlo, message = self._read(ref)
+            read = self._read(ref)
+            if read is None:
+                continue
+            bucket, offset, _mlo, message = read
             if ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
                 ticks.drop_cancelled(ref)
                 self.cancelled += 1
@@ -82,17 +90,24 @@ class DueQueue:
             out.append(Due(ref, bucket, offset, message, generation))
         return out
 
-    def reread(self, due: Due) -> Message:
-        """The message of a backlogged `due`, read again."""
-        due.message = self._read(due.ref)[3]
+    def reread(self, due: Due) -> Message | None:
+        """The message of a backlogged `due`, read again; None when its record cannot be read
+        (handed to `on_corrupt` and settled: the caller lets it go)."""
+        read = self._read(due.ref) if self.is_current(due) else None
+        due.message = read[3] if read is not None else None
         return due.message
 
     def _read(self, ref: int):
         try:
             return self._ticks.read_message(ref)
-        except CorruptSegment:
-            log.exception("cannot read a due message: it stays undelivered until repaired")
-            raise
+        except CorruptSegment as e:
+            if self._on_corrupt is None:
+                log.exception("cannot read a due message: it stays undelivered until repaired")
+                raise
+            # Quarantine its bucket, settle it in memory and go on.
+            self._on_corrupt(self._ticks.split(ref)[0], e)
+            self._ticks.on_dispatched(ref)
+            return None
 
     def is_current(self, due: Due) -> bool:
         return due.generation == self._ticks.generation

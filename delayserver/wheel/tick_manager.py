@@ -178,15 +178,24 @@ class TickManager:
         A slice is at most `max_bytes` of segment and stops once it has taken `max_s` seconds
         (None: no time bound), so that the caller can let other work run between slices.
 
-        Raises CorruptSegment on a damaged record (nothing past it is loaded).
+        A damaged record quarantines its bucket (nothing past it is loaded) and the load goes on.
         """
         target = self.load_target(now)
-        if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
-            self._load_chunk(now, max_bytes, max_s)
-            return True
-        nxt = self._next_bucket()
-        if nxt is not None and nxt <= target:
-            self._begin(nxt)
+        try:
+            if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
+                self._load_chunk(now, max_bytes, max_s)
+                return True
+            nxt = self._next_bucket()
+            if nxt is not None and nxt <= target:
+                self._begin(nxt)
+                return True
+        except CorruptSegment as e:
+            # Quarantine the bucket (storage/quarantine.py) and go on past it: what was loaded
+            # before the damage is delivered, the rest waits for `delayctl salvage`.
+            self.store.quarantine(self.loading_bucket, e)
+            self.loaded_offset = self.loading_end
+            self._skip_in_load = set()
+            self._release_held()
             return True
         if self.loading_bucket is None or self.loading_bucket < target:
             # Blocking exit: no segment for the target bucket yet, so move the cursors onto it

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from delayserver.storage.checkpoint import CorruptCheckpoint, read_checkpoint, write_checkpoint
+from delayserver.storage.checkpoint import CorruptCheckpoint, read_checkpoint, remove_stale_temp_files, write_checkpoint
 from tests.damage import flip_bit, truncate
 
 OLD = {"message_log_offset": 100, "schedule_sizes": {"202611221600": 4096}, "max_sequence": 7}
@@ -33,7 +33,8 @@ def test_crash_between_temp_write_and_rename_leaves_the_old_document(tmp_path):
     assert read_checkpoint(path) == OLD
     write_checkpoint(path, NEW)
     assert read_checkpoint(path) == NEW
-    assert not (tmp_path / "replay.json.tmp").exists()
+    remove_stale_temp_files(tmp_path)  # what opening the data directory does
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["replay.json"]
 
 
 def test_process_killed_before_the_rename_leaves_the_old_document(tmp_path):
@@ -47,7 +48,7 @@ def test_process_killed_before_the_rename_leaves_the_old_document(tmp_path):
     env = dict(os.environ, DELAYSERVER_FAILPOINT="checkpoint-before-rename")
     proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env, timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert (tmp_path / "replay.json.tmp").exists()
+    assert len(list(tmp_path.glob(".replay.json.*.tmp"))) == 1
     assert read_checkpoint(path) == OLD
 
 

@@ -89,6 +89,22 @@ def test_scan_gives_recovery_the_valid_end_and_the_torn_bytes():
         scan(IMAGE[:-3], "seg", allow_torn_tail=False)
 
 
+def test_scan_cuts_damage_followed_by_valid_records_only_within_the_power_loss_window():
+    # A hole at record 2 with records 3 and 4 whole after it: what a power loss leaves when
+    # unsynced writes land out of order.
+    image = flipped(IMAGE, OFFSETS[2] + HEADER_SIZE + 3)
+    tail = len(IMAGE) - OFFSETS[2]
+    result = scan(image, "seg", power_loss_window=tail)
+    assert (result.valid_end, result.records, result.torn_bytes, result.dropped_records) == (OFFSETS[2], 2, tail, 2)
+    assert "power loss" in result.torn_reason
+    with pytest.raises(CorruptSegment):
+        scan(image, "seg", power_loss_window=tail - 1)
+    with pytest.raises(CorruptSegment):
+        scan(image, "seg")
+    with pytest.raises(CorruptSegment):
+        scan(image, "seg", allow_torn_tail=False, power_loss_window=tail)
+
+
 @pytest.mark.parametrize("chunk_bytes", [HEADER_SIZE, 50, len(RECORDS[0]), len(RECORDS[0]) + 1, 1 << 20])
 @pytest.mark.parametrize("image", [IMAGE, IMAGE[:-3], flipped(IMAGE, OFFSETS[2] + 20), IMAGE + bytes(100)],
                          ids=["clean", "incomplete", "corrupt", "zeros"])

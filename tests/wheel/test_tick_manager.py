@@ -170,22 +170,26 @@ def test_a_load_cut_short_resumes_from_the_loaded_cursor(node, monkeypatch):
     assert sorted(fire_ids(fired)) == sorted(f"m{i}" for i in range(20))
 
 
-def test_a_corrupt_record_stops_the_load_loudly_and_nothing_past_it_is_loaded(node):
+def test_a_corrupt_record_quarantines_its_bucket_and_nothing_past_it_is_loaded(node):
     node.send([(f"m{i}", START_MS + 1000 + i) for i in range(3)])
+    node.send([("later", START_MS + 2 * SCALE_MS)])
     node.replay_all()
     node.replayer.checkpoint()
-    path = node.store.schedule_log.path(bucket_of(START_MS))
+    bucket = bucket_of(START_MS)
+    path = node.store.schedule_log.path(bucket)
     raw = bytearray(path.read_bytes())
     first_end = len(raw) // 3
     raw[first_end + HEADER_SIZE + 2] ^= 0xFF
     path.write_bytes(bytes(raw))
     node.ticks.load_step(START_MS)
-    with pytest.raises(CorruptSegment):
-        node.ticks.load_step(START_MS)
-    assert node.ticks.loaded_offset == first_end and len(node.ticks.wheel) == 1
-    with pytest.raises(CorruptSegment):
-        node.ticks.load_step(START_MS)
-    assert len(node.ticks.wheel) == 1, "a retry adds nothing twice"
+    assert node.ticks.load_step(START_MS), "the loader goes on past a damaged bucket"
+    assert len(node.ticks.wheel) == 1, "what lay before the damage is loaded, nothing past it"
+    quarantined = node.store.quarantined()
+    assert list(quarantined) == [bucket]
+    assert (quarantined[bucket].path, quarantined[bucket].offset) == (str(path), first_end)
+    node.now = START_MS + 3 * SCALE_MS
+    node.load_all()
+    assert len(node.ticks.wheel) + len(node.ticks.ready) == 2, "the later bucket still loads"
 
 
 def test_overdue_messages_of_a_bucket_larger_than_a_chunk_come_out_in_schedule_time_order(node):
