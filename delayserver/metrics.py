@@ -178,7 +178,7 @@ class _NodeCollector(Collector):
         failed = CounterMetricFamily("delayserver_broker_group_failed_batches", "Batches that failed whole.",
                                      labels=["broker_group"])
         inflight = GaugeMetricFamily("delayserver_broker_group_inflight",
-                                     "Messages queued for or in the transport of a broker group.",
+                                     "Deliveries held against a broker group's in-flight budget (queued, in its transport, split or waiting to retry).",
                                      labels=["broker_group"])
         breaker = GaugeMetricFamily("delayserver_broker_group_breaker",
                                     "1 for the circuit breaker's current state.", labels=["broker_group", "state"])
@@ -187,7 +187,7 @@ class _NodeCollector(Collector):
             retried.add_metric([g.name], g.retried)
             parked.add_metric([g.name], g.parked)
             failed.add_metric([g.name], g.failed_batches)
-            inflight.add_metric([g.name], len(g.queue) + g.sending)
+            inflight.add_metric([g.name], g.inflight)
             for state in BREAKER_STATES:
                 breaker.add_metric([g.name, state], int(g.breaker.state == state))
         yield from (delivered, retried, parked, failed, inflight, breaker)

@@ -135,7 +135,7 @@ class ServerOps:
             out.append({"name": g.name, "transport": spec.transport.value if spec is not None else "",
                         "weight": g.weight,
                         "subjects": sorted(g.subjects) if g.subjects is not None else None,
-                        "breaker": g.breaker.state, "queued": len(g.queue), "inflight": len(g.queue) + g.sending,
+                        "breaker": g.breaker.state, "queued": len(g.queue), "inflight": g.inflight,
                         "delivered": g.sent, "retried": g.retried, "parked": g.parked,
                         "failed_batches": g.failed_batches})
         return out
