@@ -16,11 +16,7 @@ import trio
 from delayserver.message import MessageState
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.id_index import DispatchIndex, IdIndex
-from delayserver.storage.record import (
-    HEADER_SIZE, RecordError, RecordType, cancel_key, decode_dispatch, parse_record, record_size,
-    scheduled_key,
-)
-from delayserver.storage.errors import CorruptSegment
+from delayserver.storage.record import RecordType, cancel_key, decode_dispatch, scheduled_key
 
 READ_GUESS_BYTES = 512
 
@@ -31,26 +27,6 @@ class Found:
     dispatch_time: int = 0
     broker_group: str = ""
     offsets: tuple[int, ...] = ()
-
-
-def read_record(bucket_log, bucket: int, offset: int) -> tuple[int, bytes, int, int]:
-    """(rtype, data, payload start, payload end) of the whole, checked record at `offset`.
-
-    Raises CorruptSegment when there is no whole valid record there."""
-    data = bucket_log.read(bucket, offset, offset + READ_GUESS_BYTES)
-    if len(data) < HEADER_SIZE:
-        raise CorruptSegment(bucket_log.path(bucket), offset, "no record here")
-    need = record_size(data, 0)
-    if need > len(data):
-        data = bucket_log.read(bucket, offset, offset + need)
-    try:
-        parsed = parse_record(data, 0, min(need, len(data)))
-    except RecordError as e:
-        raise CorruptSegment(bucket_log.path(bucket), offset, e.reason) from None
-    if parsed is None:
-        raise CorruptSegment(bucket_log.path(bucket), offset, "record cut short")
-    rtype, s, e = parsed
-    return rtype, data, s, e
 
 
 class Lookup:
@@ -79,7 +55,7 @@ class Lookup:
         offsets: list[int] = []
         cancels: list[int] = []
         for offset in self.ids.candidates(bucket, schedule_time, message_id):
-            rtype, data, s, e = read_record(store.schedule_log, bucket, offset)
+            rtype, data, s, e = store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
             if rtype == RecordType.SCHEDULED:
                 _, sched, _, mid = scheduled_key(data, s)
                 if sched == schedule_time and mid == message_id:
@@ -92,7 +68,7 @@ class Lookup:
         await self.dispatches.ensure(bucket)
         positions = [p for p in (self.dispatches.first(bucket, o) for o in offsets) if p is not None]
         if positions:
-            _, data, s, e = read_record(store.dispatch_log, bucket, min(positions))
+            _, data, s, e = store.dispatch_log.read_record(bucket, min(positions), READ_GUESS_BYTES)
             d = decode_dispatch(data, s, e)
             return Found(MessageState.DELIVERED, d.dispatch_time, d.broker_group, tuple(offsets))
         last_cancel = max(cancels, default=-1)

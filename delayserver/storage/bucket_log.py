@@ -16,7 +16,8 @@ from pathlib import Path
 
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.directory import SegmentDirectory
-from delayserver.storage.errors import StorageError
+from delayserver.storage.errors import CorruptSegment, StorageError
+from delayserver.storage.record import HEADER_SIZE, RecordError, parse_record, record_size
 from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan
 from delayserver.storage.segment import fsync_dir, fsync_fd, fsync_path, read_file, write_all
 
@@ -138,6 +139,26 @@ class BucketLog:
         if end <= start:
             return b""
         return os.pread(self._fd(bucket), end - start, start)
+
+    def read_record(self, bucket: int, offset: int, guess: int = 512) -> tuple[int, bytes, int, int]:
+        """(rtype, data, payload start, payload end) of the whole, checked record at `offset`.
+
+        One read of `guess` bytes covers most records whole; a bigger one takes a second read.
+        Raises CorruptSegment when there is no whole valid record there."""
+        data = self.read(bucket, offset, offset + guess)
+        if len(data) < HEADER_SIZE:
+            raise CorruptSegment(self.path(bucket), offset, "no record here")
+        need = record_size(data, 0)
+        if need > len(data):
+            data = self.read(bucket, offset, offset + need)
+        try:
+            parsed = parse_record(data, 0, min(need, len(data)))
+        except RecordError as e:
+            raise CorruptSegment(self.path(bucket), offset, e.reason) from None
+        if parsed is None:
+            raise CorruptSegment(self.path(bucket), offset, "record cut short")
+        rtype, start, end = parsed
+        return rtype, data, start, end
 
     def _check_writable(self) -> None:
         if self.readonly:

@@ -40,7 +40,7 @@ import time
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
     HEADER_SIZE, RecordError, RecordType, cancel_key, record_size, scheduled_time,
-    decode_scheduled, iter_records, parse_record,
+    decode_scheduled, iter_records,
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
@@ -356,20 +356,7 @@ class TickManager:
         Raises CorruptSegment if the record there is damaged or cut short.
         """
         bucket, offset = self.split(ref)
-        schedule_log = self.store.schedule_log
-        data = schedule_log.read(bucket, offset, offset + READ_GUESS_BYTES)
-        if len(data) < HEADER_SIZE:
-            raise CorruptSegment(schedule_log.path(bucket), offset, "no record here")
-        need = record_size(data, 0)
-        if need > len(data):
-            data = schedule_log.read(bucket, offset, offset + need)
-        try:
-            parsed = parse_record(data, 0, min(need, len(data)))
-        except RecordError as e:
-            raise CorruptSegment(schedule_log.path(bucket), offset, e.reason) from None
-        if parsed is None:
-            raise CorruptSegment(schedule_log.path(bucket), offset, "record cut short")
-        rtype, s, e = parsed
+        _, data, s, e = self.store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
         mlo, message = decode_scheduled(data, s, e)
         return bucket, offset, mlo, message
 
