@@ -129,7 +129,7 @@ async def test_bad_input_gets_a_clear_code_and_nothing_is_stored(node, api, body
     assert stored(node) == before
 
 
-async def test_a_body_over_the_limit_is_refused_unread_and_nothing_is_stored(node, api):
+async def test_a_body_over_the_limit_is_refused_with_413_and_nothing_is_stored(node, api):
     before = stored(node)
     huge = json.dumps({"subject": "s.big", "body": "x" * (200 * 1024)}).encode()
     r = await api.post("/v1/messages", content=huge, headers={"Content-Type": "application/json"})

@@ -4,7 +4,8 @@ Every JSON answer of /v1 carries `code` (a ResultCode name, as on the binary pro
 errors, `message`; the HTTP status follows the code (`HTTP_STATUS`). With the node's
 `auth_secret` set, /v1 and /metrics want `Authorization: Bearer <secret>`; /healthz, /readyz,
 /openapi.json and the console's static files do not (the console asks for the token and sends it).
-A request body is read up to `max_body_bytes` and refused with 413 past it, before it is parsed.
+A request body is read up to `max_body_bytes` and refused with 413 past it, before it is parsed
+(the rest of a refused body is read and dropped, up to DRAIN_BYTES, so that the 413 reaches the client).
 """
 from __future__ import annotations
 
@@ -96,15 +97,34 @@ def error_response(code: ResultCode, message: str, **extra) -> JSONResponse:
 # --- request parsing ----------------------------------------------------------------------------
 
 
+#: A refused request body is still read and dropped up to this many bytes before the 413 goes out:
+#: closing a connection with unread bytes makes the kernel reset it, and the client may then lose
+#: the answer before reading it. A declared body larger than this is refused unread.
+DRAIN_BYTES = 16 << 20
+
+
+async def _refuse_oversize(request: Request, limit: int, chunks=None, seen: int = 0):
+    declared = request.headers.get("content-length")
+    if not (declared is not None and declared.isdigit() and int(declared) > DRAIN_BYTES):
+        async for chunk in (chunks if chunks is not None else request.stream()):
+            seen += len(chunk)
+            if seen > DRAIN_BYTES:
+                break
+    raise ApiError(ResultCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
+
+
 async def read_json(request: Request, limit: int):
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise ApiError(ResultCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
+        if not declared.isdigit():
+            raise ApiError(ResultCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
+        await _refuse_oversize(request, limit)
     body = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream()
+    async for chunk in chunks:
         body += chunk
         if len(body) > limit:
-            raise ApiError(ResultCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
+            await _refuse_oversize(request, limit, chunks, len(body))
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
