@@ -150,4 +150,8 @@ async def test_one_eio_at_a_segment_roll_fsync_acknowledges_nothing_written_to_t
 @pytest.mark.parametrize("fault,read_only,allowed", SITES, ids=[s[0] for s in SITES])
 async def test_an_io_fault_acknowledges_nothing_after_it_and_loses_nothing_acknowledged(tmp_path, fault, read_only,
                                                                                       allowed):
-    await run_with_fault(tmp_path, fault, read_only=read_only, allowed=allowed)
+    result = await run_with_fault(tmp_path, fault, read_only=read_only, allowed=allowed)
+    # The fault fired, and every message acknowledged around it was delivered after the restart.
+    assert FIRED.search(result["log"])
+    delivered = {d.message_id for d in spool_deliveries(tmp_path / "data")}
+    assert set(result["ledger"].acked) <= delivered
