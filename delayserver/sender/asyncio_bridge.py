@@ -11,6 +11,7 @@ The cost of a crossing (one `run` of a coroutine that does nothing) is measured 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -84,3 +85,18 @@ class AsyncioThread:
         self._loop = self._thread = None
         loop.call_soon_threadsafe(loop.stop)
         await trio.to_thread.run_sync(thread.join)
+
+
+async def send_batch_on(thread: "AsyncioThread", publish_batch, messages, name: str, unacked: str) -> list:
+    """A transport's `send_batch` over its asyncio thread: one crossing for the batch, and one log
+    line when some messages were not acknowledged (they are retried)."""
+    from delayserver.sender.transport import Outcome
+
+    if not messages:
+        return []
+    results = await thread.run(publish_batch, list(messages))
+    failed = [r for r in results if r.outcome is Outcome.RETRY]
+    if failed:
+        logging.getLogger("delayserver.sender").warning(
+            "%s: %d of %d %s, will retry: %s", name, len(failed), len(messages), unacked, failed[0].detail)
+    return results

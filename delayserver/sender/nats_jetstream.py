@@ -46,7 +46,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from delayserver.sender.asyncio_bridge import AsyncioThread
+from delayserver.sender.asyncio_bridge import AsyncioThread, send_batch_on
 from delayserver.sender.transport import (
     ACKED, DELAY_HEADERS, TLS_OPTIONS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names,
     delay_header_values, int_option, str_option, template_option, tls_context,
@@ -154,14 +154,7 @@ class NatsJetStreamTransport(Transport):
         return self.subject_template.format(subject=m.subject)
 
     async def send_batch(self, messages: Sequence[OutboundMessage]) -> list[DeliveryResult]:
-        if not messages:
-            return []
-        results = await self._thread.run(self._publish_batch, list(messages))
-        failed = [r for r in results if r.outcome is Outcome.RETRY]
-        if failed:
-            log.warning("%s: %d of %d not acknowledged, will retry: %s", self.name, len(failed), len(messages),
-                        failed[0].detail)
-        return results
+        return await send_batch_on(self._thread, self._publish_batch, messages, self.name, "not acknowledged")
 
     # --- on the asyncio thread ---------------------------------------------------------------
 

@@ -48,7 +48,7 @@ import aiormq
 import attrs
 import yarl
 
-from delayserver.sender.asyncio_bridge import AsyncioThread
+from delayserver.sender.asyncio_bridge import AsyncioThread, send_batch_on
 from delayserver.sender.transport import (
     ACKED, DELAY_HEADERS, TLS_OPTIONS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names,
     delay_header_values, int_option, str_option, template_option, tls_context,
@@ -139,14 +139,7 @@ class RabbitMqTransport(Transport):
         return f"rabbitmq {url} exchange {self.exchange or '(default)'} routing key {self.routing_key}"
 
     async def send_batch(self, messages: Sequence[OutboundMessage]) -> list[DeliveryResult]:
-        if not messages:
-            return []
-        results = await self._thread.run(self._publish_batch, list(messages))
-        failed = [r for r in results if r.outcome is Outcome.RETRY]
-        if failed:
-            log.warning("%s: %d of %d not confirmed, will retry: %s", self.name, len(failed), len(messages),
-                        failed[0].detail)
-        return results
+        return await send_batch_on(self._thread, self._publish_batch, messages, self.name, "not confirmed")
 
     # --- on the asyncio thread ---------------------------------------------------------------
 
