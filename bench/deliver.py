@@ -246,8 +246,10 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
                 raise RuntimeError(f"the server exited ({server.process.returncode}); its log:\n"
                                    + server.log_path.read_text()[-5000:])
             cpu = cpu_seconds(server.process) - cpu_at_t0
+            stalls = [line for line in server.log_path.read_text(errors="replace").splitlines()
+                      if "event loop blocked" in line]
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
-                "cpu_seconds": cpu}
+                "cpu_seconds": cpu, "stalls": stalls}
 
 
 def _figures(w: Workload, t0: int, load: dict, delivered: list[Delivered], peak_rss: int, *, with_arrival: bool) -> dict:
@@ -288,6 +290,9 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
     lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
                  f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message)")
+    stalls = r.get("stalls", [])
+    lines.append(f"  event loop: {len(stalls)} warnings of a task step over 100 ms"
+                 + "".join(f"\n    {line.strip()[-160:]}" for line in stalls[:5]))
     late = r["dispatch"]
     if bucket_load:
         misses = [f"P99 {late['p99']} > 10 ms"] * (late["p99"] > 10) + [f"P999 {late['p999']} > 50 ms"] * (

@@ -156,6 +156,12 @@ class _NodeCollector(Collector):
         yield _gauge("delayserver_due_waiting", "Due messages waiting for room in flight.", len(ticks.ready))
         yield _gauge("delayserver_retry_waiting", "Deliveries waiting for their retry back-off.",
                      sender.metrics()["delayserver_retry_waiting"])
+        watch = s.loop_watch
+        yield _counter("delayserver_event_loop_slow_steps_total",
+                       f"Task steps that held the event loop for {watch.threshold_s * 1000:g} ms or more.",
+                       watch.slow_steps)
+        yield _gauge("delayserver_event_loop_longest_step_seconds", "The longest task step since the node started.",
+                     watch.longest_s)
         yield from self._groups(sender)
         yield from self._replication(s)
         if self.backlog is not None:

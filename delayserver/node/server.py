@@ -20,6 +20,7 @@ from delayserver.budget import ByteBudget
 from delayserver.clock import WallClock
 from delayserver.config import Config
 from delayserver.lookup import Lookup
+from delayserver.loopwatch import LoopWatch
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
 from delayserver.node.membership import follow_meta, local_groups
@@ -96,6 +97,7 @@ class DelayServer:
         self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
                                             self.lookup, on_acknowledged=self.metrics.acknowledged)
         self.requests = Requests(self.operations, self.master)
+        self.loop_watch = LoopWatch()
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
                                  max_bytes_before_gate=MAX_BYTES_BEFORE_AUTH,
@@ -105,6 +107,7 @@ class DelayServer:
         """Recover, start every service, listen; `task_status.started(port)` once serving."""
         self._open()  # Replayer.open has replayed all of message_log before anything loads
         c = self.config
+        trio.lowlevel.add_instrument(self.loop_watch)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -135,6 +138,7 @@ class DelayServer:
                 log.info("serving on %s:%d, data in %s", c.listen[0], self.port, c.data_dir)
                 task_status.started(self.port)
         finally:
+            trio.lowlevel.remove_instrument(self.loop_watch)
             await self.sender.aclose()
             self.parked.close()
             self.store.close()
@@ -149,7 +153,7 @@ class DelayServer:
         c = self.config
         view = NodeView(c, self.clock, self.port, self.store, self.receiver, self.disk, self.replayer, self.ticks,
                         self.sender, self.master, self.slave, self.role, self.operations,
-                        connections=lambda: self.connections)
+                        connections=lambda: self.connections, loop_watch=self.loop_watch)
         self.backlog = Backlog(c.data_dir, self.clock, c.segment_scale_ms)
         self.metrics.register_node(view, self.backlog)
         if c.metrics_listen is not None or c.http_listen is not None:

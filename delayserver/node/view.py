@@ -12,6 +12,7 @@ import attrs
 
 from delayserver.clock import WallClock
 from delayserver.config import Config
+from delayserver.loopwatch import LoopWatch
 from delayserver.node.operations import MessageOperations
 from delayserver.node.receiver import DiskSpace, Receiver
 from delayserver.node.replication import Master, Slave
@@ -38,6 +39,7 @@ class NodeView:
     role: NodeRole
     operations: MessageOperations
     connections: Callable[[], int]  # open producer connections
+    loop_watch: LoopWatch
 
     @property
     def node_id(self) -> str:

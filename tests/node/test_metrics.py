@@ -57,6 +57,8 @@ async def test_a_scrape_parses_and_its_figures_match_the_node(tmp_path, nursery)
     pending = {s.labels["bucket"]: s.value for s in families["delayserver_bucket_pending"].samples}
     assert sum(pending.values()) == 4 and all(len(b) == 12 for b in pending)
     assert value(families, "delayserver_wheel_entries") == len(node.ticks.wheel)
+    assert value(families, "delayserver_event_loop_slow_steps", "_total") == node.loop_watch.slow_steps
+    assert value(families, "delayserver_event_loop_longest_step_seconds") == node.loop_watch.longest_s
 
     # The metrics port serves the same registry, open as before.
     async with httpx.AsyncClient() as client:

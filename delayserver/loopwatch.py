@@ -1,0 +1,53 @@
+"""Event-loop stalls made visible: a trio instrument that times every task step.
+
+One task step runs without yielding to any other task: a step of 100 ms is 100 ms during which no
+message is delivered, acknowledged or answered. The node installs this instrument while it serves;
+a step at or over `threshold_s` is counted (`delayserver_event_loop_slow_steps_total`, and the
+longest step in `delayserver_event_loop_longest_step_seconds`) and logged as a warning naming the
+task (at most one line per `log_every_s`, with how many more were seen meanwhile).
+
+Its cost is two clock reads per task step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+log = logging.getLogger("delayserver.loop")
+
+DEFAULT_THRESHOLD_S = 0.1
+
+
+class LoopWatch(trio.abc.Instrument):
+    def __init__(self, threshold_s: float = DEFAULT_THRESHOLD_S, log_every_s: float = 10.0, clock=time.perf_counter):
+        self.threshold_s = threshold_s
+        self.log_every_s = log_every_s
+        self.clock = clock
+        self.slow_steps = 0
+        self.longest_s = 0.0
+        self.longest_task = ""
+        self._began: float | None = None  # None: installed mid-step, that step is not timed
+        self._logged_at: float | None = None
+        self._unlogged = 0
+
+    def before_task_step(self, task) -> None:
+        self._began = self.clock()
+
+    def after_task_step(self, task) -> None:
+        if self._began is None:
+            return
+        took = self.clock() - self._began
+        if took < self.threshold_s:
+            return
+        self.slow_steps += 1
+        if took > self.longest_s:
+            self.longest_s, self.longest_task = took, task.name
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < self.log_every_s:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more slow steps since the last warning)" if self._unlogged else ""
+        log.warning("event loop blocked for %.0f ms by task %s%s", took * 1000, task.name, more)
+        self._logged_at, self._unlogged = now, 0
