@@ -1,8 +1,11 @@
 """The trio task around the tick manager: load ahead, advance the wheel, wake the sender.
 
 Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
-sender is woken, and while deliveries are under way (and the bucket does not start soon) the loader
-pauses between slices so that delivery keeps the event loop first.
+sender is woken. While deliveries are under way and the bucket does not start soon, the loader is
+paced to its deadline: it pauses between slices so that it takes only the share of the event loop
+it needs to finish in three quarters of the time left before the load turns urgent (a quarter of `load_ahead`
+before the bucket starts), and delivery keeps the rest. A big bucket loading during a busy
+delivery window would otherwise take half the loop and let delivery fall behind.
 
 It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
 the replayer (an entry earlier than the current sleep), or at most `max_sleep_ms` (so that a
@@ -11,6 +14,7 @@ wall-clock step is noticed within that time). It never spins through empty ticks
 from __future__ import annotations
 
 import logging
+import time
 
 import trio
 
@@ -19,13 +23,30 @@ from delayserver.wheel.tick_manager import TickManager
 
 log = logging.getLogger("delayserver.wheel")
 
-#: The pause between two load slices while deliveries are under way (about a slice's length).
-LOAD_PAUSE_S = 0.001
+#: The least share of the event loop a paced load takes (it never stalls for good).
+MIN_LOAD_SHARE = 0.02
+#: The longest pause between two load slices.
+MAX_LOAD_PAUSE_S = 0.05
+
+
+def load_pause_s(slice_s: float, bytes_per_s: float, bytes_left: int, seconds_left: float) -> float:
+    """How long to pause after a load slice of `slice_s` seconds so that the load, at `bytes_per_s`
+    while it runs, finishes its `bytes_left` in three quarters of `seconds_left`, taking no more of the loop
+    than that needs (and at least MIN_LOAD_SHARE of it). 0 when there is no time to spare."""
+    budget = seconds_left * 0.75
+    if budget <= 0 or bytes_per_s <= 0:
+        return 0.0
+    share = min(1.0, max(MIN_LOAD_SHARE, bytes_left / bytes_per_s / budget))
+    return min(MAX_LOAD_PAUSE_S, slice_s * (1 / share - 1))
+
+
+def _urgent_at(ticks: TickManager) -> int:
+    return ticks.loading_bucket - ticks.load_ahead_ms // 4
 
 
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
     """Whether the bucket being loaded starts within a quarter of `load_ahead`: load at full speed."""
-    return ticks.loading_bucket is None or ticks.loading_bucket - now <= ticks.load_ahead_ms // 4
+    return ticks.loading_bucket is None or now >= _urgent_at(ticks)
 
 
 async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms: int = 1000,
@@ -52,12 +73,24 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
                 await ticks.changed.wait()
             continue
         ticks.advance(now)
-        while ticks.load_step(now):
+        bytes_per_s = 0.0
+        while True:
+            began, offset_before = time.perf_counter(), ticks.loaded_offset
+            if not ticks.load_step(now):
+                break
             # Loading goes in slices of a millisecond or so: between two, what fell due goes out.
             # A load has until its bucket starts: while deliveries are under way and the bucket is
-            # not close, it pauses as long as each slice took, so delivery gets the loop first.
+            # not close, it is paced to that deadline (module docstring), so delivery gets the loop.
+            slice_s = time.perf_counter() - began
+            if slice_s > 0 and ticks.loaded_offset > offset_before:
+                rate = (ticks.loaded_offset - offset_before) / slice_s
+                bytes_per_s = rate if not bytes_per_s else 0.8 * bytes_per_s + 0.2 * rate
+            pause = 0.0
             if (ticks.ready or ticks.inflight) and not _load_is_urgent(ticks, now):
-                await trio.sleep(LOAD_PAUSE_S)
+                pause = load_pause_s(slice_s, bytes_per_s, ticks.loading_end - ticks.loaded_offset,
+                                     (_urgent_at(ticks) - now) / 1000)
+            if pause:
+                await trio.sleep(pause)
             else:
                 await trio.lowlevel.checkpoint()
             now = clock.now_ms()

@@ -92,3 +92,19 @@ async def test_a_clock_step_under_serve_ticks_fires_nothing_early_and_what_becam
     assert all(f.message.schedule_time <= f.at for f in fired)
     assert "clock stepped back" in caplog.text and "clock stepped forward" in caplog.text
     node.crash()
+
+
+def test_a_paced_load_takes_the_share_of_the_loop_its_deadline_needs():
+    from delayserver.wheel.service import MAX_LOAD_PAUSE_S, MIN_LOAD_SHARE, load_pause_s
+
+    # 10 s of loading left (100 MB at 10 MB/s) and 40 s to go: a budget of 30 s, a third of the
+    # loop, so a 1 ms slice is followed by a 2 ms pause.
+    assert abs(load_pause_s(0.001, 10e6, 100_000_000, 40.0) - 0.002) < 1e-9
+    # More work than the budget: no pause at all.
+    assert load_pause_s(0.001, 10e6, 100_000_000, 10.0) == 0.0
+    # Deadline passed or no rate measured yet: no pause.
+    assert load_pause_s(0.001, 10e6, 1, 0.0) == 0.0
+    assert load_pause_s(0.001, 0.0, 1, 40.0) == 0.0
+    # Almost nothing left: the least share, never a pause longer than MAX_LOAD_PAUSE_S.
+    assert abs(load_pause_s(0.001, 10e6, 1000, 40.0) - 0.001 * (1 / MIN_LOAD_SHARE - 1)) < 1e-9
+    assert load_pause_s(0.01, 10e6, 1000, 40.0) == MAX_LOAD_PAUSE_S
