@@ -41,12 +41,15 @@ CHECKPOINT_NAME = "replay.json"
 class Replayer:
     def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
-                 on_disk_full: Callable[[], None] = lambda: None):
+                 on_disk_full: Callable[[], None] = lambda: None,
+                 on_record: Callable[[int, bytes, int], None] | None = None):
         """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
         holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
         when a schedule append or a checkpoint finds the disk full (the node releases its disk
-        reserve and refuses new messages, so that replay and delivery go on)."""
+        reserve and refuses new messages, so that replay and delivery go on). `on_record(rtype,
+        data, payload_start)`: called for each message_log record replayed (the dedupe table)."""
         self.store = store
+        self.on_record = on_record
         self.ticks = ticks
         self.offset = offset
         self.max_sequence = max_sequence
@@ -65,14 +68,15 @@ class Replayer:
     @classmethod
     def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
              recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
-             on_disk_full: Callable[[], None] = lambda: None) -> "Replayer":
+             on_disk_full: Callable[[], None] = lambda: None,
+             on_record: Callable[[int, bytes, int], None] | None = None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
 
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append. `recent_batch` and `on_disk_full` are the constructor's.
+        the replay cannot append. `recent_batch`, `on_disk_full` and `on_record` are the constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -97,7 +101,7 @@ class Replayer:
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
         self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
-                   recent_batch=recent_batch, on_disk_full=on_disk_full)
+                   recent_batch=recent_batch, on_disk_full=on_disk_full, on_record=on_record)
         end = store.message_log.end_offset
         # Nothing is loaded, so can_add refuses every record and the time passed is never used.
         while self.replay_once(ticks.last_now, end, max_bytes):
@@ -122,6 +126,7 @@ class Replayer:
         sizes: dict[int, int] = {}
         notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         end = self.offset
+        on_record = self.on_record
         # MessageLog.read checked every record it returned: walk the headers only.
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
@@ -143,6 +148,8 @@ class Replayer:
             sizes[bucket] += size
             recs += (head, payload)
             self.max_sequence = max(self.max_sequence, seq)
+            if on_record is not None:
+                on_record(rtype, data, s)
             end = base + e
         self._append_all(per_bucket)
         for bucket, offset, rtype, sched, mid in notes:

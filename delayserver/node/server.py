@@ -19,6 +19,7 @@ from delayserver import protocol as p
 from delayserver.budget import ByteBudget
 from delayserver.clock import WallClock
 from delayserver.config import Config
+from delayserver.dedupe import Dedupe
 from delayserver.lookup import Lookup
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
@@ -81,12 +82,16 @@ class DelayServer:
         )
         recent = RecentBatches()
         self.disk = DiskSpace(self.store, c.reserve_bytes, full=disk_full)
-        self.replayer = replayer = Replayer.open(self.store, self.ticks, recent_batch=recent.take,
-                                                 on_disk_full=self.disk.enter_full)
+        self.dedupe = Dedupe(c.dedupe_window_ms, self.store.checkpoint_dir)
+        if self.dedupe.table.enabled:
+            self.dedupe.recover(self.store.message_log, self.clock.now_ms())
+        self.replayer = replayer = Replayer.open(
+            self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
+            on_record=self.dedupe.table.feed_record if self.dedupe.table.enabled else None)
         self.durable = Wakeup()
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
-                                 sequence_floor=lambda: replayer.max_sequence + 1)
+                                 sequence_floor=lambda: replayer.max_sequence + 1, dedupe=self.dedupe.table)
         self.master = Master(self.receiver, self.store)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
@@ -116,6 +121,8 @@ class DelayServer:
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self.role.is_master))
                 await nursery.start(self.sender.serve)
+                if self.dedupe.table.enabled:
+                    await nursery.start(functools.partial(self.dedupe.serve, self.clock, lambda: self.replayer.offset))
                 # Bound now (the meta server is told the port), accepting only once the role is
                 # known: a producer quick off the mark waits in the backlog for its answer instead
                 # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
@@ -193,6 +200,8 @@ class DelayServer:
             await self.replayer.checkpoint_async()
         except StorageError as e:  # a failed fsync, say: the next start replays from the last checkpoint
             log.error("no checkpoint at shutdown: %s", e)
+        if self.dedupe.table.enabled:
+            await self.dedupe.save(self.clock.now_ms(), self.replayer.offset)
         with trio.move_on_after(2):
             while self.ticks.inflight:
                 await trio.sleep(0.01)
@@ -203,15 +212,22 @@ class DelayServer:
         c = self.config
         while True:
             await trio.sleep(c.cleaner_interval_ms / 1000)
+            if self.dedupe.table.enabled:
+                # Saved first, so that message_log is not kept past retention for the table's sake.
+                await self.dedupe.save(self.clock.now_ms(), self.replayer.offset)
             try:
                 cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
                                 now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=list(self.master.message_log_offsets.values()),
+                                sync_offsets=[*self.master.message_log_offsets.values(), *self._dedupe_offsets()],
                                 dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
                 if cleaned.buckets:
                     await self.replayer.checkpoint_async()
             except StorageError as e:
                 log.error("cleaner pass failed: %s", e)
+
+    def _dedupe_offsets(self) -> list[int]:
+        """Where message_log is needed from to rebuild the dedupe table at start."""
+        return [self.dedupe.saved_offset] if self.dedupe.table.enabled else []
 
     # --- connections --------------------------------------------------------------------------
 
