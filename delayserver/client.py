@@ -107,6 +107,14 @@ class Status:
 
 
 @attrs.frozen
+class Rescheduled:
+    """What `reschedule` and `promote` answer: who won, and the new handle when the move did."""
+
+    outcome: CancelOutcome
+    handle: Handle | None = None
+
+
+@attrs.frozen
 class Message:
     """What `send_many` takes: one message to schedule."""
 
@@ -117,6 +125,10 @@ class Message:
     delay_level: int | None = None
     message_id: str | None = None
     headers: Mapping[str, str] = attrs.field(factory=dict)
+
+
+#: Send results that mean "the message is stored": OK, or DUPLICATE (stored before, under this id).
+_STORED = (ResultCode.OK, ResultCode.DUPLICATE)
 
 
 class AsyncProducer(BackgroundTasks):
@@ -259,10 +271,12 @@ class AsyncProducer(BackgroundTasks):
 
         `deliver_at` is epoch ms; `delay` is ms from now; `delay_level` is 1-based. Raises the
         result code's exception (BadSubject, MessageTooLarge, BadScheduleTime, ...) on refusal.
+        A `message_id` the server accepted within its `dedupe_window` returns the first message's
+        handle (the server answered DUPLICATE and stored nothing).
         """
         item = _item(subject, body, deliver_at, delay, delay_level, message_id, headers)
         (result,) = p.decode_send_response(await self._call(p.Command.SEND, self._send_request([item])))
-        if result.code != ResultCode.OK:
+        if result.code not in _STORED:
             raise error_for(result.code, result.message)
         return Handle(result.schedule_time, result.message_id)
 
@@ -290,7 +304,7 @@ class AsyncProducer(BackgroundTasks):
                     out[i] = e
                 return
             for (i, _), r in zip(chunk, results):
-                out[i] = (Handle(r.schedule_time, r.message_id) if r.code == ResultCode.OK
+                out[i] = (Handle(r.schedule_time, r.message_id) if r.code in _STORED
                           else error_for(r.code, r.message))
 
         async with trio.open_nursery() as nursery:
@@ -339,6 +353,26 @@ class AsyncProducer(BackgroundTasks):
         if r.code != ResultCode.OK:
             raise error_for(r.code, r.message)
         return Status(r.state, r.dispatch_time, r.broker_group)
+
+    async def reschedule(self, handle: Handle | str, *, deliver_at: int | None = None,
+                         delay: int | None = None) -> Rescheduled:
+        """Move a pending message to `deliver_at` (epoch ms) or `delay` ms from now. The answer
+        says who won: RESCHEDULED with the new handle (the old one reads as cancelled from then
+        on), or ALREADY_DELIVERED, ALREADY_CANCELLED or UNKNOWN with no handle. Raises
+        BadScheduleTime for a time past the server's max_delay, and the code's exception on refusal."""
+        handle = Handle.parse(handle) if isinstance(handle, str) else handle
+        if deliver_at is None and delay is None:
+            raise ValueError("give deliver_at or delay")
+        request = p.encode_reschedule_request(handle, TimeSpec.of(deliver_at, delay))
+        r = p.decode_reschedule_response(await self._call(p.Command.RESCHEDULE, request))
+        if r.code != ResultCode.OK:
+            raise error_for(r.code, r.message)
+        moved = r.outcome == CancelOutcome.RESCHEDULED
+        return Rescheduled(r.outcome, Handle(r.schedule_time, handle.message_id) if moved else None)
+
+    async def promote(self, handle: Handle | str) -> Rescheduled:
+        """Deliver a pending message now: a reschedule to the server's now."""
+        return await self.reschedule(handle, delay=0)
 
 
 class Producer:
@@ -409,6 +443,12 @@ class Producer:
 
     def status(self, handle: Handle | str) -> Status:
         return self._run(self._producer.status, handle)
+
+    def reschedule(self, handle: Handle | str, **kw) -> Rescheduled:
+        return self._run(self._producer.reschedule, handle, **kw)
+
+    def promote(self, handle: Handle | str) -> Rescheduled:
+        return self._run(self._producer.promote, handle)
 
     def ping(self) -> bytes:
         return self._run(self._producer.ping)

@@ -1,26 +1,38 @@
-"""The message operations a node serves: send, cancel, status; and the request handler that turns
-frames into them.
+"""The message operations a node serves: send, cancel, status, reschedule (and promote); and the
+request handler that turns frames into them.
 
 Send goes to the receiver (group commit into message_log). Cancel and status wait until replay
 has caught up with what is durable, then look the message up in its bucket's schedule_log and
 dispatch_log. A cancel that finds the message pending appends a CANCEL record; once it is replayed
 nothing fires the message any more, but one already handed to the sender still goes out: the
 answer says ALREADY_DELIVERED then, never CANCELLED for a message a broker will see.
+
+Reschedule moves a pending message: it appends, in one durable write, the message again at its new
+time and a CANCEL of the old one (receiver.append_move). Between the decision and the end of that
+write the tick manager holds the message if it falls due (`begin_move`): so either the message was
+already handed to the sender (ALREADY_DELIVERED, nothing appended) or the move wins and the old
+time never fires. Promote is a reschedule to now. Cancel and reschedule of one handle take turns
+(a lock per handle), so their answers agree with what happened.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import trio
 
 from delayserver import protocol as p
 from delayserver.lookup import Lookup
-from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
+from delayserver.dedupe import dedupe_key
+from delayserver.message import (
+    CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
+)
 from delayserver.node.receiver import Receiver
 from delayserver.node.replication import Master
 from delayserver.node.role import NodeRole
 from delayserver.replayer import Replayer
 from delayserver.storage.buckets import bucket_start
+from delayserver.storage.record import decode_scheduled
 from delayserver.storage.errors import StorageError
 from delayserver.storage.store import Store
 from delayserver.wheel.tick_manager import TickManager
@@ -43,6 +55,8 @@ class MessageOperations:
         self.role = role
         # (api, seconds from a send request's arrival to its answer): the metrics' hook.
         self.on_acknowledged = on_acknowledged
+        # Per handle being cancelled or rescheduled: its lock and how many hold or wait for it.
+        self._handle_locks: dict[Handle, list] = {}
 
     async def send(self, items: list[p.SendItem], api: str = "binary") -> list[p.SendResult]:
         """Store a batch; each item gets its result (OK only once durable), in order. `api` names
@@ -66,10 +80,27 @@ class MessageOperations:
         return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
                               found.broker_group)
 
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, handle: Handle):
+        """One cancel or reschedule of `handle` at a time."""
+        entry = self._handle_locks.setdefault(handle, [trio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._handle_locks[handle]
+
     async def cancel(self, handle: Handle) -> p.CancelResult:
         refusal = self.role.write_refusal()
         if refusal is not None:
             return p.CancelResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
+        async with self._exclusive(handle):
+            return await self._cancel(handle)
+
+    async def _cancel(self, handle: Handle) -> p.CancelResult:
         await self._replayed_past(self.receiver.durable_offset)
         found = await self.lookup.find(handle.schedule_time, handle.message_id)
         outcome = _SETTLED.get(found.state)
@@ -88,6 +119,51 @@ class MessageOperations:
             return p.CancelResult(ResultCode.OK, "already delivered", CancelOutcome.ALREADY_DELIVERED)
         self.ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
         return p.CancelResult(ResultCode.OK, "cancelled", CancelOutcome.CANCELLED)
+
+    async def reschedule(self, handle: Handle, when: TimeSpec) -> p.RescheduleResult:
+        """Move a pending message to `when` (promote: TimeSpec.delay(0)). The answer is RESCHEDULED
+        with the new handle's time, or who won instead (ALREADY_DELIVERED, ALREADY_CANCELLED,
+        UNKNOWN), or a refusal (BAD_SCHEDULE_TIME, NOT_MASTER, DISK_FULL, ...)."""
+        refusal = self.role.write_refusal()
+        if refusal is not None:
+            return p.RescheduleResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
+        try:
+            new_time = self.receiver.schedule_time(when, self.receiver.clock.now_ms())
+        except InvalidMessage as e:
+            return p.RescheduleResult(e.code, str(e), CancelOutcome.UNKNOWN)
+        async with self._exclusive(handle):
+            return await self._reschedule(handle, new_time)
+
+    async def _reschedule(self, handle: Handle, new_time: int) -> p.RescheduleResult:
+        await self._replayed_past(self.receiver.durable_offset)
+        found = await self.lookup.find(handle.schedule_time, handle.message_id)
+        outcome = _SETTLED.get(found.state)
+        if outcome is not None:
+            return p.RescheduleResult(ResultCode.OK, outcome.name.lower().replace("_", " "), outcome)
+        if new_time == handle.schedule_time:
+            return p.RescheduleResult(ResultCode.OK, "already due then", CancelOutcome.RESCHEDULED, new_time)
+        bucket = bucket_start(handle.schedule_time, self.store.segment_scale_ms)
+        ticks = self.ticks
+        if any(ticks.ref(bucket, o) in ticks.inflight for o in found.offsets):
+            return p.RescheduleResult(ResultCode.OK, "already delivered (in flight)", CancelOutcome.ALREADY_DELIVERED)
+        # No await between the check above and this: from here a due copy is held, not sent.
+        ticks.begin_move(handle.schedule_time, handle.message_id)
+        moved = False
+        try:
+            _, data, s, e = self.store.schedule_log.read_record(bucket, max(found.offsets))
+            _, message = decode_scheduled(data, s, e)
+            code, text, end = await self.receiver.append_move(message, new_time)
+            if code != ResultCode.OK:
+                return p.RescheduleResult(code, text, CancelOutcome.UNKNOWN)
+            moved = True
+        finally:
+            ticks.end_move(handle.schedule_time, handle.message_id, moved)
+        ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
+        if self.receiver.dedupe is not None and self.receiver.dedupe.enabled:
+            self.receiver.dedupe.remember(dedupe_key(message.message_id, message.headers), new_time,
+                                          self.receiver.clock.now_ms())
+        await self._replayed_past(end)
+        return p.RescheduleResult(ResultCode.OK, "rescheduled", CancelOutcome.RESCHEDULED, new_time)
 
 
 class Requests:
@@ -122,6 +198,8 @@ class Requests:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
+        if cmd == p.Command.RESCHEDULE:
+            return p.encode_reschedule_response(await ops.reschedule(*p.decode_reschedule_request(frame.payload)))
         if cmd == p.Command.SYNC_MESSAGE_LOG:
             return await self.master.message_log(frame.payload)
         if cmd == p.Command.SYNC_DISPATCH_LOG:
