@@ -15,12 +15,13 @@ exception of its result code, carrying the server's code and message.
 """
 from __future__ import annotations
 
+import base64
 import itertools
 import os
 import ssl
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import AsyncIterator, Iterable, Iterator, Mapping
 
 import attrs
 import trio
@@ -112,6 +113,32 @@ class Rescheduled:
 
     outcome: CancelOutcome
     handle: Handle | None = None
+
+
+@attrs.frozen
+class Listed:
+    """One message of a browse page."""
+
+    handle: Handle
+    subject: str
+    state: MessageState
+    store_time: int
+    headers: Mapping[str, str]
+    body: bytes | None = None
+    dispatch_time: int = 0
+    broker_group: str = ""
+
+    @classmethod
+    def from_json(cls, m: dict) -> "Listed":
+        body = base64.b64decode(m["body"]) if "body" in m else None
+        return cls(Handle(m["schedule_time"], m["id"]), m["subject"], MessageState[m["state"].upper()],
+                   m["store_time"], m["headers"], body, m.get("dispatch_time", 0), m.get("broker_group", ""))
+
+
+@attrs.frozen
+class BrowsePage:
+    messages: list[Listed]
+    cursor: str | None  # pass it for the next page; None after the last
 
 
 @attrs.frozen
@@ -374,6 +401,33 @@ class AsyncProducer(BackgroundTasks):
         """Deliver a pending message now: a reschedule to the server's now."""
         return await self.reschedule(handle, delay=0)
 
+    async def browse(self, *, subject: str | None = None, states: Iterable[str] = ("pending",),
+                     since: int | None = None, until: int | None = None, newest_first: bool = False,
+                     limit: int = 100, cursor: str | None = None, bodies: bool = False) -> BrowsePage:
+        """One page of messages: by `subject` (exact, or a glob with * ? [...]), `states`
+        (pending, delivered, cancelled), delivery time in [`since`, `until`) epoch ms, oldest or
+        newest first, at most `limit` (1-1000). Pass the page's `cursor` for the next page; it is
+        None after the last. Bodies only with `bodies=True`. Raises DelayServerError
+        (BAD_REQUEST) for a query the server cannot answer."""
+        query = {"states": list(states), "order": "newest" if newest_first else "oldest", "limit": limit,
+                 "bodies": bodies}
+        for name, value in (("subject", subject), ("since", since), ("until", until), ("cursor", cursor)):
+            if value is not None:
+                query[name] = value
+        page = p.decode_json(await self._call(p.Command.BROWSE, p.encode_json(query)))
+        return BrowsePage([Listed.from_json(m) for m in page["messages"]], page["cursor"])
+
+    async def browse_all(self, **query) -> AsyncIterator[Listed]:
+        """Every message the query matches, page after page (`browse`'s arguments)."""
+        cursor = None
+        while True:
+            page = await self.browse(**query, cursor=cursor)
+            for m in page.messages:
+                yield m
+            if page.cursor is None:
+                return
+            cursor = page.cursor
+
 
 class Producer:
     """The blocking facade: a trio loop in a background thread runs an AsyncProducer.
@@ -449,6 +503,19 @@ class Producer:
 
     def promote(self, handle: Handle | str) -> Rescheduled:
         return self._run(self._producer.promote, handle)
+
+    def browse(self, **query) -> BrowsePage:
+        return self._run(self._producer.browse, **query)
+
+    def browse_all(self, **query) -> Iterator[Listed]:
+        """Every message the query matches, fetched a page at a time."""
+        cursor = None
+        while True:
+            page = self.browse(**query, cursor=cursor)
+            yield from page.messages
+            if page.cursor is None:
+                return
+            cursor = page.cursor
 
     def ping(self) -> bytes:
         return self._run(self._producer.ping)

@@ -48,6 +48,8 @@ then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
     RESCHEDULE request:  schedule_time i64, id str16 (a Handle), time kind u8, time value i64
                response: code u16, outcome u8 (CancelOutcome; RESCHEDULED when it moved),
                          new schedule_time i64 (0: not moved), message str32
+    BROWSE     UTF-8 JSON both ways: the query (node/browse.py, BrowseQuery.from_json) and the page,
+               {"messages": [...], "cursor": str | null, "examined": n}; bodies in base64
     SYNC_*     defined by the replication modules
 
 Result codes are those of `message.ResultCode`; a code this side does not know is kept as an int,
@@ -92,6 +94,7 @@ class Command(enum.IntEnum):
     META = 32
     # browse, reschedule, dedupe, schedules: 48-63
     RESCHEDULE = 48
+    BROWSE = 49
 
 
 _COMMANDS = {int(c): c for c in Command}

@@ -16,6 +16,7 @@ time never fires. Promote is a reschedule to now. Cancel and reschedule of one h
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 
@@ -27,6 +28,7 @@ from delayserver.dedupe import dedupe_key
 from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
 )
+from delayserver.node.browse import BrowseQuery, Page
 from delayserver.node.receiver import Receiver
 from delayserver.node.replication import Master
 from delayserver.node.role import NodeRole
@@ -46,7 +48,7 @@ _SETTLED = {MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
 
 class MessageOperations:
     def __init__(self, store: Store, receiver: Receiver, replayer: Replayer, ticks: TickManager, role: NodeRole,
-                 lookup: Lookup, *, on_acknowledged=lambda api, seconds: None):
+                 lookup: Lookup, *, on_acknowledged=lambda api, seconds: None, browser=None):
         self.store = store
         self.lookup = lookup  # status and cancel find a message through the per-bucket id index
         self.receiver = receiver
@@ -55,6 +57,7 @@ class MessageOperations:
         self.role = role
         # (api, seconds from a send request's arrival to its answer): the metrics' hook.
         self.on_acknowledged = on_acknowledged
+        self.browser = browser  # node/browse.py
         # Per handle being cancelled or rescheduled: its lock and how many hold or wait for it.
         self._handle_locks: dict[Handle, list] = {}
 
@@ -166,6 +169,28 @@ class MessageOperations:
         return p.RescheduleResult(ResultCode.OK, "rescheduled", CancelOutcome.RESCHEDULED, new_time)
 
 
+    async def browse(self, query: BrowseQuery) -> Page:
+        """A page of messages matching `query`, as of everything acknowledged before it."""
+        await self._replayed_past(self.receiver.durable_offset)
+        return await self.browser.page(query)
+
+
+def page_json(page: Page) -> dict:
+    """A browse page as the JSON the protocol and the HTTP API carry."""
+    return {"messages": [listed_json(m) for m in page.messages], "cursor": page.cursor, "examined": page.examined}
+
+
+def listed_json(m) -> dict:
+    out = {"handle": str(Handle(m.schedule_time, m.message_id)), "id": m.message_id, "subject": m.subject,
+           "schedule_time": m.schedule_time, "store_time": m.store_time, "state": m.state.name.lower(),
+           "headers": m.headers}
+    if m.dispatch_time:
+        out["dispatch_time"], out["broker_group"] = m.dispatch_time, m.broker_group
+    if m.body is not None:
+        out["body"] = base64.b64encode(m.body).decode("ascii")
+    return out
+
+
 class Requests:
     """Answers each request frame of a delay-server connection with the bytes of its response."""
 
@@ -198,6 +223,9 @@ class Requests:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
+        if cmd == p.Command.BROWSE:
+            query = BrowseQuery.from_json(p.decode_json(frame.payload))
+            return p.encode_json(page_json(await ops.browse(query)))
         if cmd == p.Command.RESCHEDULE:
             return p.encode_reschedule_response(await ops.reschedule(*p.decode_reschedule_request(frame.payload)))
         if cmd == p.Command.SYNC_MESSAGE_LOG:

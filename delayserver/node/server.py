@@ -23,6 +23,7 @@ from delayserver.dedupe import Dedupe
 from delayserver.lookup import Lookup
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
+from delayserver.node.browse import Browser
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
@@ -36,6 +37,7 @@ from delayserver.sender.sender import Sender
 from delayserver.storage.cleaner import clean
 from delayserver.storage.errors import StorageError
 from delayserver.storage.store import Store
+from delayserver.storage.time_index import TimeIndex
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.service import serve_ticks
 from delayserver.wheel.tick_manager import TickManager
@@ -74,6 +76,7 @@ class DelayServer:
                       "until there is", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
         self.lookup = Lookup(self.store, c.data_dir / "index")
+        self.times = TimeIndex(self.store.schedule_log, c.segment_scale_ms)  # browse
         scale = c.segment_scale_ms
         self.ticks = TickManager(
             self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,
@@ -99,7 +102,8 @@ class DelayServer:
                              may_deliver=self.role.may_deliver, on_disk_full=self.disk.enter_full)
         self.sender.on_delivered = self.metrics.delivered
         self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
-                                            self.lookup, on_acknowledged=self.metrics.acknowledged)
+                                            self.lookup, on_acknowledged=self.metrics.acknowledged,
+                                            browser=Browser(self.store, self.lookup, self.times))
         self.requests = Requests(self.operations, self.master)
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
@@ -115,6 +119,7 @@ class DelayServer:
                 self._nursery = nursery
                 await nursery.start(self.receiver.serve)
                 await nursery.start(self.lookup.serve)
+                await nursery.start(self.times.serve)
                 await nursery.start(functools.partial(self.replayer.serve, self.clock,
                                                       lambda: self.receiver.durable_offset, self.durable,
                                                       checkpoint_interval_ms=c.checkpoint_interval_ms))
