@@ -24,3 +24,26 @@ def test_reschedule_and_promote_print_the_new_handle(server):  # noqa: F811
     assert late.returncode == 1 and late.stdout.strip() == "already_delivered"
     bad = delayctl("reschedule", new, "--delay", "nonsense", "--server", address, check=False)
     assert bad.returncode == 1 and "--delay" in bad.stderr
+
+
+def test_list_pages_by_subject_and_state(server):  # noqa: F811
+    address = server.address
+    handles = [delayctl("send", "--server", address, "--subject", subject, "--delay", f"{i + 1}h",
+                        "--id", f"l{i}", "--body", f"body {i}").stdout.strip()
+               for i, subject in enumerate(["orders.eu", "orders.us", "billing", "orders.eu"])]
+    delayctl("cancel", handles[3], "--server", address)
+    lines = delayctl("list", "--server", address, "--subject", "orders.*").stdout.splitlines()
+    assert [line.split()[0] for line in lines] == handles[:2]
+    assert lines[0].split()[1] == "pending" and lines[0].split()[3] == "orders.eu"
+    first = delayctl("list", "--server", address, "--limit", "2", "--newest")
+    assert [line.split()[0] for line in first.stdout.splitlines()] == [handles[2], handles[1]]
+    cursor = first.stderr.strip().removeprefix("next: --cursor ")
+    rest = delayctl("list", "--server", address, "--limit", "2", "--newest", "--cursor", cursor).stdout
+    assert [line.split()[0] for line in rest.splitlines()] == [handles[0]]
+    everything = delayctl("list", "--server", address, "--all", "--limit", "1", "--state", "pending",
+                          "--state", "cancelled", "--json", "--bodies").stdout.splitlines()
+    rows = [json.loads(x) for x in everything]
+    assert [r["handle"] for r in rows] == handles
+    assert rows[3]["state"] == "cancelled" and rows[2]["subject"] == "billing"
+    bad = delayctl("list", "--server", address, "--limit", "0", check=False)
+    assert bad.returncode == 1 and "BAD_REQUEST" in bad.stderr
