@@ -8,8 +8,8 @@ nothing fires the message any more, but one already handed to the sender still g
 answer says ALREADY_DELIVERED then, never CANCELLED for a message a broker will see.
 
 Reschedule moves a pending message: it appends, in one durable write, the message again at its new
-time and a CANCEL of the old one (receiver.append_move). Between the decision and the end of that
-write the tick manager holds the message if it falls due (`begin_move`): so either the message was
+time and a CANCEL of the old one (receiver.append_move). From the decision until that CANCEL is
+replayed the tick manager holds the message if it falls due (`begin_move`): so either the message was
 already handed to the sender (ALREADY_DELIVERED, nothing appended) or the move wins and the old
 time never fires. Promote is a reschedule to now. Cancel and reschedule of one handle take turns
 (a lock per handle), so their answers agree with what happened.
@@ -71,6 +71,10 @@ class MessageOperations:
         results = await self.receiver.send(items)
         self.on_acknowledged(api, trio.current_time() - started)
         return results
+
+    async def replayed_past(self, offset: int) -> None:
+        """Return once replay has passed message_log `offset` (or after 5 s)."""
+        await self._replayed_past(offset)
 
     async def _replayed_past(self, offset: int, timeout_s: float = 5.0) -> None:
         with trio.move_on_after(timeout_s):
@@ -159,13 +163,16 @@ class MessageOperations:
             if code != ResultCode.OK:
                 return p.RescheduleResult(code, text, CancelOutcome.UNKNOWN)
             moved = True
+            # Held until the cancel is replayed: from then on the due queue drops the old time by
+            # itself (a copy already fired into the ready queue included).
+            while self.replayer.offset < end:
+                await self.replayer.caught_up.wait(0.01)
         finally:
             ticks.end_move(handle.schedule_time, handle.message_id, moved)
         ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
         if self.receiver.dedupe is not None and self.receiver.dedupe.enabled:
             self.receiver.dedupe.remember(dedupe_key(message.message_id, message.headers), new_time,
                                           self.receiver.clock.now_ms())
-        await self._replayed_past(end)
         return p.RescheduleResult(ResultCode.OK, "rescheduled", CancelOutcome.RESCHEDULED, new_time)
 
 
@@ -194,9 +201,10 @@ def listed_json(m) -> dict:
 class Requests:
     """Answers each request frame of a delay-server connection with the bytes of its response."""
 
-    def __init__(self, operations: MessageOperations, master: Master):
+    def __init__(self, operations: MessageOperations, master: Master, schedules=None):
         self.operations = operations
         self.master = master
+        self.schedules = schedules  # schedules/service.py
 
     async def respond(self, frame: p.Frame) -> bytes:
         """The response frame: the command's answer, or an ERROR frame with the refusal's code."""
@@ -223,6 +231,8 @@ class Requests:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
+        if cmd == p.Command.SCHEDULE:
+            return p.encode_json(await self.schedules.handle(p.decode_json(frame.payload)))
         if cmd == p.Command.BROWSE:
             query = BrowseQuery.from_json(p.decode_json(frame.payload))
             return p.encode_json(page_json(await ops.browse(query)))
