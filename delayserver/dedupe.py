@@ -175,7 +175,7 @@ class DedupeTable:
 
 
 class Dedupe:
-    """The table of one node, its file, and the task that saves it."""
+    """The table of one node and its file."""
 
     def __init__(self, window_ms: int, checkpoint_dir: Path):
         self.table = DedupeTable(window_ms)
@@ -203,14 +203,6 @@ class Dedupe:
             self.table.feed(data, 0, last)
             offset = base + last
         self.table.expire(now_ms)
-
-    async def serve(self, clock, replay_offset, *, interval_s: float = 60.0,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Every `interval_s`: expire old ids and save the table (in a worker thread)."""
-        task_status.started()
-        while True:
-            await trio.sleep(interval_s)
-            await self.save(clock.now_ms(), replay_offset())
 
     async def save(self, now_ms: int, replay_offset: int) -> None:
         """Expire, then write the table covering message_log up to `replay_offset` (every record

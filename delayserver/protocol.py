@@ -50,6 +50,7 @@ then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
                          new schedule_time i64 (0: not moved), message str32
     BROWSE     UTF-8 JSON both ways: the query (node/browse.py, BrowseQuery.from_json) and the page,
                {"messages": [...], "cursor": str | null, "examined": n}; bodies in base64
+    SCHEDULE   UTF-8 JSON both ways: a schedule request and its answer (schedules/service.py)
     SYNC_*     defined by the replication modules
 
 Result codes are those of `message.ResultCode`; a code this side does not know is kept as an int,
@@ -95,6 +96,7 @@ class Command(enum.IntEnum):
     # browse, reschedule, dedupe, schedules: 48-63
     RESCHEDULE = 48
     BROWSE = 49
+    SCHEDULE = 50
 
 
 _COMMANDS = {int(c): c for c in Command}

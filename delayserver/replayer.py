@@ -28,7 +28,8 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    RecordError, RecordType, iter_checked_records, message_log_head, scheduled_record_head,
+    RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
+    scheduled_record_head,
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
@@ -127,11 +128,19 @@ class Replayer:
         notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         end = self.offset
         on_record = self.on_record
+        followed = 0
         # MessageLog.read checked every record it returned: walk the headers only.
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
                 break
+            if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_record), not scheduled
+                self.max_sequence = max(self.max_sequence, schedule_change_sequence(data, s))
+                if on_record is not None:
+                    on_record(rtype, data, s)
+                end = base + e
+                followed += 1
+                continue
             try:
                 sched, seq, mid = message_log_head(data, s, rtype)
             except RecordError as err:
@@ -159,7 +168,7 @@ class Replayer:
                 self.ticks.on_cancel(bucket, offset, sched, mid)
         self.offset = end
         self.replayed += len(notes)
-        return len(notes)
+        return len(notes) + followed
 
     def _append_all(self, per_bucket: dict[int, list[bytes]]) -> None:
         schedule_log = self.store.schedule_log

@@ -35,7 +35,8 @@ from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, Tim
 from delayserver.protocol import SendItem, SendResult
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
-    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, record_header, set_sequence,
+    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, encode_schedule_change, record_header,
+    set_sequence,
 )
 from delayserver.storage.segment import fsync_path, storage_failures
 from delayserver.wakeup import Wakeup
@@ -304,6 +305,16 @@ class Receiver:
         await self._commit(p)
         end = p.offset + 2 * HEADER_SIZE + len(moved) + len(cancel)
         return p.code, p.error or "stored", end
+
+    async def append_schedule_change(self, change: dict) -> tuple[ResultCode, str, int]:
+        """Durably append a SCHEDULE record; returns (code, message, message_log offset after it)."""
+        refused = self._refuse_writes()
+        if refused is not None:
+            return refused, self._refusal_text(refused), -1
+        payload = encode_schedule_change(change, self.clock.now_ms())
+        p = _Pending(RecordType.SCHEDULE, [bytearray(payload)])
+        await self._commit(p)
+        return p.code, p.error or "stored", p.offset + HEADER_SIZE + len(payload)
 
     def _refusal_text(self, code: ResultCode) -> str:
         if code == ResultCode.READ_ONLY:

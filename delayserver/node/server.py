@@ -24,6 +24,9 @@ from delayserver.lookup import Lookup
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
 from delayserver.node.browse import Browser
+from delayserver.schedules.emitter import serve as serve_schedules
+from delayserver.schedules.registry import Registry
+from delayserver.schedules.service import ScheduleService
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
@@ -88,9 +91,11 @@ class DelayServer:
         self.dedupe = Dedupe(c.dedupe_window_ms, self.store.checkpoint_dir)
         if self.dedupe.table.enabled:
             self.dedupe.recover(self.store.message_log, self.clock.now_ms())
+        self.schedules = Registry(self.store.checkpoint_dir)
+        self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
             self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
-            on_record=self.dedupe.table.feed_record if self.dedupe.table.enabled else None)
+            on_record=self._follow_record)
         self.durable = Wakeup()
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
@@ -104,7 +109,8 @@ class DelayServer:
         self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
                                             self.lookup, on_acknowledged=self.metrics.acknowledged,
                                             browser=Browser(self.store, self.lookup, self.times))
-        self.requests = Requests(self.operations, self.master)
+        self.requests = Requests(self.operations, self.master,
+                                 ScheduleService(self.schedules, self.operations, self.clock, c.max_message_bytes))
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
                                  max_bytes_before_gate=MAX_BYTES_BEFORE_AUTH,
@@ -126,8 +132,9 @@ class DelayServer:
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self.role.is_master))
                 await nursery.start(self.sender.serve)
-                if self.dedupe.table.enabled:
-                    await nursery.start(functools.partial(self.dedupe.serve, self.clock, lambda: self.replayer.offset))
+                nursery.start_soon(self._save_followers_periodically)
+                await nursery.start(functools.partial(serve_schedules, self.schedules, self.operations, self.clock,
+                                                      self.role.is_master))
                 # Bound now (the meta server is told the port), accepting only once the role is
                 # known: a producer quick off the mark waits in the backlog for its answer instead
                 # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
@@ -205,8 +212,7 @@ class DelayServer:
             await self.replayer.checkpoint_async()
         except StorageError as e:  # a failed fsync, say: the next start replays from the last checkpoint
             log.error("no checkpoint at shutdown: %s", e)
-        if self.dedupe.table.enabled:
-            await self.dedupe.save(self.clock.now_ms(), self.replayer.offset)
+        await self._save_followers()
         with trio.move_on_after(2):
             while self.ticks.inflight:
                 await trio.sleep(0.01)
@@ -217,22 +223,42 @@ class DelayServer:
         c = self.config
         while True:
             await trio.sleep(c.cleaner_interval_ms / 1000)
-            if self.dedupe.table.enabled:
-                # Saved first, so that message_log is not kept past retention for the table's sake.
-                await self.dedupe.save(self.clock.now_ms(), self.replayer.offset)
+            # Saved first, so that message_log is not kept past retention for their sake.
+            await self._save_followers()
             try:
                 cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
                                 now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=[*self.master.message_log_offsets.values(), *self._dedupe_offsets()],
+                                sync_offsets=[*self.master.message_log_offsets.values(), *self._follower_offsets()],
                                 dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
                 if cleaned.buckets:
                     await self.replayer.checkpoint_async()
             except StorageError as e:
                 log.error("cleaner pass failed: %s", e)
 
-    def _dedupe_offsets(self) -> list[int]:
-        """Where message_log is needed from to rebuild the dedupe table at start."""
-        return [self.dedupe.saved_offset] if self.dedupe.table.enabled else []
+    def _follower_offsets(self) -> list[int]:
+        """Where message_log is needed from to rebuild the dedupe table and the schedules at start."""
+        return [self.schedules.saved_offset, *([self.dedupe.saved_offset] if self.dedupe.table.enabled else [])]
+
+    def _follow_record(self, rtype: int, data, s: int) -> None:
+        """Every replayed message_log record: the dedupe table and the schedules follow it."""
+        if self.dedupe.table.enabled:
+            self.dedupe.table.feed_record(rtype, data, s)
+        self.schedules.feed_record(rtype, data, s)
+
+    async def _save_followers(self) -> None:
+        """Save the dedupe table and the schedules, covering message_log up to replay's offset."""
+        offset = self.replayer.offset
+        if self.dedupe.table.enabled:
+            await self.dedupe.save(self.clock.now_ms(), offset)
+        try:
+            await self.schedules.save(offset)
+        except StorageError as e:
+            log.error("schedules not saved (will try again): %s", e)
+
+    async def _save_followers_periodically(self, interval_s: float = 60.0) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            await self._save_followers()
 
     # --- connections --------------------------------------------------------------------------
 
