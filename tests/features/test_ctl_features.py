@@ -47,3 +47,22 @@ def test_list_pages_by_subject_and_state(server):  # noqa: F811
     assert rows[3]["state"] == "cancelled" and rows[2]["subject"] == "billing"
     bad = delayctl("list", "--server", address, "--limit", "0", check=False)
     assert bad.returncode == 1 and "BAD_REQUEST" in bad.stderr
+
+
+def test_schedules_put_list_pause_resume_delete(server):  # noqa: F811
+    address = server.address
+    made = delayctl("schedules", "--server", address, "put", "nightly", "--subject", "reports.nightly",
+                    "--rule", "0 2 * * *", "--tz", "Europe/Berlin", "--body", "run the report",
+                    "--catch-up", "skip").stdout
+    assert made.startswith("nightly  active  next ") and "'0 2 * * *' Europe/Berlin  -> reports.nightly" in made
+    delayctl("schedules", "--server", address, "put", "tick", "--subject", "q.tick", "--rule", "@every 1h")
+    rows = [json.loads(x) for x in delayctl("schedules", "--server", address, "--json").stdout.splitlines()]
+    assert [r["name"] for r in rows] == ["nightly", "tick"] and rows[0]["body"] == "run the report"
+    assert "paused" in delayctl("schedules", "--server", address, "pause", "tick").stdout
+    assert "active" in delayctl("schedules", "--server", address, "resume", "tick").stdout
+    delayctl("schedules", "--server", address, "delete", "tick")
+    assert [line.split()[0] for line in delayctl("schedules", "--server", address).stdout.splitlines()] == ["nightly"]
+    bad = delayctl("schedules", "--server", address, "put", "x", "--subject", "q", "--rule", "every day", check=False)
+    assert bad.returncode == 1 and "BAD_REQUEST" in bad.stderr
+    missing = delayctl("schedules", "--server", address, "pause", "nope", check=False)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
