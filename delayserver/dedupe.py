@@ -104,11 +104,11 @@ class DedupeTable:
 
     def feed(self, data, start: int = 0, end: int | None = None) -> None:
         """Remember every MESSAGE of checked message_log bytes (`data[start:end]`)."""
-        for _, rtype, s, _e in iter_checked_records(data, start, end):
-            self.feed_record(rtype, data, s)
+        for _, rtype, s, e in iter_checked_records(data, start, end):
+            self.feed_record(rtype, data, s, e)
 
-    def feed_record(self, rtype: int, data, s: int) -> None:
-        """Remember the MESSAGE record whose payload starts at `s` (the replayer's hook)."""
+    def feed_record(self, rtype: int, data, s: int, e: int) -> None:
+        """Remember the MESSAGE record whose payload is `data[s:e]` (the replayer's hook)."""
         if rtype == RecordType.MESSAGE:
             store, sched, _seq, _flags, idlen, slen, hlen, _blen = MESSAGE_HEAD.unpack_from(data, s)
             at = s + _MESSAGE_HEAD_SIZE

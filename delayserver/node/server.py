@@ -239,11 +239,11 @@ class DelayServer:
         """Where message_log is needed from to rebuild the dedupe table and the schedules at start."""
         return [self.schedules.saved_offset, *([self.dedupe.saved_offset] if self.dedupe.table.enabled else [])]
 
-    def _follow_record(self, rtype: int, data, s: int) -> None:
+    def _follow_record(self, rtype: int, data, s: int, e: int) -> None:
         """Every replayed message_log record: the dedupe table and the schedules follow it."""
         if self.dedupe.table.enabled:
-            self.dedupe.table.feed_record(rtype, data, s)
-        self.schedules.feed_record(rtype, data, s)
+            self.dedupe.table.feed_record(rtype, data, s, e)
+        self.schedules.feed_record(rtype, data, s, e)
 
     async def _save_followers(self) -> None:
         """Save the dedupe table and the schedules, covering message_log up to replay's offset."""

@@ -77,10 +77,10 @@ class Registry:
 
     # --- following message_log ----------------------------------------------------------------
 
-    def feed_record(self, rtype: int, data, s: int) -> None:
-        """Apply one message_log record whose payload starts at `s` (the replayer's hook)."""
+    def feed_record(self, rtype: int, data, s: int, e: int) -> None:
+        """Apply one message_log record whose payload is `data[s:e]` (the replayer's hook)."""
         if rtype == RecordType.SCHEDULE:
-            self.apply(decode_schedule_change(data, s).change)
+            self.apply(decode_schedule_change(data, s, e).change)
         elif rtype == RecordType.MESSAGE:
             idlen = MESSAGE_HEAD.unpack_from(data, s)[4]
             at = s + _MESSAGE_HEAD_SIZE
@@ -147,7 +147,7 @@ class Registry:
             data, base = message_log.read(offset, chunk_bytes)
             last = 0
             for _, rtype, s, e in iter_checked_records(data):
-                self.feed_record(rtype, data, s)
+                self.feed_record(rtype, data, s, e)
                 last = e
             if last == 0:
                 break

@@ -119,10 +119,11 @@ def test_the_registry_follows_changes_and_occurrences_and_applying_twice_changes
     ]
     for _ in range(2):
         for rtype, payload in records:
-            reg.feed_record(rtype, payload, 0)
+            reg.feed_record(rtype, payload, 0, len(payload))
         s = reg.schedules["r"]
         assert (s.cursor, s.emitted, s.paused) == (DAY0 + MINUTE, 1, True)
-    reg.feed_record(RecordType.SCHEDULE, encode_schedule_change({"op": "delete", "name": "r"}, 0), 0)
+    gone = encode_schedule_change({"op": "delete", "name": "r"}, 0)
+    reg.feed_record(RecordType.SCHEDULE, gone + b"trailing bytes of the next record", 0, len(gone))
     assert reg.schedules == {}
     assert parse_occurrence_id(occurrence_id("a.b-c", 42)) == ("a.b-c", 42)
     assert parse_occurrence_id("schedule:bad name:1") is None and parse_occurrence_id("x") is None
