@@ -26,12 +26,14 @@ and the schedule time (``store_time << 48 | schedule_time``); `ops/bench dedupe`
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import struct
 from pathlib import Path
 
 import crc32c
+import numpy as np
 import trio
 
 from delayserver.storage.record import MESSAGE_HEAD, RecordType, decode_headers, iter_checked_records
@@ -42,8 +44,7 @@ FILE_NAME = "dedupe.bin"
 _TIME_BITS = 48
 _TIME_MASK = (1 << _TIME_BITS) - 1
 _HEAD = struct.Struct(">8sQQI")  # magic, message_log offset, entry count, crc32c of the entries
-_ENTRY = struct.Struct(">qqB")  # store time, schedule time, id length; then the id
-_MAGIC = b"DSDEDUP1"
+_MAGIC = b"DSDEDUP2"
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 
 
@@ -125,15 +126,19 @@ class DedupeTable:
 
     @staticmethod
     def write(path: Path, entries: dict[str, int], offset: int) -> None:
-        """Write `entries` (a `snapshot`) covering message_log up to `offset`, atomically."""
-        parts = []
-        for message_id, packed in entries.items():
-            raw = message_id.encode("utf-8")
-            parts += (_ENTRY.pack(packed >> _TIME_BITS, packed & _TIME_MASK, len(raw)), raw)
-        body = b"".join(parts)
+        """Write `entries` (a `snapshot`) covering message_log up to `offset`, atomically.
+
+        Layout after the head: every store time, then every schedule time (big-endian i64
+        arrays), every id's length in characters (u8: an id is at most 128 bytes), then the ids
+        as one UTF-8 text: read back with a few bulk decodes instead of one per id."""
+        ids = list(entries)
+        packed = list(entries.values())
+        stores = np.array([v >> _TIME_BITS for v in packed], dtype=">i8")
+        scheds = np.array([v & _TIME_MASK for v in packed], dtype=">i8")
+        body = b"".join((stores.tobytes(), scheds.tobytes(), bytes(map(len, ids)), "".join(ids).encode("utf-8")))
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb") as f:
-            f.write(_HEAD.pack(_MAGIC, offset, len(entries), crc32c.crc32c(body)))
+            f.write(_HEAD.pack(_MAGIC, offset, len(ids), crc32c.crc32c(body)))
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
@@ -154,24 +159,33 @@ class DedupeTable:
         except OSError as e:
             log.warning("%s: not read (%s); rebuilding the dedupe table from message_log", path, e)
             return None
-        if len(raw) >= _HEAD.size:
-            magic, offset, count, crc = _HEAD.unpack_from(raw, 0)
-            body = memoryview(raw)[_HEAD.size :]
-            if magic == _MAGIC and crc32c.crc32c(body) == crc:
-                pos, entries = 0, {}
-                try:
-                    for _ in range(count):
-                        store, sched, idlen = _ENTRY.unpack_from(body, pos)
-                        pos += _ENTRY.size
-                        entries[bytes(body[pos : pos + idlen]).decode("utf-8")] = store << _TIME_BITS | sched
-                        pos += idlen
-                except (struct.error, UnicodeDecodeError):
-                    entries = None
-                if entries is not None and pos == len(body):
-                    self._entries = entries
-                    return offset
-        log.warning("%s: damaged; rebuilding the dedupe table from message_log", path)
+        entries = _decode_saved(raw)
+        if entries is None:
+            log.warning("%s: damaged; rebuilding the dedupe table from message_log", path)
+            return None
+        self._entries, offset = entries
+        return offset
+
+
+def _decode_saved(raw: bytes) -> tuple[dict[str, int], int] | None:
+    if len(raw) < _HEAD.size:
         return None
+    magic, offset, count, crc = _HEAD.unpack_from(raw, 0)
+    body = memoryview(raw)[_HEAD.size :]
+    if magic != _MAGIC or crc32c.crc32c(body) != crc or len(body) < 17 * count:
+        return None
+    stores = np.frombuffer(body, ">i8", count, 0).tolist()
+    scheds = np.frombuffer(body, ">i8", count, 8 * count).tolist()
+    lengths = body[16 * count : 17 * count]
+    try:
+        text = bytes(body[17 * count :]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if sum(lengths) != len(text):
+        return None
+    ends = list(itertools.accumulate(lengths))
+    ids = [text[e - n : e] for e, n in zip(ends, lengths)]
+    return dict(zip(ids, [st << _TIME_BITS | sc for st, sc in zip(stores, scheds)])), offset
 
 
 class Dedupe:
