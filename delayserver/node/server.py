@@ -79,7 +79,7 @@ class DelayServer:
                       "until there is", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
         self.lookup = Lookup(self.store, c.data_dir / "index")
-        self.times = TimeIndex(self.store.schedule_log, c.segment_scale_ms)  # browse
+        self.times = TimeIndex(self.store.schedule_log, c.segment_scale_ms, c.data_dir / "index" / "time")  # browse
         scale = c.segment_scale_ms
         self.ticks = TickManager(
             self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,

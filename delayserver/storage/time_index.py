@@ -12,9 +12,11 @@ and at most n keys taken from each: O(runs * (log size + n)), whatever the bucke
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
-from delayserver.storage.id_index import OFFSET_BITS, OFFSET_MASK, SortedRuns, _Bucket, _LogIndex
+from delayserver.storage.id_index import OFFSET_BITS, OFFSET_MASK, IdIndex, SortedRuns, _Bucket
 from delayserver.storage.record import SCHEDULED_HEAD, RecordType
 
 #: Keys per bucket are < this: 24 bits of time within the bucket above 40 bits of offset.
@@ -30,13 +32,16 @@ def key_parts(bucket: int, key: int) -> tuple[int, int]:
     return bucket + (key >> OFFSET_BITS), key & OFFSET_MASK
 
 
-class TimeIndex(_LogIndex):
-    """Per bucket: the SCHEDULED records in (schedule time, offset) order."""
+class TimeIndex(IdIndex):
+    """Per bucket: the SCHEDULED records in (schedule time, offset) order.
 
-    def __init__(self, bucket_log, scale_ms: int):
+    An IdIndex in all but its keys: it inherits the saving and reading back of sorted keys (the
+    file format holds any sorted uint64 keys), not the id lookups (`candidates` is not used)."""
+
+    def __init__(self, bucket_log, scale_ms: int, directory: Path | None = None):
         assert scale_ms < 1 << (64 - OFFSET_BITS), "a bucket's times must fit in 24 bits"
         self.scale_ms = scale_ms
-        super().__init__(bucket_log)
+        super().__init__(bucket_log, directory)
 
     def _add(self, runs: SortedRuns, rtype: int, data, s: int, e: int, offset: int) -> None:
         if rtype == RecordType.SCHEDULED:
