@@ -24,4 +24,6 @@ BENCHMARKS = {
     "meta": "bench.meta",
     "reconcile": "bench.reconcile",
     "http": "bench.http",
+    "browse": "bench.browse",
+    "dedupe": "bench.dedupe",
 }

@@ -15,12 +15,13 @@ exception of its result code, carrying the server's code and message.
 """
 from __future__ import annotations
 
+import base64
 import itertools
 import os
 import ssl
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import AsyncIterator, Iterable, Iterator, Mapping
 
 import attrs
 import trio
@@ -107,6 +108,40 @@ class Status:
 
 
 @attrs.frozen
+class Rescheduled:
+    """What `reschedule` and `promote` answer: who won, and the new handle when the move did."""
+
+    outcome: CancelOutcome
+    handle: Handle | None = None
+
+
+@attrs.frozen
+class Listed:
+    """One message of a browse page."""
+
+    handle: Handle
+    subject: str
+    state: MessageState
+    store_time: int
+    headers: Mapping[str, str]
+    body: bytes | None = None
+    dispatch_time: int = 0
+    broker_group: str = ""
+
+    @classmethod
+    def from_json(cls, m: dict) -> "Listed":
+        body = base64.b64decode(m["body"]) if "body" in m else None
+        return cls(Handle(m["schedule_time"], m["id"]), m["subject"], MessageState[m["state"].upper()],
+                   m["store_time"], m["headers"], body, m.get("dispatch_time", 0), m.get("broker_group", ""))
+
+
+@attrs.frozen
+class BrowsePage:
+    messages: list[Listed]
+    cursor: str | None  # pass it for the next page; None after the last
+
+
+@attrs.frozen
 class Message:
     """What `send_many` takes: one message to schedule."""
 
@@ -117,6 +152,10 @@ class Message:
     delay_level: int | None = None
     message_id: str | None = None
     headers: Mapping[str, str] = attrs.field(factory=dict)
+
+
+#: Send results that mean "the message is stored": OK, or DUPLICATE (stored before, under this id).
+_STORED = (ResultCode.OK, ResultCode.DUPLICATE)
 
 
 class AsyncProducer(BackgroundTasks):
@@ -259,10 +298,12 @@ class AsyncProducer(BackgroundTasks):
 
         `deliver_at` is epoch ms; `delay` is ms from now; `delay_level` is 1-based. Raises the
         result code's exception (BadSubject, MessageTooLarge, BadScheduleTime, ...) on refusal.
+        A `message_id` the server accepted within its `dedupe_window` returns the first message's
+        handle (the server answered DUPLICATE and stored nothing).
         """
         item = _item(subject, body, deliver_at, delay, delay_level, message_id, headers)
         (result,) = p.decode_send_response(await self._call(p.Command.SEND, self._send_request([item])))
-        if result.code != ResultCode.OK:
+        if result.code not in _STORED:
             raise error_for(result.code, result.message)
         return Handle(result.schedule_time, result.message_id)
 
@@ -290,7 +331,7 @@ class AsyncProducer(BackgroundTasks):
                     out[i] = e
                 return
             for (i, _), r in zip(chunk, results):
-                out[i] = (Handle(r.schedule_time, r.message_id) if r.code == ResultCode.OK
+                out[i] = (Handle(r.schedule_time, r.message_id) if r.code in _STORED
                           else error_for(r.code, r.message))
 
         async with trio.open_nursery() as nursery:
@@ -339,6 +380,89 @@ class AsyncProducer(BackgroundTasks):
         if r.code != ResultCode.OK:
             raise error_for(r.code, r.message)
         return Status(r.state, r.dispatch_time, r.broker_group)
+
+    async def reschedule(self, handle: Handle | str, *, deliver_at: int | None = None,
+                         delay: int | None = None) -> Rescheduled:
+        """Move a pending message to `deliver_at` (epoch ms) or `delay` ms from now. The answer
+        says who won: RESCHEDULED with the new handle (the old one reads as cancelled from then
+        on), or ALREADY_DELIVERED, ALREADY_CANCELLED or UNKNOWN with no handle. Raises
+        BadScheduleTime for a time past the server's max_delay, and the code's exception on refusal."""
+        handle = Handle.parse(handle) if isinstance(handle, str) else handle
+        if deliver_at is None and delay is None:
+            raise ValueError("give deliver_at or delay")
+        request = p.encode_reschedule_request(handle, TimeSpec.of(deliver_at, delay))
+        r = p.decode_reschedule_response(await self._call(p.Command.RESCHEDULE, request))
+        if r.code != ResultCode.OK:
+            raise error_for(r.code, r.message)
+        moved = r.outcome == CancelOutcome.RESCHEDULED
+        return Rescheduled(r.outcome, Handle(r.schedule_time, handle.message_id) if moved else None)
+
+    async def promote(self, handle: Handle | str) -> Rescheduled:
+        """Deliver a pending message now: a reschedule to the server's now."""
+        return await self.reschedule(handle, delay=0)
+
+    async def browse(self, *, subject: str | None = None, states: Iterable[str] = ("pending",),
+                     since: int | None = None, until: int | None = None, newest_first: bool = False,
+                     limit: int = 100, cursor: str | None = None, bodies: bool = False) -> BrowsePage:
+        """One page of messages: by `subject` (exact, or a glob with * ? [...]), `states`
+        (pending, delivered, cancelled), delivery time in [`since`, `until`) epoch ms, oldest or
+        newest first, at most `limit` (1-1000). Pass the page's `cursor` for the next page; it is
+        None after the last. Bodies only with `bodies=True`. Raises DelayServerError
+        (BAD_REQUEST) for a query the server cannot answer."""
+        query = {"states": list(states), "order": "newest" if newest_first else "oldest", "limit": limit,
+                 "bodies": bodies}
+        for name, value in (("subject", subject), ("since", since), ("until", until), ("cursor", cursor)):
+            if value is not None:
+                query[name] = value
+        page = p.decode_json(await self._call(p.Command.BROWSE, p.encode_json(query)))
+        return BrowsePage([Listed.from_json(m) for m in page["messages"]], page["cursor"])
+
+    # --- recurring schedules ---------------------------------------------------------------
+
+    async def put_schedule(self, name: str, subject: str, rule: str, body: bytes = b"", *,
+                           headers: Mapping[str, str] | None = None, timezone: str = "UTC",
+                           start: int | None = None, end: int | None = None, count: int | None = None,
+                           catch_up: str = "one") -> dict:
+        """Create or replace the schedule `name`: a message to `subject` at every occurrence of
+        `rule` (a cron expression of 5 fields, or 6 with seconds first, read in `timezone`; or
+        ``@every 10m``), from `start` to before `end` (epoch ms), at most `count` times;
+        `catch_up` (skip, one, all) says what to send of the occurrences missed while the node was
+        down. Returns the schedule as the node now has it (its `next` occurrence among others).
+        Raises DelayServerError (BAD_REQUEST, ...) naming what is wrong."""
+        spec = {"name": name, "subject": subject, "rule": rule, "body": base64.b64encode(bytes(body)).decode("ascii"),
+                "headers": dict(headers or {}), "timezone": timezone, "start": start, "end": end, "count": count,
+                "catch_up": catch_up}
+        return (await self._schedule_request({"op": "put", "schedule": spec}))[0]
+
+    async def pause_schedule(self, name: str) -> dict:
+        return (await self._schedule_request({"op": "pause", "name": name}))[0]
+
+    async def resume_schedule(self, name: str) -> dict:
+        """Resume a paused schedule: from its next occurrence after now (none missed meanwhile)."""
+        return (await self._schedule_request({"op": "resume", "name": name}))[0]
+
+    async def delete_schedule(self, name: str) -> None:
+        """Delete a schedule (its occurrence already sent and not yet due is cancelled)."""
+        await self._schedule_request({"op": "delete", "name": name})
+
+    async def schedules(self) -> list[dict]:
+        """Every schedule of the node, by name."""
+        return await self._schedule_request({"op": "list"})
+
+    async def _schedule_request(self, request: dict) -> list[dict]:
+        answer = p.decode_json(await self._call(p.Command.SCHEDULE, p.encode_json(request)))
+        return [{**s, "body": base64.b64decode(s["body"])} for s in answer["schedules"]]
+
+    async def browse_all(self, **query) -> AsyncIterator[Listed]:
+        """Every message the query matches, page after page (`browse`'s arguments)."""
+        cursor = None
+        while True:
+            page = await self.browse(**query, cursor=cursor)
+            for m in page.messages:
+                yield m
+            if page.cursor is None:
+                return
+            cursor = page.cursor
 
 
 class Producer:
@@ -409,6 +533,40 @@ class Producer:
 
     def status(self, handle: Handle | str) -> Status:
         return self._run(self._producer.status, handle)
+
+    def reschedule(self, handle: Handle | str, **kw) -> Rescheduled:
+        return self._run(self._producer.reschedule, handle, **kw)
+
+    def promote(self, handle: Handle | str) -> Rescheduled:
+        return self._run(self._producer.promote, handle)
+
+    def put_schedule(self, name: str, subject: str, rule: str, body: bytes = b"", **kw) -> dict:
+        return self._run(self._producer.put_schedule, name, subject, rule, body, **kw)
+
+    def pause_schedule(self, name: str) -> dict:
+        return self._run(self._producer.pause_schedule, name)
+
+    def resume_schedule(self, name: str) -> dict:
+        return self._run(self._producer.resume_schedule, name)
+
+    def delete_schedule(self, name: str) -> None:
+        return self._run(self._producer.delete_schedule, name)
+
+    def schedules(self) -> list[dict]:
+        return self._run(self._producer.schedules)
+
+    def browse(self, **query) -> BrowsePage:
+        return self._run(self._producer.browse, **query)
+
+    def browse_all(self, **query) -> Iterator[Listed]:
+        """Every message the query matches, fetched a page at a time."""
+        cursor = None
+        while True:
+            page = self.browse(**query, cursor=cursor)
+            yield from page.messages
+            if page.cursor is None:
+                return
+            cursor = page.cursor
 
     def ping(self) -> bytes:
         return self._run(self._producer.ping)

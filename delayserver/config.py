@@ -117,6 +117,9 @@ class Config:
     meta_tls_ca: str = ""
     deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
+    # Idempotent send: a message id accepted within this window is answered with its first handle
+    # (0 turns it off).
+    dedupe_window_ms: int = _UNITS_MS["d"]
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides) -> "Config":
@@ -137,7 +140,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
-        known = {f.name for f in attrs.fields(cls)} | {"max_delay", "segment_scale", "load_ahead"}
+        known = {f.name for f in attrs.fields(cls)} | {"max_delay", "segment_scale", "load_ahead", "dedupe_window"}
         for key in raw:
             if key not in known and key != "broker_group":
                 raise ConfigError(f"{key}: unknown option")
@@ -217,6 +220,9 @@ class Config:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")
                 kw[name] = raw[name]
+        # Idempotent send
+        if get("dedupe_window") is not None or get("dedupe_window_ms") is not None:
+            kw["dedupe_window_ms"] = parse_duration(get("dedupe_window", get("dedupe_window_ms")), "dedupe_window")
         groups = get("broker_group", get("broker_groups"))
         if groups is not None:
             kw["broker_groups"] = _broker_groups(groups)

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import trio
 
-from delayserver.client import AsyncProducer, Message, Status
+from delayserver.client import AsyncProducer, Message, Rescheduled, Status
 from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
 from delayserver.meta.client import MetaError, MetaUnavailable, discover_delay_groups
 from delayserver.trio_util import BackgroundTasks
@@ -141,3 +141,12 @@ class AsyncGroupProducer(BackgroundTasks):
         answers = await self._ask_all(lambda m: m.status(handle))
         known = [a for a in answers if a.state != MessageState.UNKNOWN]
         return known[0] if known else Status(MessageState.UNKNOWN)
+
+    async def reschedule(self, handle: Handle | str, **kw):
+        """Asked of every group: the one holding the message answers who won."""
+        answers = await self._ask_all(lambda m: m.reschedule(handle, **kw))
+        known = [a for a in answers if a.outcome != CancelOutcome.UNKNOWN]
+        return known[0] if known else answers[0] if answers else Rescheduled(CancelOutcome.UNKNOWN)
+
+    async def promote(self, handle: Handle | str):
+        return await self.reschedule(handle, delay=0)

@@ -63,6 +63,8 @@ class ResultCode(enum.IntEnum):
     INTERNAL = 13
     NODE_ID_TAKEN = 14
     UNAVAILABLE = 15
+    # browse, reschedule, dedupe, schedules: 30-39
+    DUPLICATE = 30  # a success: the id was accepted within dedupe_window; the answer is its first handle
 
     @property
     def description(self) -> str:
@@ -86,6 +88,7 @@ _DESCRIPTIONS = {
     ResultCode.INTERNAL: "internal error",
     ResultCode.NODE_ID_TAKEN: "a live node is registered under this node id (another session)",
     ResultCode.UNAVAILABLE: "the service cannot reach its database now; ask another instance",
+    ResultCode.DUPLICATE: "a message with this id was accepted within dedupe_window: its handle is returned",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 
@@ -200,6 +203,7 @@ class CancelOutcome(enum.IntEnum):
     ALREADY_DELIVERED = 2
     ALREADY_CANCELLED = 3
     UNKNOWN = 4
+    RESCHEDULED = 5  # a reschedule or promote won: the message moved to its new handle
 
 
 class MessageState(enum.IntEnum):

@@ -45,6 +45,12 @@ then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
     AUTH       request: the shared secret, raw bytes; response: empty (a wrong secret gets an
                ERROR with UNAUTHORIZED and the connection closes)
     META       UTF-8 JSON both ways (`encode_json`, `decode_json`)
+    RESCHEDULE request:  schedule_time i64, id str16 (a Handle), time kind u8, time value i64
+               response: code u16, outcome u8 (CancelOutcome; RESCHEDULED when it moved),
+                         new schedule_time i64 (0: not moved), message str32
+    BROWSE     UTF-8 JSON both ways: the query (node/browse.py, BrowseQuery.from_json) and the page,
+               {"messages": [...], "cursor": str | null, "examined": n}; bodies in base64
+    SCHEDULE   UTF-8 JSON both ways: a schedule request and its answer (schedules/service.py)
     SYNC_*     defined by the replication modules
 
 Result codes are those of `message.ResultCode`; a code this side does not know is kept as an int,
@@ -87,6 +93,10 @@ class Command(enum.IntEnum):
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
     META = 32
+    # browse, reschedule, dedupe, schedules: 48-63
+    RESCHEDULE = 48
+    BROWSE = 49
+    SCHEDULE = 50
 
 
 _COMMANDS = {int(c): c for c in Command}
@@ -271,6 +281,14 @@ class StatusResult:
     state: MessageState
     dispatch_time: int = 0
     broker_group: str = ""
+
+
+@attrs.frozen
+class RescheduleResult:
+    code: int
+    message: str
+    outcome: CancelOutcome
+    schedule_time: int = 0  # the new handle's time when the message moved
 
 
 @attrs.frozen
@@ -496,6 +514,41 @@ def decode_status_response(payload: bytes) -> StatusResult:
     state = _enum(MessageState, state, "message state")
     group = reader.text(group_len, "broker group")
     result = StatusResult(_result_code(code), reader.str32("result message"), state, dispatch_time, group)
+    reader.finish()
+    return result
+
+
+_TIME_SPEC = struct.Struct(">Bq")
+_RESCHEDULE_RESULT = struct.Struct(">HBq")  # code, outcome, new schedule_time
+
+
+def encode_reschedule_request(handle: Handle, time: TimeSpec) -> bytes:
+    if not isinstance(time.kind, TimeKind):
+        raise LocalProtocolError(f"unknown time kind {time.kind!r}")
+    return encode_handle(handle) + _pack(_TIME_SPEC, time.kind, time.value)
+
+
+def decode_reschedule_request(payload: bytes) -> tuple[Handle, TimeSpec]:
+    reader = _Reader(payload, "RESCHEDULE request")
+    schedule_time, id_len = reader.unpack(_HANDLE)
+    handle = Handle(schedule_time, reader.text(id_len, "message id"))
+    kind, value = reader.unpack(_TIME_SPEC)
+    reader.finish()
+    return handle, TimeSpec(_enum(TimeKind, kind, "time kind"), value)
+
+
+def encode_reschedule_response(result: RescheduleResult) -> bytes:
+    if not isinstance(result.outcome, CancelOutcome):
+        raise LocalProtocolError(f"unknown outcome {result.outcome!r}")
+    head = _pack(_RESCHEDULE_RESULT, result.code, result.outcome, result.schedule_time)
+    return head + _str32(result.message, "result message")
+
+
+def decode_reschedule_response(payload: bytes) -> RescheduleResult:
+    reader = _Reader(payload, "RESCHEDULE response")
+    code, outcome, schedule_time = reader.unpack(_RESCHEDULE_RESULT)
+    outcome = _enum(CancelOutcome, outcome, "outcome")
+    result = RescheduleResult(_result_code(code), reader.str32("result message"), outcome, schedule_time)
     reader.finish()
     return result
 

@@ -28,7 +28,8 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    RecordError, RecordType, iter_checked_records, message_log_head, scheduled_record_head,
+    RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
+    scheduled_record_head,
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
@@ -41,12 +42,15 @@ CHECKPOINT_NAME = "replay.json"
 class Replayer:
     def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
-                 on_disk_full: Callable[[], None] = lambda: None):
+                 on_disk_full: Callable[[], None] = lambda: None,
+                 on_record: Callable[[int, bytes, int, int], None] | None = None):
         """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
         holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
         when a schedule append or a checkpoint finds the disk full (the node releases its disk
-        reserve and refuses new messages, so that replay and delivery go on)."""
+        reserve and refuses new messages, so that replay and delivery go on). `on_record(rtype,
+        data, payload_start, payload_end)`: called for each message_log record replayed (the dedupe table)."""
         self.store = store
+        self.on_record = on_record
         self.ticks = ticks
         self.offset = offset
         self.max_sequence = max_sequence
@@ -65,14 +69,15 @@ class Replayer:
     @classmethod
     def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
              recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
-             on_disk_full: Callable[[], None] = lambda: None) -> "Replayer":
+             on_disk_full: Callable[[], None] = lambda: None,
+             on_record: Callable[[int, bytes, int, int], None] | None = None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
 
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append. `recent_batch` and `on_disk_full` are the constructor's.
+        the replay cannot append. `recent_batch`, `on_disk_full` and `on_record` are the constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -97,7 +102,7 @@ class Replayer:
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
         self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
-                   recent_batch=recent_batch, on_disk_full=on_disk_full)
+                   recent_batch=recent_batch, on_disk_full=on_disk_full, on_record=on_record)
         end = store.message_log.end_offset
         # Nothing is loaded, so can_add refuses every record and the time passed is never used.
         while self.replay_once(ticks.last_now, end, max_bytes):
@@ -122,11 +127,20 @@ class Replayer:
         sizes: dict[int, int] = {}
         notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         end = self.offset
+        on_record = self.on_record
+        followed = 0
         # MessageLog.read checked every record it returned: walk the headers only.
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
                 break
+            if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_record), not scheduled
+                self.max_sequence = max(self.max_sequence, schedule_change_sequence(data, s))
+                if on_record is not None:
+                    on_record(rtype, data, s, e)
+                end = base + e
+                followed += 1
+                continue
             try:
                 sched, seq, mid = message_log_head(data, s, rtype)
             except RecordError as err:
@@ -143,6 +157,8 @@ class Replayer:
             sizes[bucket] += size
             recs += (head, payload)
             self.max_sequence = max(self.max_sequence, seq)
+            if on_record is not None:
+                on_record(rtype, data, s, e)
             end = base + e
         self._append_all(per_bucket)
         for bucket, offset, rtype, sched, mid in notes:
@@ -152,7 +168,7 @@ class Replayer:
                 self.ticks.on_cancel(bucket, offset, sched, mid)
         self.offset = end
         self.replayed += len(notes)
-        return len(notes)
+        return len(notes) + followed
 
     def _append_all(self, per_bucket: dict[int, list[bytes]]) -> None:
         schedule_log = self.store.schedule_log

@@ -1,8 +1,10 @@
-"""`delayctl send`, `delayctl cancel`, `delayctl status`: talk to a running delay server.
+"""`delayctl send`, `cancel`, `status`, `reschedule`, `promote`: talk to a running delay server.
 
     delayctl send --server 127.0.0.1:20801 --subject orders.expire --delay 30s --body 'order 42'
     delayctl cancel 1795323199529:01a2...
     delayctl status 1795323199529:01a2... --json
+    delayctl reschedule 1795323199529:01a2... --delay 2h
+    delayctl promote 1795323199529:01a2...
 """
 from __future__ import annotations
 
@@ -53,6 +55,18 @@ def register(subparsers) -> None:
         c.add_argument("--json", action="store_true")
         c.set_defaults(run=fn)
 
+    for name, helptext in (("reschedule", "move a pending message to a new time; prints its new handle"),
+                           ("promote", "deliver a pending message now; prints its new handle")):
+        c = subparsers.add_parser(name, help=helptext)
+        c.add_argument("handle", help="the handle printed by send (SCHEDULE_TIME:ID)")
+        c.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+        c.add_argument("--json", action="store_true")
+        if name == "reschedule":
+            when = c.add_mutually_exclusive_group(required=True)
+            when.add_argument("--delay", help="from now: 500ms, 30s, 5m, 2h, 7d")
+            when.add_argument("--at", help="ISO 8601 time (UTC unless a zone is given) or epoch ms")
+        c.set_defaults(run=run_reschedule, method=name)
+
 
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
@@ -86,14 +100,14 @@ def run_send(args) -> int:
     return 0
 
 
-def _ask(args, method: str):
+def _ask(args, method: str, **kw):
     """Run one producer call on the handle in `args`; (handle, answer) or an exit code."""
     from delayserver.client import Producer
 
     try:
         handle = Handle.parse(args.handle)
         with Producer(args.server) as producer:
-            return handle, getattr(producer, method)(handle)
+            return handle, getattr(producer, method)(handle, **kw)
     except AddressError as e:
         print(f"error: --server: {e}", file=sys.stderr)
         return 2
@@ -130,3 +144,24 @@ def run_status(args) -> int:
     else:
         print(state)
     return 0
+
+
+def run_reschedule(args) -> int:
+    """Prints the new handle (exit 0), or who won instead (exit 1)."""
+    kw = {}
+    if args.method == "reschedule":
+        try:
+            kw = {"delay": parse_duration(args.delay, "--delay")} if args.delay else {"deliver_at": parse_at(args.at)}
+        except (ValueError, ConfigError) as e:
+            return _fail(str(e))
+    answer = _ask(args, args.method, **kw)
+    if isinstance(answer, int):
+        return answer
+    handle, moved = answer
+    name = moved.outcome.name.lower()
+    if args.json:
+        print(json.dumps({"handle": str(handle), "outcome": name,
+                          "new_handle": str(moved.handle) if moved.handle else None}))
+    else:
+        print(moved.handle if moved.handle else name)
+    return 0 if moved.handle else 1

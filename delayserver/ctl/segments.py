@@ -23,6 +23,7 @@ LOG_OF_TYPE = {
     RecordType.DISPATCH: "dispatch_log",
     RecordType.DELIVERED: "spool",
     RecordType.PARKED: "parked",
+    RecordType.SCHEDULE: "message_log",
 }
 
 

@@ -1,26 +1,40 @@
-"""The message operations a node serves: send, cancel, status; and the request handler that turns
-frames into them.
+"""The message operations a node serves: send, cancel, status, reschedule (and promote); and the
+request handler that turns frames into them.
 
 Send goes to the receiver (group commit into message_log). Cancel and status wait until replay
 has caught up with what is durable, then look the message up in its bucket's schedule_log and
 dispatch_log. A cancel that finds the message pending appends a CANCEL record; once it is replayed
 nothing fires the message any more, but one already handed to the sender still goes out: the
 answer says ALREADY_DELIVERED then, never CANCELLED for a message a broker will see.
+
+Reschedule moves a pending message: it appends, in one durable write, the message again at its new
+time and a CANCEL of the old one (receiver.append_move). From the decision until that CANCEL is
+replayed the tick manager holds the message if it falls due (`begin_move`): so either the message was
+already handed to the sender (ALREADY_DELIVERED, nothing appended) or the move wins and the old
+time never fires. Promote is a reschedule to now. Cancel and reschedule of one handle take turns
+(a lock per handle), so their answers agree with what happened.
 """
 from __future__ import annotations
 
+import base64
+import contextlib
 import logging
 
 import trio
 
 from delayserver import protocol as p
 from delayserver.lookup import Lookup
-from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
+from delayserver.dedupe import dedupe_key
+from delayserver.message import (
+    CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
+)
+from delayserver.node.browse import BrowseQuery, Page
 from delayserver.node.receiver import Receiver
 from delayserver.node.replication import Master
 from delayserver.node.role import NodeRole
 from delayserver.replayer import Replayer
 from delayserver.storage.buckets import bucket_start
+from delayserver.storage.record import decode_scheduled
 from delayserver.storage.errors import StorageError
 from delayserver.storage.store import Store
 from delayserver.wheel.tick_manager import TickManager
@@ -34,7 +48,7 @@ _SETTLED = {MessageState.DELIVERED: CancelOutcome.ALREADY_DELIVERED,
 
 class MessageOperations:
     def __init__(self, store: Store, receiver: Receiver, replayer: Replayer, ticks: TickManager, role: NodeRole,
-                 lookup: Lookup, *, on_acknowledged=lambda api, seconds: None):
+                 lookup: Lookup, *, on_acknowledged=lambda api, seconds: None, browser=None):
         self.store = store
         self.lookup = lookup  # status and cancel find a message through the per-bucket id index
         self.receiver = receiver
@@ -43,6 +57,9 @@ class MessageOperations:
         self.role = role
         # (api, seconds from a send request's arrival to its answer): the metrics' hook.
         self.on_acknowledged = on_acknowledged
+        self.browser = browser  # node/browse.py
+        # Per handle being cancelled or rescheduled: its lock and how many hold or wait for it.
+        self._handle_locks: dict[Handle, list] = {}
 
     async def send(self, items: list[p.SendItem], api: str = "binary") -> list[p.SendResult]:
         """Store a batch; each item gets its result (OK only once durable), in order. `api` names
@@ -55,6 +72,10 @@ class MessageOperations:
         self.on_acknowledged(api, trio.current_time() - started)
         return results
 
+    async def replayed_past(self, offset: int) -> None:
+        """Return once replay has passed message_log `offset` (or after 5 s)."""
+        await self._replayed_past(offset)
+
     async def _replayed_past(self, offset: int, timeout_s: float = 5.0) -> None:
         with trio.move_on_after(timeout_s):
             while self.replayer.offset < offset:
@@ -66,10 +87,27 @@ class MessageOperations:
         return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
                               found.broker_group)
 
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, handle: Handle):
+        """One cancel or reschedule of `handle` at a time."""
+        entry = self._handle_locks.setdefault(handle, [trio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._handle_locks[handle]
+
     async def cancel(self, handle: Handle) -> p.CancelResult:
         refusal = self.role.write_refusal()
         if refusal is not None:
             return p.CancelResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
+        async with self._exclusive(handle):
+            return await self._cancel(handle)
+
+    async def _cancel(self, handle: Handle) -> p.CancelResult:
         await self._replayed_past(self.receiver.durable_offset)
         found = await self.lookup.find(handle.schedule_time, handle.message_id)
         outcome = _SETTLED.get(found.state)
@@ -89,13 +127,84 @@ class MessageOperations:
         self.ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
         return p.CancelResult(ResultCode.OK, "cancelled", CancelOutcome.CANCELLED)
 
+    async def reschedule(self, handle: Handle, when: TimeSpec) -> p.RescheduleResult:
+        """Move a pending message to `when` (promote: TimeSpec.delay(0)). The answer is RESCHEDULED
+        with the new handle's time, or who won instead (ALREADY_DELIVERED, ALREADY_CANCELLED,
+        UNKNOWN), or a refusal (BAD_SCHEDULE_TIME, NOT_MASTER, DISK_FULL, ...)."""
+        refusal = self.role.write_refusal()
+        if refusal is not None:
+            return p.RescheduleResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
+        try:
+            new_time = self.receiver.schedule_time(when, self.receiver.clock.now_ms())
+        except InvalidMessage as e:
+            return p.RescheduleResult(e.code, str(e), CancelOutcome.UNKNOWN)
+        async with self._exclusive(handle):
+            return await self._reschedule(handle, new_time)
+
+    async def _reschedule(self, handle: Handle, new_time: int) -> p.RescheduleResult:
+        await self._replayed_past(self.receiver.durable_offset)
+        found = await self.lookup.find(handle.schedule_time, handle.message_id)
+        outcome = _SETTLED.get(found.state)
+        if outcome is not None:
+            return p.RescheduleResult(ResultCode.OK, outcome.name.lower().replace("_", " "), outcome)
+        if new_time == handle.schedule_time:
+            return p.RescheduleResult(ResultCode.OK, "already due then", CancelOutcome.RESCHEDULED, new_time)
+        bucket = bucket_start(handle.schedule_time, self.store.segment_scale_ms)
+        ticks = self.ticks
+        if any(ticks.ref(bucket, o) in ticks.inflight for o in found.offsets):
+            return p.RescheduleResult(ResultCode.OK, "already delivered (in flight)", CancelOutcome.ALREADY_DELIVERED)
+        # No await between the check above and this: from here a due copy is held, not sent.
+        ticks.begin_move(handle.schedule_time, handle.message_id)
+        moved = False
+        try:
+            _, data, s, e = self.store.schedule_log.read_record(bucket, max(found.offsets))
+            _, message = decode_scheduled(data, s, e)
+            code, text, end = await self.receiver.append_move(message, new_time)
+            if code != ResultCode.OK:
+                return p.RescheduleResult(code, text, CancelOutcome.UNKNOWN)
+            moved = True
+            # Held until the cancel is replayed: from then on the due queue drops the old time by
+            # itself (a copy already fired into the ready queue included).
+            while self.replayer.offset < end:
+                await self.replayer.caught_up.wait(0.01)
+        finally:
+            ticks.end_move(handle.schedule_time, handle.message_id, moved)
+        ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
+        if self.receiver.dedupe is not None and self.receiver.dedupe.enabled:
+            self.receiver.dedupe.remember(dedupe_key(message.message_id, message.headers), new_time,
+                                          self.receiver.clock.now_ms())
+        return p.RescheduleResult(ResultCode.OK, "rescheduled", CancelOutcome.RESCHEDULED, new_time)
+
+
+    async def browse(self, query: BrowseQuery) -> Page:
+        """A page of messages matching `query`, as of everything acknowledged before it."""
+        await self._replayed_past(self.receiver.durable_offset)
+        return await self.browser.page(query)
+
+
+def page_json(page: Page) -> dict:
+    """A browse page as the JSON the protocol and the HTTP API carry."""
+    return {"messages": [listed_json(m) for m in page.messages], "cursor": page.cursor, "examined": page.examined}
+
+
+def listed_json(m) -> dict:
+    out = {"handle": str(Handle(m.schedule_time, m.message_id)), "id": m.message_id, "subject": m.subject,
+           "schedule_time": m.schedule_time, "store_time": m.store_time, "state": m.state.name.lower(),
+           "headers": m.headers}
+    if m.dispatch_time:
+        out["dispatch_time"], out["broker_group"] = m.dispatch_time, m.broker_group
+    if m.body is not None:
+        out["body"] = base64.b64encode(m.body).decode("ascii")
+    return out
+
 
 class Requests:
     """Answers each request frame of a delay-server connection with the bytes of its response."""
 
-    def __init__(self, operations: MessageOperations, master: Master):
+    def __init__(self, operations: MessageOperations, master: Master, schedules=None):
         self.operations = operations
         self.master = master
+        self.schedules = schedules  # schedules/service.py
 
     async def respond(self, frame: p.Frame) -> bytes:
         """The response frame: the command's answer, or an ERROR frame with the refusal's code."""
@@ -122,6 +231,13 @@ class Requests:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
+        if cmd == p.Command.SCHEDULE:
+            return p.encode_json(await self.schedules.handle(p.decode_json(frame.payload)))
+        if cmd == p.Command.BROWSE:
+            query = BrowseQuery.from_json(p.decode_json(frame.payload))
+            return p.encode_json(page_json(await ops.browse(query)))
+        if cmd == p.Command.RESCHEDULE:
+            return p.encode_reschedule_response(await ops.reschedule(*p.decode_reschedule_request(frame.payload)))
         if cmd == p.Command.SYNC_MESSAGE_LOG:
             return await self.master.message_log(frame.payload)
         if cmd == p.Command.SYNC_DISPATCH_LOG:

@@ -30,16 +30,23 @@ import attrs
 import trio
 
 from delayserver import failpoints
+from delayserver.dedupe import dedupe_key
 from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time
 from delayserver.protocol import SendItem, SendResult
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
-    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, record_header, set_sequence,
+    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, encode_schedule_change, record_header,
+    set_sequence,
 )
 from delayserver.storage.segment import fsync_path, storage_failures
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
+
+
+def _duplicate(schedule_time: int, message_id: str) -> SendResult:
+    return SendResult(ResultCode.DUPLICATE, "duplicate: the message accepted earlier under this id",
+                      schedule_time, message_id)
 
 RECENT_BATCHES = 64
 
@@ -51,6 +58,7 @@ class _Pending:
     rtype: int
     payloads: list[bytearray]
     done: trio.Event = attrs.field(factory=trio.Event)
+    rtypes: tuple[int, ...] = ()  # one type per payload, for a request of mixed records
     code: ResultCode = ResultCode.OK
     error: str = ""
     offset: int = -1
@@ -110,9 +118,14 @@ class DiskSpace:
 
 class Receiver:
     def __init__(self, store, clock, config, *, recent: RecentBatches, disk: DiskSpace, on_durable: Wakeup,
-                 sequence_floor: Callable[[], int], next_sequence: int = 0):
+                 sequence_floor: Callable[[], int], next_sequence: int = 0, dedupe=None):
         """`sequence_floor`: the lowest sequence the next record may take (the replayed log's top
-        plus one: after a promotion, sequences go on above what was replicated)."""
+        plus one: after a promotion, sequences go on above what was replicated). `dedupe`: the
+        node's DedupeTable (dedupe.py), or None."""
+        self.dedupe = dedupe
+        # Ids of messages being committed, with their request and schedule time: a retry that
+        # arrives meanwhile waits for the first one's answer instead of storing the id twice.
+        self._committing: dict[str, tuple[_Pending, int]] = {}
         self.store = store
         self.clock = clock
         self.config = config
@@ -188,17 +201,36 @@ class Receiver:
     # --- API used by connections --------------------------------------------------------------
 
     async def send(self, items: list[SendItem]) -> list[SendResult]:
-        """Store a batch; every OK result is durable (flush=sync) before this returns."""
+        """Store a batch; every OK result is durable (flush=sync) before this returns. With
+        dedupe on, an id accepted within the window (or earlier in this batch, or committing for
+        another request) is answered DUPLICATE with the first message's schedule time, not stored."""
         now = self.clock.now_ms()
         results: list[SendResult | None] = [None] * len(items)
         accepted: list[tuple[int, int]] = []
         payloads: list[bytearray] = []
         refused = self._refuse_writes()
         max_bytes = self.config.max_message_bytes
+        table = self.dedupe if self.dedupe is not None and self.dedupe.enabled else None
+        in_batch: dict[str, int] = {}
+        keys: list[str | None] = [None] * len(items)
+        twins: list[tuple[int, int]] = []  # (index, index of the first item with that id)
+        waits: list[tuple[int, _Pending, int]] = []  # (index, another request's commit, its time)
         for i, item in enumerate(items):
             if refused is not None:
                 results[i] = SendResult(refused, self._refusal_text(refused), 0, item.message_id)
                 continue
+            if table is not None:
+                key = keys[i] = dedupe_key(item.message_id, item.headers)
+                known = table.find(key, now)
+                if known is not None:
+                    results[i] = _duplicate(known, item.message_id)
+                    continue
+                if key in in_batch:
+                    twins.append((i, in_batch[key]))
+                    continue
+                if key in self._committing:
+                    waits.append((i, *self._committing[key]))
+                    continue
             try:
                 when = self.schedule_time(item.time, now)
                 payload = encode_message_fields(item.message_id, item.subject, item.body, when, item.headers,
@@ -208,12 +240,34 @@ class Receiver:
                 continue
             accepted.append((i, when))
             payloads.append(bytearray(payload))
+            if table is not None:
+                in_batch[key] = i
         if payloads:
             p = _Pending(RecordType.MESSAGE, payloads)
-            await self._commit(p)
+            if table is not None:
+                for i, when in accepted:
+                    self._committing[keys[i]] = (p, when)
+            try:
+                await self._commit(p)
+            finally:
+                if table is not None:
+                    for i, _ in accepted:
+                        if self._committing.get(keys[i], (None,))[0] is p:
+                            del self._committing[keys[i]]
             ok = p.code == ResultCode.OK
             for i, when in accepted:
                 results[i] = SendResult(p.code, "stored" if ok else p.error, when if ok else 0, items[i].message_id)
+                if ok and table is not None:
+                    table.remember(keys[i], when, now)
+        for i, first in twins:
+            r = results[first]
+            results[i] = _duplicate(r.schedule_time, r.message_id) if r.code == ResultCode.OK else r
+        for i, other, when in waits:
+            await other.done.wait()
+            results[i] = (_duplicate(when, items[i].message_id) if other.code == ResultCode.OK
+                          else SendResult(other.code, other.error, 0, items[i].message_id))
+        if table is not None:
+            table.duplicates += sum(r.code == ResultCode.DUPLICATE for r in results)
         return results
 
     async def append_cancel(self, schedule_time: int, message_id: str) -> tuple[ResultCode, str, int]:
@@ -228,6 +282,39 @@ class Receiver:
         p = _Pending(RecordType.CANCEL, [bytearray(payload)])
         await self._commit(p)
         return p.code, p.error or "stored", p.offset
+
+    async def append_move(self, message, new_time: int) -> tuple[ResultCode, str, int]:
+        """Durably append, in one write, `message` (a record.Message) again at `new_time`, then a
+        CANCEL of it at its old time; returns (code, message, message_log offset after both).
+
+        The message comes first: a crash that tears the write keeps at most the new copy without
+        the cancel (delivered twice, never lost), and the write is not acknowledged then."""
+        refused = self._refuse_writes()
+        if refused is not None:
+            return refused, self._refusal_text(refused), -1
+        now = self.clock.now_ms()
+        try:
+            moved = encode_message_fields(message.message_id, message.subject, message.body, new_time,
+                                          message.headers, now, flags=message.flags,
+                                          max_body_bytes=max(self.config.max_message_bytes, len(message.body)))
+            cancel = encode_cancel(Cancel(message.message_id, message.schedule_time, now))
+        except InvalidMessage as e:
+            return e.code, str(e), -1
+        p = _Pending(RecordType.MESSAGE, [bytearray(moved), bytearray(cancel)],
+                     rtypes=(RecordType.MESSAGE, RecordType.CANCEL))
+        await self._commit(p)
+        end = p.offset + 2 * HEADER_SIZE + len(moved) + len(cancel)
+        return p.code, p.error or "stored", end
+
+    async def append_schedule_change(self, change: dict) -> tuple[ResultCode, str, int]:
+        """Durably append a SCHEDULE record; returns (code, message, message_log offset after it)."""
+        refused = self._refuse_writes()
+        if refused is not None:
+            return refused, self._refusal_text(refused), -1
+        payload = encode_schedule_change(change, self.clock.now_ms())
+        p = _Pending(RecordType.SCHEDULE, [bytearray(payload)])
+        await self._commit(p)
+        return p.code, p.error or "stored", p.offset + HEADER_SIZE + len(payload)
 
     def _refusal_text(self, code: ResultCode) -> str:
         if code == ResultCode.READ_ONLY:
@@ -303,11 +390,11 @@ class Receiver:
         sizes = []
         for p in batch:
             size = 0
-            for payload in p.payloads:
+            for k, payload in enumerate(p.payloads):
                 set_sequence(payload, seq)
                 seq += 1
                 # Header and payload go to the one write as two pieces: no copy per message.
-                parts += (record_header(p.rtype, payload), payload)
+                parts += (record_header(p.rtypes[k] if p.rtypes else p.rtype, payload), payload)
                 size += HEADER_SIZE + len(payload)
             sizes.append(size)
         data = b"".join(parts)

@@ -19,10 +19,15 @@ from delayserver import protocol as p
 from delayserver.budget import ByteBudget
 from delayserver.clock import WallClock
 from delayserver.config import Config
+from delayserver.dedupe import Dedupe
 from delayserver.lookup import Lookup
 from delayserver.loopwatch import LoopWatch
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
+from delayserver.node.browse import Browser
+from delayserver.schedules.emitter import serve as serve_schedules
+from delayserver.schedules.registry import Registry
+from delayserver.schedules.service import ScheduleService
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
@@ -36,6 +41,7 @@ from delayserver.sender.sender import Sender
 from delayserver.storage.cleaner import clean
 from delayserver.storage.errors import StorageError
 from delayserver.storage.store import Store
+from delayserver.storage.time_index import TimeIndex
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.service import serve_ticks
 from delayserver.wheel.tick_manager import TickManager
@@ -74,6 +80,7 @@ class DelayServer:
                       "until there is", c.reserve_bytes, c.data_dir)
         self.parked = ParkedLog(c.data_dir / "parked")
         self.lookup = Lookup(self.store, c.data_dir / "index")
+        self.times = TimeIndex(self.store.schedule_log, c.segment_scale_ms, c.data_dir / "index" / "time")  # browse
         scale = c.segment_scale_ms
         self.ticks = TickManager(
             self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,
@@ -82,12 +89,18 @@ class DelayServer:
         )
         recent = RecentBatches()
         self.disk = DiskSpace(self.store, c.reserve_bytes, full=disk_full)
-        self.replayer = replayer = Replayer.open(self.store, self.ticks, recent_batch=recent.take,
-                                                 on_disk_full=self.disk.enter_full)
+        self.dedupe = Dedupe(c.dedupe_window_ms, self.store.checkpoint_dir)
+        if self.dedupe.table.enabled:
+            self.dedupe.recover(self.store.message_log, self.clock.now_ms())
+        self.schedules = Registry(self.store.checkpoint_dir)
+        self.schedules.recover(self.store.message_log)
+        self.replayer = replayer = Replayer.open(
+            self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
+            on_record=self._follow_record)
         self.durable = Wakeup()
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
-                                 sequence_floor=lambda: replayer.max_sequence + 1)
+                                 sequence_floor=lambda: replayer.max_sequence + 1, dedupe=self.dedupe.table)
         self.master = Master(self.receiver, self.store)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
@@ -95,8 +108,10 @@ class DelayServer:
                              may_deliver=self.role.may_deliver, on_disk_full=self.disk.enter_full)
         self.sender.on_delivered = self.metrics.delivered
         self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
-                                            self.lookup, on_acknowledged=self.metrics.acknowledged)
-        self.requests = Requests(self.operations, self.master)
+                                            self.lookup, on_acknowledged=self.metrics.acknowledged,
+                                            browser=Browser(self.store, self.lookup, self.times))
+        self.requests = Requests(self.operations, self.master,
+                                 ScheduleService(self.schedules, self.operations, self.clock, c.max_message_bytes))
         self.loop_watch = LoopWatch()
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
@@ -113,12 +128,16 @@ class DelayServer:
                 self._nursery = nursery
                 await nursery.start(self.receiver.serve)
                 await nursery.start(self.lookup.serve)
+                await nursery.start(self.times.serve)
                 await nursery.start(functools.partial(self.replayer.serve, self.clock,
                                                       lambda: self.receiver.durable_offset, self.durable,
                                                       checkpoint_interval_ms=c.checkpoint_interval_ms))
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self.role.is_master))
                 await nursery.start(self.sender.serve)
+                nursery.start_soon(self._save_followers_periodically)
+                await nursery.start(functools.partial(serve_schedules, self.schedules, self.operations, self.clock,
+                                                      self.role.is_master))
                 # Bound now (the meta server is told the port), accepting only once the role is
                 # known: a producer quick off the mark waits in the backlog for its answer instead
                 # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
@@ -197,6 +216,7 @@ class DelayServer:
             await self.replayer.checkpoint_async()
         except StorageError as e:  # a failed fsync, say: the next start replays from the last checkpoint
             log.error("no checkpoint at shutdown: %s", e)
+        await self._save_followers()
         with trio.move_on_after(2):
             while self.ticks.inflight:
                 await trio.sleep(0.01)
@@ -207,15 +227,42 @@ class DelayServer:
         c = self.config
         while True:
             await trio.sleep(c.cleaner_interval_ms / 1000)
+            # Saved first, so that message_log is not kept past retention for their sake.
+            await self._save_followers()
             try:
                 cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
                                 now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=list(self.master.message_log_offsets.values()),
+                                sync_offsets=[*self.master.message_log_offsets.values(), *self._follower_offsets()],
                                 dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
                 if cleaned.buckets:
                     await self.replayer.checkpoint_async()
             except StorageError as e:
                 log.error("cleaner pass failed: %s", e)
+
+    def _follower_offsets(self) -> list[int]:
+        """Where message_log is needed from to rebuild the dedupe table and the schedules at start."""
+        return [self.schedules.saved_offset, *([self.dedupe.saved_offset] if self.dedupe.table.enabled else [])]
+
+    def _follow_record(self, rtype: int, data, s: int, e: int) -> None:
+        """Every replayed message_log record: the dedupe table and the schedules follow it."""
+        if self.dedupe.table.enabled:
+            self.dedupe.table.feed_record(rtype, data, s, e)
+        self.schedules.feed_record(rtype, data, s, e)
+
+    async def _save_followers(self) -> None:
+        """Save the dedupe table and the schedules, covering message_log up to replay's offset."""
+        offset = self.replayer.offset
+        if self.dedupe.table.enabled:
+            await self.dedupe.save(self.clock.now_ms(), offset)
+        try:
+            await self.schedules.save(offset)
+        except StorageError as e:
+            log.error("schedules not saved (will try again): %s", e)
+
+    async def _save_followers_periodically(self, interval_s: float = 60.0) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            await self._save_followers()
 
     # --- connections --------------------------------------------------------------------------
 

@@ -23,10 +23,13 @@ Payload layouts (see the `*_HEAD` structs):
 - DELIVERED (spool): dispatch_time q, attempt I, then a MESSAGE payload.
 - PARKED: parked_time q, attempt I, schedule_offset Q, reason_len H, reason, then a SCHEDULED
   payload (the schedule_log offset lets a reload skip what was parked).
+- SCHEDULE (message_log only, not replayed into schedule_log): store_time q, 0 q, sequence Q, then
+  a recurring schedule's change as UTF-8 JSON (delayserver/schedules/registry.py).
 """
 from __future__ import annotations
 
 import enum
+import json
 import struct
 import types
 from typing import Iterator, Mapping, NamedTuple
@@ -69,6 +72,8 @@ class RecordType(enum.IntEnum):
     DISPATCH = 5
     DELIVERED = 6
     PARKED = 7
+    # browse, reschedule, dedupe, schedules: 24-31
+    SCHEDULE = 24
 
 
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
@@ -513,6 +518,40 @@ def decode_parked(buf, start: int = 0, end: int | None = None) -> Parked:
     return Parked(when, attempt, soff, reason, offset, message)
 
 
+# --- schedules -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ScheduleChange:
+    """A change to the recurring schedules (a JSON object), as message_log stores it."""
+
+    change: dict
+    store_time: int = 0
+    sequence: int = 0
+
+
+def encode_schedule_change(change: dict, store_time: int) -> bytes:
+    raw = json.dumps(change, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _SCHEDULE_HEAD.pack(store_time, 0, 0) + raw
+
+
+@_decoding
+def decode_schedule_change(buf, start: int = 0, end: int | None = None) -> ScheduleChange:
+    end = len(buf) if end is None else end
+    store, _, seq = _SCHEDULE_HEAD.unpack_from(buf, start)
+    change = json.loads(bytes(memoryview(buf)[start + _SCHEDULE_HEAD.size : end]).decode("utf-8"))
+    if not isinstance(change, dict):
+        raise ValueError("a schedule change is a JSON object")
+    return ScheduleChange(change, store, seq)
+
+
+_SCHEDULE_HEAD = struct.Struct(">qqQ")
+
+
+def schedule_change_sequence(buf, start: int) -> int:
+    return _SCHEDULE_HEAD.unpack_from(buf, start)[2]
+
+
 def decode_payload(rtype: int, buf, start: int, end: int):
     """Decode any record's payload into its value (used by tools, not hot paths)."""
     if rtype == RecordType.MESSAGE:
@@ -529,4 +568,6 @@ def decode_payload(rtype: int, buf, start: int, end: int):
         return decode_delivered(buf, start, end)
     if rtype == RecordType.PARKED:
         return decode_parked(buf, start, end)
+    if rtype == RecordType.SCHEDULE:
+        return decode_schedule_change(buf, start, end)
     raise RecordError(start, f"unknown record type {rtype}")

@@ -87,6 +87,8 @@ class DueQueue:
                 ticks.drop_cancelled(ref)
                 self.cancelled += 1
                 continue
+            if ticks.hold_if_moving(ref, message.schedule_time, message.message_id):
+                continue
             out.append(Due(ref, bucket, offset, message, generation))
         return out
 

@@ -90,6 +90,8 @@ class TickManager:
         self.cancelled_drops = 0
         # Bumped by `reset`: what the sender holds from an older generation is no longer owed.
         self.generation = 0
+        # Reschedule: (schedule_time, id) of messages being moved -> refs that fell due meanwhile.
+        self.moving: dict[tuple[int, str], list[int]] = {}
 
     def reset(self, now: int) -> None:
         """Forget everything in memory (the node stopped or started being its group's master):
@@ -104,6 +106,8 @@ class TickManager:
         self.cancels.clear()
         self.ready.clear()
         self.inflight.clear()
+        for held in self.moving.values():
+            held.clear()
         self.last_now = now
         self.generation += 1
         self.changed.set()
@@ -363,3 +367,31 @@ class TickManager:
     @property
     def loaded(self) -> int:
         return len(self.wheel) + len(self._held) + len(self.ready) + len(self.inflight)
+
+    # --- reschedule: holding a message while it moves ---------------------------------------------
+
+    def begin_move(self, schedule_time: int, message_id: str) -> None:
+        """From now on a message of this key that falls due is held, not delivered, until
+        `end_move` (the due queue asks `hold_if_moving`)."""
+        self.moving.setdefault((schedule_time, message_id), [])
+
+    def hold_if_moving(self, ref: int, schedule_time: int, message_id: str) -> bool:
+        """Hold a taken ref whose message is being moved; True if it was held."""
+        held = self.moving.get((schedule_time, message_id))
+        if held is None:
+            return False
+        held.append(ref)
+        return True
+
+    def end_move(self, schedule_time: int, message_id: str, moved: bool) -> None:
+        """The move is durable (`moved`: what was held is settled undelivered, its cancel is in the
+        log) or failed (what was held is due again, first in line)."""
+        held = self.moving.pop((schedule_time, message_id), [])
+        for ref in held:
+            if moved:
+                self.drop_cancelled(ref)
+            elif ref in self.inflight:
+                self.inflight.remove(ref)
+                self.ready.appendleft(ref)
+        if held and not moved:
+            self.changed.set()

@@ -53,6 +53,7 @@ HTTP_STATUS = {
     ResultCode.INTERNAL: 500,
     ResultCode.NODE_ID_TAKEN: 409,
     ResultCode.UNAVAILABLE: 503,
+    ResultCode.DUPLICATE: 200,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 
@@ -216,7 +217,7 @@ def parse_handle(text: str) -> Handle:
 
 def _send_json(result) -> dict:
     out = {"code": _code_name(result.code), "message": result.message, "id": result.message_id}
-    if result.code == ResultCode.OK:
+    if result.code in (ResultCode.OK, ResultCode.DUPLICATE):
         out["handle"] = str(Handle(result.schedule_time, result.message_id))
         out["schedule_time"] = result.schedule_time
     return out
@@ -253,7 +254,7 @@ def create_app(ops: NodeOps, *, secret: str = "", metrics=None, backlog=None, ma
     async def send_one(request: Request):
         item = send_item(await read_json(request, max_body_bytes))
         [result] = await ops.send([item])
-        if result.code != ResultCode.OK:
+        if result.code not in (ResultCode.OK, ResultCode.DUPLICATE):
             return error_response(ResultCode(result.code), result.message, id=result.message_id)
         return JSONResponse(_send_json(result))
 
@@ -280,7 +281,7 @@ def create_app(ops: NodeOps, *, secret: str = "", metrics=None, backlog=None, ma
                 results[i] = {"code": e.code.name, "message": str(e), "id": obj.get("id") or ""}
         for i, result in zip(where, await ops.send(items) if items else []):
             results[i] = _send_json(result)
-        failed = sum(1 for r in results if r["code"] != "OK")
+        failed = sum(1 for r in results if r["code"] not in ("OK", "DUPLICATE"))
         return JSONResponse({"code": "OK", "accepted": len(results) - failed, "refused": failed, "results": results})
 
     async def status(request: Request):

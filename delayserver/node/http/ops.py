@@ -10,7 +10,7 @@ import logging
 import ssl
 from typing import Protocol
 
-from delayserver.message import Handle, TimeSpec
+from delayserver.message import Handle, ResultCode, TimeSpec
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
 from delayserver.node.role import RoleState
 from delayserver.node.view import NodeView
@@ -175,7 +175,7 @@ class ServerOps:
             m = p.message
             headers = {**m.headers, "redriven-from": str(Handle(m.schedule_time, m.message_id))}
             [result] = await self.send([SendItem(m.message_id, m.subject, TimeSpec.delay(0), m.body, headers)])
-            if result.code != 0:
+            if result.code not in (ResultCode.OK, ResultCode.DUPLICATE):
                 failed = result
                 break
             end, sent = offset + 1, sent + 1

@@ -1,0 +1,100 @@
+"""`ops/bench dedupe`: what idempotent send costs: memory per id, save and rebuild times, and the
+ingest rate with dedupe on and off.
+
+- Memory: N ids of the client's generated form (28 hex digits) put in a DedupeTable, the process's
+  traced memory (tracemalloc) before and after, divided by N.
+- Save: the table written to its file (what a node does every minute and at shutdown), and read
+  back (what a restart does before it feeds message_log from the saved offset).
+- Ingest: `bench.ingest load` (8 producers, batches of 64 x 1 KiB) for S seconds against a real
+  server on a fresh data directory, with dedupe_window = 24h (the default) and with 0 (off),
+  alternating, --rounds times each (the first run of a process is slower on a cold machine): every
+  run's figure is printed, and the best of each.
+
+Options: --ids N (default 1,000,000), --seconds S (5), --rounds R (3), --dir PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+
+def memory_per_id(n: int) -> tuple[float, "DedupeTable"]:  # noqa: F821
+    from delayserver.client import new_message_id
+    from delayserver.dedupe import DedupeTable
+
+    now = time.time_ns() // 1_000_000
+    ids = [new_message_id(now) for _ in range(n)]
+    table = DedupeTable(24 * 3_600_000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i, message_id in enumerate(ids):
+        table.remember(message_id, now + 60_000 + i, now)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    # The ids themselves are counted too: a node holds them only in the table.
+    id_bytes = sum(sys.getsizeof(x) for x in ids)
+    return (after - before + id_bytes) / n, table
+
+
+def ingest(root: Path, seconds: float, window: str) -> float:
+    from bench.harness import DelayServerProcess
+
+    root.mkdir(parents=True)
+    config = root / "node.toml"
+    config.write_text(f'dedupe_window = "{window}"\n' if window != "0" else "dedupe_window = 0\n")
+    server = DelayServerProcess(root / "data", config_path=config)
+    server.start(timeout=600)
+    try:
+        out = subprocess.run([sys.executable, "-m", "bench.ingest", "load", server.address, "8", str(seconds), "64"],
+                             capture_output=True, check=True, text=True)
+        return json.loads(out.stdout)["msgs_per_s"]
+    finally:
+        server.stop()
+
+
+def main(argv: list[str]) -> None:
+    from bench.harness import environment_note
+    from delayserver.dedupe import DedupeTable
+
+    parser = argparse.ArgumentParser(prog="ops/bench dedupe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ids", type=int, default=1_000_000)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    print(f"dedupe benchmark on {environment_note()}", flush=True)
+    per_id, table = memory_per_id(args.ids)
+    print(f"  memory: {per_id:.0f} bytes per id ({args.ids:,} ids of 28 characters, id strings included)",
+          flush=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-dedupe-", dir=args.dir))
+    try:
+        path = root / "dedupe.bin"
+        t0 = time.perf_counter()
+        DedupeTable.write(path, table.snapshot(), 0)
+        saved = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        DedupeTable(table.window_ms).load(path)
+        loaded = time.perf_counter() - t0
+        print(f"  save {saved:.2f} s, load {loaded:.2f} s ({path.stat().st_size / args.ids:.0f} bytes per id on disk)",
+              flush=True)
+        runs = {"0": [], "24h": []}
+        for r in range(args.rounds):
+            for window in ("0", "24h"):
+                runs[window].append(ingest(root / f"{window}-{r}", args.seconds, window))
+                print(f"  ingest, dedupe_window = {window:<4} {runs[window][-1]:>10,.0f} msg/s", flush=True)
+        on, off = max(runs["24h"]), max(runs["0"])
+        print(f"  best: dedupe on {on:,.0f} msg/s, off {off:,.0f} msg/s ({on / max(off, 1) - 1:+.1%} with dedupe on)")
+    finally:
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,235 @@
+"""Idempotent send: a message id accepted within dedupe_window answers its first handle, through the
+real server, across a restart, and the table's own rules."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from delayserver import protocol as p
+from delayserver.client import AsyncProducer, Message
+from delayserver.config import Config
+from delayserver.dedupe import FILE_NAME, DedupeTable, dedupe_key
+from delayserver.message import MessageState, ResultCode, TimeSpec
+from delayserver.node.server import DelayServer
+from delayserver.storage.record import RecordType, decode_message, iter_records
+
+HOUR = 3_600_000
+T0 = 1_795_000_000_000
+
+
+def config(root, **kw) -> Config:
+    base = dict(data_dir=str(root), listen="127.0.0.1:0", segment_scale="1m", max_delay="1d", reserve_bytes=0,
+                checkpoint_interval_ms=20)
+    base.update(kw)
+    return Config.from_dict(base)
+
+
+class SetClock:
+    """A wall clock a test moves by hand (the node's sleeps stay on trio's clock)."""
+
+    def __init__(self, now_ms: int):
+        self.now = now_ms
+
+    def now_ms(self) -> int:
+        return self.now
+
+
+async def run_node(root, body, clock=None, **kw) -> DelayServer:
+    server = DelayServer(config(root, **kw), clock=clock)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        await body(server)
+        await server.drain()
+    return server
+
+
+def stored_messages(root) -> list:
+    """Every MESSAGE record of message_log, decoded."""
+    out = []
+    for path in sorted((root / "message_log").iterdir()):
+        data = path.read_bytes()
+        for _, rtype, s, e in iter_records(data):
+            if rtype == RecordType.MESSAGE:
+                out.append(decode_message(data, s, e))
+    return out
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+def test_an_id_is_found_within_the_window_and_not_after():
+    table = DedupeTable(window_ms=HOUR)
+    table.remember("a", T0 + 5000, T0)
+    assert table.find("a", T0 + HOUR - 1) == T0 + 5000
+    assert table.find("a", T0 + HOUR) is None
+    assert table.find("b", T0) is None
+
+
+def test_a_later_record_of_the_same_id_moves_the_handle_but_not_the_window():
+    table = DedupeTable(window_ms=HOUR)
+    table.remember("a", T0 + 5000, T0)
+    table.remember("a", T0 + 9000, T0 + 1000)  # a reschedule writes the message again
+    assert table.find("a", T0 + HOUR - 1) == T0 + 9000
+    assert table.find("a", T0 + HOUR) is None
+
+
+def test_expire_forgets_only_what_is_older_than_the_window():
+    table = DedupeTable(window_ms=HOUR)
+    for i in range(10):
+        table.remember(f"m{i}", T0, T0 + i * 1000)
+    assert table.expire(T0 + HOUR + 4500) == 5
+    assert len(table) == 5 and table.find("m5", T0 + HOUR + 4500) == T0
+
+
+def test_a_saved_table_reads_back_and_a_damaged_one_is_ignored(tmp_path):
+    table = DedupeTable(window_ms=HOUR)
+    table.remember("order-42", T0 + 5, T0)
+    table.remember("ünïcode/id", T0 + 6, T0 + 1)
+    path = tmp_path / FILE_NAME
+    DedupeTable.write(path, table.snapshot(), 1234)
+    again = DedupeTable(window_ms=HOUR)
+    assert again.load(path) == 1234
+    assert again.find("ünïcode/id", T0 + 2) == T0 + 6 and again.find("order-42", T0 + 2) == T0 + 5
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    damaged = DedupeTable(window_ms=HOUR)
+    assert damaged.load(path) is None and len(damaged) == 0
+
+
+def test_consumer_retries_and_redrives_are_new_attempts_of_their_id():
+    assert dedupe_key("m", {}) == "m"
+    assert dedupe_key("m", {"tenant": "x"}) == "m"
+    assert dedupe_key("m", {"reconsume-times": "1"}) != dedupe_key("m", {"reconsume-times": "2"})
+    assert dedupe_key("m", {"redriven-from": "1:m"}) != "m"
+
+
+# --- through the server ---------------------------------------------------------------------
+
+
+async def test_a_resent_id_answers_the_first_handle_and_is_stored_once(tmp_path):
+    root = tmp_path / "node"
+
+    async def body(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            first = await prod.send("orders.expire", b"order 42", delay=HOUR, message_id="order-42")
+            again = await prod.send("orders.expire", b"order 42", delay=2 * HOUR, message_id="order-42")
+            assert again == first
+            assert (await prod.status(first)).state == MessageState.PENDING
+            # The raw answer says DUPLICATE, a success the client returns as the handle.
+            item = p.SendItem("order-42", "orders.expire", TimeSpec.delay(HOUR), b"order 42")
+            raw = p.decode_send_response(await prod.request(p.Command.SEND, p.encode_send_request([item])))
+            assert raw[0].code == ResultCode.DUPLICATE and raw[0].handle == first
+
+    await run_node(root, body)
+    assert [m.message_id for m in stored_messages(root)] == ["order-42"]
+
+
+async def test_duplicates_within_one_batch_and_racing_requests_are_stored_once(tmp_path):
+    root = tmp_path / "node"
+
+    async def body(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            batch = [Message("q.batch", b"x", delay=HOUR, message_id="same") for _ in range(3)]
+            handles = await prod.send_many(batch)
+            assert len(set(handles)) == 1
+            results = []
+
+            async def one():
+                results.append(await prod.send("q.race", b"y", delay=HOUR, message_id="racing"))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(one)
+            assert len(set(results)) == 1
+
+    await run_node(root, body)
+    assert sorted(m.message_id for m in stored_messages(root)) == ["racing", "same"]
+
+
+async def test_the_dedupe_state_survives_a_restart(tmp_path):
+    root = tmp_path / "node"
+    handles = {}
+
+    async def before(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            handles["a"] = await prod.send("q.restart", b"a", delay=HOUR, message_id="a")
+
+    async def saved_then_more(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            assert await prod.send("q.restart", b"a", delay=HOUR, message_id="a") == handles["a"]
+            # Sent after the last save: found again from message_log at the next start.
+            handles["b"] = await prod.send("q.restart", b"b", delay=HOUR, message_id="b")
+
+    async def after(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            assert await prod.send("q.restart", b"a", delay=5, message_id="a") == handles["a"]
+            assert await prod.send("q.restart", b"b", delay=5, message_id="b") == handles["b"]
+
+    await run_node(root, before)  # drained: the table is saved
+    assert (root / "checkpoint" / FILE_NAME).exists()
+    server = DelayServer(config(root))
+    async with trio.open_nursery() as nursery:  # stopped without a drain: no save
+        await nursery.start(server.serve)
+        await saved_then_more(server)
+        nursery.cancel_scope.cancel()
+    await run_node(root, after)
+    assert sorted(m.message_id for m in stored_messages(root)) == ["a", "b"]
+
+
+async def test_the_table_is_rebuilt_from_message_log_when_its_file_is_lost(tmp_path):
+    root = tmp_path / "node"
+    handle = {}
+
+    async def before(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            handle["x"] = await prod.send("q.lost", b"x", delay=HOUR, message_id="x")
+
+    async def after(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            assert await prod.send("q.lost", b"x", delay=5, message_id="x") == handle["x"]
+
+    await run_node(root, before)
+    (root / "checkpoint" / FILE_NAME).unlink()
+    await run_node(root, after)
+    assert len(stored_messages(root)) == 1
+
+
+async def test_after_the_window_an_id_is_a_new_message_and_a_zero_window_turns_dedupe_off(tmp_path):
+    clock = SetClock(T0)
+
+    async def body(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            first = await prod.send("q.window", b"x", delay=HOUR, message_id="w")
+            clock.now += 10 * 60_000 - 1
+            assert await prod.send("q.window", b"x", delay=HOUR, message_id="w") == first
+            clock.now += 1  # ten minutes after the first acceptance
+            later = await prod.send("q.window", b"x", delay=HOUR, message_id="w")
+            assert later != first and later.schedule_time == clock.now + HOUR
+
+    await run_node(tmp_path / "windowed", body, clock=clock, dedupe_window="10m")
+    assert len(stored_messages(tmp_path / "windowed")) == 2
+
+    async def off(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            await prod.send("q.off", b"x", delay=HOUR, message_id="w")
+            await prod.send("q.off", b"x", delay=HOUR, message_id="w")
+
+    await run_node(tmp_path / "off", off, dedupe_window=0)
+    assert len(stored_messages(tmp_path / "off")) == 2
+    assert not (tmp_path / "off" / "checkpoint" / FILE_NAME).exists()
+
+
+async def test_a_consumer_retry_keeps_its_id_and_is_stored_each_time(tmp_path):
+    root = tmp_path / "node"
+
+    async def body(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            await prod.send("orders", b"x", delay=HOUR, message_id="m1")
+            one = await prod.send_back("billing", "m1", b"x", reconsume_times=0)
+            two = await prod.send_back("billing", "m1", b"x", reconsume_times=1)
+            assert one != two
+            assert await prod.send_back("billing", "m1", b"x", reconsume_times=1) == two
+
+    await run_node(root, body)
+    assert len(stored_messages(root)) == 3
