@@ -117,6 +117,12 @@ class Config:
     meta_tls_ca: str = ""
     deliver_through_meta_outage: bool = True
     broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
+    # transactions: half messages and their check-back (RocketMQ's defaults)
+    transaction_timeout_ms: int = 6_000
+    check_interval_ms: int = 60_000
+    check_max: int = 15
+    check_spacing_ms: int = 10
+    check_answer_timeout_ms: int = 3_000
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides) -> "Config":
@@ -217,6 +223,15 @@ class Config:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")
                 kw[name] = raw[name]
+        # transactions
+        for name in ("transaction_timeout_ms", "check_interval_ms", "check_spacing_ms", "check_answer_timeout_ms"):
+            if name in raw:
+                kw[name] = parse_duration(raw[name], name)
+        if "check_max" in raw:
+            v = raw["check_max"]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"check_max: expected a positive integer, got {v!r}")
+            kw["check_max"] = v
         groups = get("broker_group", get("broker_groups"))
         if groups is not None:
             kw["broker_groups"] = _broker_groups(groups)

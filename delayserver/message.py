@@ -63,6 +63,9 @@ class ResultCode(enum.IntEnum):
     INTERNAL = 13
     NODE_ID_TAKEN = 14
     UNAVAILABLE = 15
+    # transactions (24-29)
+    TXN_NOT_FOUND = 24
+    TXN_RESOLVED = 25
 
     @property
     def description(self) -> str:
@@ -86,6 +89,9 @@ _DESCRIPTIONS = {
     ResultCode.INTERNAL: "internal error",
     ResultCode.NODE_ID_TAKEN: "a live node is registered under this node id (another session)",
     ResultCode.UNAVAILABLE: "the service cannot reach its database now; ask another instance",
+    # transactions
+    ResultCode.TXN_NOT_FOUND: "no half message with this handle (never prepared, or resolved long ago)",
+    ResultCode.TXN_RESOLVED: "the half message was already resolved the other way (rolled back, committed or parked)",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 
@@ -195,6 +201,16 @@ class TimeKind(enum.IntEnum):
     LEVEL = 3  # a delay level, 1..N of the configured levels
 
 
+class TransactionState(enum.IntEnum):
+    """A producer's answer for a half message (RocketMQ's LocalTransactionState), and what a
+    COMMIT or ROLLBACK request reports: the resolution that now holds."""
+
+    COMMIT = 1
+    ROLLBACK = 2
+    UNKNOWN = 3
+    PARKED = 4  # checked `check_max` times (or past retention) without an answer: parked
+
+
 class CancelOutcome(enum.IntEnum):
     CANCELLED = 1
     ALREADY_DELIVERED = 2
@@ -207,6 +223,8 @@ class MessageState(enum.IntEnum):
     DELIVERED = 2
     CANCELLED = 3
     UNKNOWN = 4
+    # transactions: a half message prepared and not resolved yet (never delivered until committed)
+    PREPARED = 16
 
 
 @attrs.frozen

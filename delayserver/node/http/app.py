@@ -53,6 +53,9 @@ HTTP_STATUS = {
     ResultCode.INTERNAL: 500,
     ResultCode.NODE_ID_TAKEN: 409,
     ResultCode.UNAVAILABLE: 503,
+    # transactions
+    ResultCode.TXN_NOT_FOUND: 404,
+    ResultCode.TXN_RESOLVED: 409,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 
