@@ -194,3 +194,35 @@ class HalfMessages:
         self.checkpointed(self.snapshot())
         if self.to_park:
             self.park_wakeup.set()
+
+
+def read_half_messages(data_dir) -> HalfMessages:
+    """The half messages of a data directory, read-only, as its node rebuilds them at start: the
+    replay checkpoint's, then the transactional records of message_log past it (tools use this).
+    Raises CorruptSegment for damage in message_log past the checkpoint."""
+    from pathlib import Path
+
+    from delayserver.storage.buckets import DEFAULT_SCALE_MS
+    from delayserver.storage.checkpoint import read_checkpoint
+    from delayserver.storage.reader import read_records
+    from delayserver.storage.record import TRANSACTION_TYPES
+    from delayserver.storage.segment import read_file
+    from delayserver.storage.store import LAYOUT_NAME
+
+    root = Path(data_dir)
+    layout = read_checkpoint(root / "checkpoint" / LAYOUT_NAME) or {}
+    halves = HalfMessages(layout.get("segment_scale_ms", DEFAULT_SCALE_MS))
+    cp = read_checkpoint(root / "checkpoint" / "replay.json") or {}
+    halves.restore(cp.get("transactions"))
+    halves.to_park.clear()
+    offset = cp.get("message_log_offset", 0)
+    for path in sorted((root / "message_log").glob("*.log")):
+        base = int(path.stem)
+        data = read_file(path)
+        if base + len(data) <= offset:
+            continue
+        for pos, rtype, s, e in read_records(data, path, start=max(0, offset - base)):
+            if rtype in TRANSACTION_TYPES:
+                halves.apply(base + pos, rtype, data, s, e)
+    halves.to_park.clear()
+    return halves

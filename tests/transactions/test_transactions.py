@@ -3,6 +3,8 @@ a restart, bad input. Time moves by stepping the server's clock (TrioClock.step)
 out a delay; the waits below are for the server to act on what it was told."""
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import pytest
@@ -256,3 +258,44 @@ async def test_bad_transactional_requests_get_clear_codes_and_the_server_goes_on
             await prod.request(command, b"\x00\x05abc")
         assert err.value.code == ResultCode.BAD_REQUEST
     assert await prod.ping(b"still here") == b"still here"
+
+
+async def test_metrics_and_delayctl_buckets_count_half_messages(nursery, tmp_path):
+    from prometheus_client import generate_latest
+
+    server = await start(nursery, tmp_path, check_max=1)
+    listener = Listener(check=TransactionState.UNKNOWN)
+    prod = await client(server, nursery, group="orders", transaction_listener=listener)
+    await prod.commit(await prod.prepare("a", b"1", delay=0))
+    await prod.rollback(await prod.prepare("a", b"2", delay=0))
+    parked = await prod.prepare("a", b"3", delay=HOUR)
+    open_one = await prod.prepare("a", b"4", delay=HOUR, check_immunity_ms=HOUR)
+    server.clock.step(6000)
+    await eventually(lambda: listener.checked)
+    server.clock.step(60_000)
+    await eventually(lambda: not server.halves.open.get((parked.schedule_time, parked.message_id)))
+    text = generate_latest(server.metrics.registry).decode()
+    for line in ('delayserver_half_messages_prepared 1.0', 'delayserver_half_messages_total{event="prepared"} 4.0',
+                 'delayserver_half_messages_total{event="committed"} 1.0',
+                 'delayserver_half_messages_total{event="rolled_back"} 1.0',
+                 'delayserver_half_messages_total{event="checked"} 1.0',
+                 'delayserver_half_messages_total{event="parked"} 1.0'):
+        assert line in text
+    await server.replayer.checkpoint_async()
+    out = await delayctl("buckets", str(server.config.data_dir), "--json")
+    rows = [json.loads(line) for line in out.splitlines() if '"half_messages"' in line]
+    assert rows[-1] == {"half_messages": True, "bucket": "total", "prepared": 1, "committed": 1, "rolled_back": 1,
+                        "checked": 1, "parked": 1}
+    status = await delayctl("status", str(open_one), "--server", f"127.0.0.1:{server.port}", "--json")
+    fields = json.loads(status)
+    assert fields["state"] == "prepared" and fields["checks"] == 0
+    assert fields["next_check_time"] == server.halves.open[(open_one.schedule_time, open_one.message_id)].store_time \
+        + HOUR
+
+
+async def delayctl(*args: str) -> str:
+    """Run delayctl as a process; its stdout (it must exit 0)."""
+    result = await trio.run_process([sys.executable, "-m", "delayserver.ctl", *args], capture_stdout=True,
+                                    capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()
+    return result.stdout.decode()
