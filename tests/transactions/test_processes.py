@@ -161,3 +161,37 @@ def test_kill_9_of_the_server_between_prepare_and_commit_changes_nothing(server,
     time.sleep(1.5)
     for handle in (by_check, by_request):
         assert len(delivered(server, handle.split(":", 1)[1])) == 1
+
+
+def test_a_failover_between_prepare_and_commit_changes_nothing(tmp_path, producers):
+    config = tmp_path / "delay.toml"
+    config.write_text(CONFIG)
+    master = ServerProcess(tmp_path / "master", args=["--config", str(config)])
+    slave = ServerProcess(tmp_path / "slave", args=["--config", str(config)])
+    try:
+        master.start()
+        slave.args += ["--replicate-from", master.address]
+        slave.start()
+        by_check = prepare_and_die(producers, master, "orders", 2000)
+        with Producer(master.address, timeout=20) as producer:
+            committed = str(producer.prepare("orders.expire", b"committed before", group="payments", delay=3000))
+            producer.commit(committed)
+        # The slave replayed both: one half message PREPARED, one committed and pending.
+        assert wait_for(lambda: status(slave, by_check).state == MessageState.PREPARED, 30)
+        assert wait_for(lambda: status(slave, committed).state == MessageState.PENDING, 30)
+        master.kill()  # kill -9 of the master; its slave takes over
+        slave.args = ["--config", str(config)]
+        slave.start()
+        with Producer(slave.address, timeout=20) as producer:
+            assert producer.commit(committed).name == "COMMIT"  # already committed: said so, not scheduled again
+        answering = producers("answer", slave.address, "orders", "commit")
+        answering.wait_line(lambda line: line.startswith("check "))
+        for handle in (by_check, committed):
+            assert wait_for(lambda: delivered(slave, handle.split(":", 1)[1]), 60), slave.log_text()[-3000:]
+        time.sleep(1.5)
+        for handle in (by_check, committed):
+            assert len(delivered(slave, handle.split(":", 1)[1])) == 1
+        assert delivered(master, by_check.split(":", 1)[1]) == []
+    finally:
+        master.kill()
+        slave.kill()
