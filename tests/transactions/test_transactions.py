@@ -231,6 +231,13 @@ async def test_half_messages_and_their_checks_survive_a_restart(tmp_path):
         await eventually(lambda: server.halves.open[(handle.schedule_time, handle.message_id)].checks == 1)
         await server.drain()
         nursery.cancel_scope.cancel()
+    # The operator tools read every transactional record of message_log.
+    data_dir = server.config.data_dir
+    await delayctl("verify", str(data_dir))
+    segment = sorted((data_dir / "message_log").glob("*.log"))[0]
+    records = [json.loads(line) for line in (await delayctl("inspect", str(segment), "--json")).splitlines()]
+    assert [r["type"] for r in records] == ["PREPARE", "PREPARE", "ROLLBACK", "TXN_CHECK"]
+    assert records[0]["group"] == "orders" and records[3]["checks"] == 1
     async with trio.open_nursery() as nursery:
         server = await start(nursery, tmp_path)
         half = server.halves.open[(handle.schedule_time, handle.message_id)]
@@ -299,3 +306,33 @@ async def delayctl(*args: str) -> str:
                                     capture_stderr=True, check=False)
     assert result.returncode == 0, result.stderr.decode()
     return result.stdout.decode()
+
+
+async def test_checks_are_spaced_and_bounded_in_flight(nursery, tmp_path):
+    from delayserver.transactions.checker import CHECKS_IN_FLIGHT
+
+    server = await start(nursery, tmp_path, check_spacing_ms=20, check_answer_timeout_ms=60_000)
+    release = trio.Event()
+    arrivals, in_flight = [], [0, 0]
+
+    class Holding:  # an async listener: awaited on the client's loop
+        async def execute_local_transaction(self, message, arg):
+            return TransactionState.UNKNOWN
+
+        async def check_local_transaction(self, message):
+            arrivals.append(trio.current_time())
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight[1], in_flight[0])
+            await release.wait()
+            in_flight[0] -= 1
+            return TransactionState.COMMIT
+
+    prod = await client(server, nursery, group="orders", transaction_listener=Holding())
+    handles = [await prod.prepare("orders.expire", b"x", delay=0) for _ in range(CHECKS_IN_FLIGHT + 8)]
+    server.clock.step(6000)  # all due at once
+    await eventually(lambda: len(arrivals) == CHECKS_IN_FLIGHT)
+    await trio.sleep(0.3)
+    assert len(arrivals) == CHECKS_IN_FLIGHT and in_flight[1] == CHECKS_IN_FLIGHT
+    assert all(b - a >= 0.015 for a, b in zip(arrivals, arrivals[1:]))  # check_spacing apart, never a burst
+    release.set()
+    assert await eventually(lambda: len(delivered_ids(server)) == len(handles))
