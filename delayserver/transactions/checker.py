@@ -9,7 +9,7 @@ unresolved past retention, it is parked on `%TRANS_CHECK_MAX%<group>`. A group w
 connection is not asked and the check is not counted: it is tried again `check_interval` later
 (RocketMQ counts it all the same; retention bounds how long such a message waits).
 
-Only a master that may deliver checks. Checks start `check_spacing` apart and at most
+Only a master that may deliver checks. Check requests leave `check_spacing` apart and at most
 CHECKS_IN_FLIGHT are awaited at once, so a thousand half messages due together do not send a
 thousand requests in one instant.
 """
@@ -44,6 +44,8 @@ class Checker:
         self._inflight: set[Key] = set()
         self._no_producer: dict[Key, int] = {}  # not asked (no live connection): not before this time
         self.answers = {TS.COMMIT: 0, TS.ROLLBACK: 0, TS.UNKNOWN: 0}
+        self._pace_lock = trio.Lock()
+        self._last_request = float("-inf")
 
     @property
     def scan_interval_s(self) -> float:
@@ -77,7 +79,6 @@ class Checker:
                         self._inflight.add(half.key)
                         await limiter.acquire_on_behalf_of(half.key)
                         nursery.start_soon(self._check, half, limiter)
-                        await trio.sleep(self.config.check_spacing_ms / 1000)
                 await trio.sleep(self.scan_interval_s)
 
     async def _check(self, half: Half, limiter: trio.CapacityLimiter) -> None:
@@ -88,6 +89,14 @@ class Checker:
         finally:
             self._inflight.discard(half.key)
             limiter.release_on_behalf_of(half.key)
+
+    async def _pace(self) -> None:
+        """Return `check_spacing` after the previous request left (on trio's clock)."""
+        async with self._pace_lock:
+            wait = self._last_request + self.config.check_spacing_ms / 1000 - trio.current_time()
+            if wait > 0:
+                await trio.sleep(wait)
+            self._last_request = trio.current_time()
 
     async def check_once(self, half: Half) -> TS | None:
         """Check `half` now: park it, or ask its group; the answer, or None when none was asked."""
@@ -107,6 +116,7 @@ class Checker:
         request = self.operations.check_request(half)
         if not await self.operations.record_check(half):
             return None
+        await self._pace()
         answer = await session.check(request, c.check_answer_timeout_ms / 1000)
         self.answers[answer] += 1
         handle = Handle(half.schedule_time, half.message_id)

@@ -308,19 +308,26 @@ async def delayctl(*args: str) -> str:
     return result.stdout.decode()
 
 
-async def test_checks_are_spaced_and_bounded_in_flight(nursery, tmp_path):
+async def test_checks_are_spaced_and_bounded_in_flight(nursery, tmp_path, monkeypatch):
     from delayserver.transactions.checker import CHECKS_IN_FLIGHT
+    from delayserver.transactions.sessions import ProducerSession
 
     server = await start(nursery, tmp_path, check_spacing_ms=20, check_answer_timeout_ms=60_000)
     release = trio.Event()
-    arrivals, in_flight = [], [0, 0]
+    sent, in_flight = [], [0, 0]
+    ask = ProducerSession.check
+
+    async def timed_check(session, request, timeout_s):
+        sent.append(trio.current_time())  # when the server sends the request
+        return await ask(session, request, timeout_s)
+
+    monkeypatch.setattr(ProducerSession, "check", timed_check)
 
     class Holding:  # an async listener: awaited on the client's loop
         async def execute_local_transaction(self, message, arg):
             return TransactionState.UNKNOWN
 
         async def check_local_transaction(self, message):
-            arrivals.append(trio.current_time())
             in_flight[0] += 1
             in_flight[1] = max(in_flight[1], in_flight[0])
             await release.wait()
@@ -330,9 +337,24 @@ async def test_checks_are_spaced_and_bounded_in_flight(nursery, tmp_path):
     prod = await client(server, nursery, group="orders", transaction_listener=Holding())
     handles = [await prod.prepare("orders.expire", b"x", delay=0) for _ in range(CHECKS_IN_FLIGHT + 8)]
     server.clock.step(6000)  # all due at once
-    await eventually(lambda: len(arrivals) == CHECKS_IN_FLIGHT)
+    await eventually(lambda: in_flight[0] == CHECKS_IN_FLIGHT)
     await trio.sleep(0.3)
-    assert len(arrivals) == CHECKS_IN_FLIGHT and in_flight[1] == CHECKS_IN_FLIGHT
-    assert all(b - a >= 0.015 for a, b in zip(arrivals, arrivals[1:]))  # check_spacing apart, never a burst
+    assert len(sent) == CHECKS_IN_FLIGHT and in_flight[1] == CHECKS_IN_FLIGHT
+    assert all(b - a >= 0.0199 for a, b in zip(sent, sent[1:]))  # check_spacing apart, never a burst
     release.set()
     assert await eventually(lambda: len(delivered_ids(server)) == len(handles))
+    assert len(sent) == len(handles)
+
+
+async def test_a_half_message_unresolved_past_retention_is_parked_even_with_no_producer_to_ask(nursery, tmp_path):
+    server = await start(nursery, tmp_path, retention_ms=600_000, check_max=15)
+    prod = await client(server, nursery)
+    handle = await prod.prepare("orders.expire", b"body", group="nobody", delay=0)
+    server.clock.step(6000)
+    await trio.sleep(0.3)
+    assert (await prod.status(handle)).state == MessageState.PREPARED  # no producer: not asked, kept
+    server.clock.step(600_000)
+    (_, record), = await eventually(lambda: list(iter_parked(server.config.data_dir / "parked")))
+    assert (record.message.subject, record.attempt) == ("%TRANS_CHECK_MAX%nobody", 0)
+    assert record.reason == "transaction unresolved past retention"
+    assert server.halves.outcome((handle.schedule_time, handle.message_id)) == TransactionState.PARKED
