@@ -384,6 +384,10 @@ class _Reader:
     def str32(self, what: str) -> str:
         return self.text(self.unpack(_U32)[0], what)
 
+    def rest(self) -> bytes:
+        """What is left of the payload, all taken."""
+        return self.take(len(self._view) - self._pos)
+
     def finish(self) -> None:
         if self._pos != len(self._view):
             trailing = len(self._view) - self._pos
@@ -590,8 +594,7 @@ def _str16(text: str, what: str) -> bytes:
 
 
 def _one_item(reader: _Reader, what: str) -> SendItem:
-    rest = reader.take(len(reader._view) - reader._pos)
-    items = decode_send_request(rest)
+    items = decode_send_request(reader.rest())
     if len(items) != 1:
         raise RemoteProtocolError(f"{what} carries {len(items)} messages, not one")
     return items[0]

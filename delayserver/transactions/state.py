@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import collections
 import enum
+from pathlib import Path
 
 import attrs
 
 from delayserver.message import TransactionState
-from delayserver.storage.buckets import bucket_name, bucket_start, parse_bucket_name
+from delayserver.storage.buckets import DEFAULT_SCALE_MS, bucket_name, bucket_start, parse_bucket_name
+from delayserver.storage.checkpoint import read_checkpoint
+from delayserver.storage.reader import read_records
 from delayserver.storage.record import (
-    ParkReason, RecordType, decode_cancel, decode_message, decode_prepare, decode_txn_check, decode_txn_park,
+    TRANSACTION_TYPES, ParkReason, RecordType, decode_cancel, decode_message, decode_prepare, decode_txn_check,
+    decode_txn_park,
 )
+from delayserver.storage.segment import read_file
+from delayserver.storage.store import LAYOUT_NAME
 from delayserver.wakeup import Wakeup
 
 #: Resolutions remembered for idempotent answers to a repeated COMMIT or ROLLBACK.
@@ -212,15 +218,6 @@ def read_half_messages(data_dir) -> HalfMessages:
     """The half messages of a data directory, read-only, as its node rebuilds them at start: the
     replay checkpoint's, then the transactional records of message_log past it (tools use this).
     Raises CorruptSegment for damage in message_log past the checkpoint."""
-    from pathlib import Path
-
-    from delayserver.storage.buckets import DEFAULT_SCALE_MS
-    from delayserver.storage.checkpoint import read_checkpoint
-    from delayserver.storage.reader import read_records
-    from delayserver.storage.record import TRANSACTION_TYPES
-    from delayserver.storage.segment import read_file
-    from delayserver.storage.store import LAYOUT_NAME
-
     root = Path(data_dir)
     layout = read_checkpoint(root / "checkpoint" / LAYOUT_NAME) or {}
     halves = HalfMessages(layout.get("segment_scale_ms", DEFAULT_SCALE_MS))
