@@ -26,4 +26,5 @@ BENCHMARKS = {
     "http": "bench.http",
     "browse": "bench.browse",
     "dedupe": "bench.dedupe",
+    "transactions": "bench.transactions",
 }

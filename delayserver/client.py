@@ -7,6 +7,13 @@
     with Producer("127.0.0.1:20801") as producer:
         handle = producer.send("orders.expire", b"...", delay_level=3)
 
+Transactional sends, as RocketMQ's TransactionMQProducer: give a producer `group` and a
+`transaction_listener` (`execute_local_transaction(message, arg)` and
+`check_local_transaction(message)`, each returning a TransactionState), then
+`send_in_transaction(...)`. The producer registers its group on its connection and answers the
+server's checks by calling the listener (a plain function in a worker thread, so the blocking
+Producer answers on its background thread while the caller's thread does its own work).
+
 One connection is reused and requests are pipelined over it (a reader task matches responses to
 request ids). A lost connection fails the requests in flight with ConnectionError (the producer
 may retry them: delivery is at least once, and the id travels with the message for dedupe) and
@@ -16,7 +23,9 @@ exception of its result code, carrying the server's code and message.
 from __future__ import annotations
 
 import base64
+import inspect
 import itertools
+import logging
 import os
 import ssl
 import threading
@@ -29,11 +38,13 @@ import trio
 from delayserver import protocol as p
 from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, MessageTooLarge, ResultCode, TimeSpec,
-    check_body_size, error_for, parse_address,
+    TransactionState, check_body_size, error_for, parse_address,
 )
 from delayserver.meta.wire import parse_address_list
 from delayserver.protocol import SendItem
 from delayserver.trio_util import BackgroundTasks
+
+log = logging.getLogger("delayserver.client")
 
 DEFAULT_TIMEOUT = 10.0
 STARTUP_GRACE_S = 5.0
@@ -105,6 +116,34 @@ class Status:
     state: MessageState
     dispatch_time: int = 0
     broker_group: str = ""
+    # A PREPARED half message: checks so far and when the server asks next (epoch ms).
+    checks: int = 0
+    next_check_time: int = 0
+
+
+@attrs.frozen
+class TransactionMessage:
+    """A half message, as a transaction listener sees it."""
+
+    handle: Handle
+    subject: str
+    body: bytes
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Which check this is (0: the producer's own execute_local_transaction).
+    checks: int = 0
+
+    @property
+    def message_id(self) -> str:
+        return self.handle.message_id
+
+
+@attrs.frozen
+class TransactionSendResult:
+    """What send_in_transaction did: the half message's handle and the local transaction's state
+    (COMMIT: the message is scheduled; ROLLBACK: dropped; UNKNOWN: the server will check back)."""
+
+    handle: Handle
+    state: TransactionState
 
 
 @attrs.frozen
@@ -160,10 +199,16 @@ _STORED = (ResultCode.OK, ResultCode.DUPLICATE)
 
 class AsyncProducer(BackgroundTasks):
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT, secret: str | None = None,
-                 tls: ssl.SSLContext | bool = False):
+                 tls: ssl.SSLContext | bool = False, group: str | None = None, transaction_listener=None):
         """`secret`: the server's shared secret (default: $DELAYSERVER_SECRET, if set).
         `tls`: True for TLS with the system's trust store, or an SSLContext (say, one trusting
-        your own CA: ``ssl.create_default_context(cafile=...)``)."""
+        your own CA: ``ssl.create_default_context(cafile=...)``). `group` and
+        `transaction_listener`: the producer group and the listener of transactional sends
+        (module docstring); with both, every connection registers to answer the group's checks."""
+        if (group is None) != (transaction_listener is None):
+            raise ValueError("group and transaction_listener go together")
+        self.group = group
+        self.transaction_listener = transaction_listener
         self.host, self.port = parse_address(address, default_port=p.DEFAULT_PORT)
         self.timeout = timeout
         self.tls = ssl.create_default_context() if tls is True else (tls or None)
@@ -205,13 +250,15 @@ class AsyncProducer(BackgroundTasks):
                     delay = min(delay * 2, 1.0)
             self._stream = stream
             self._nursery.start_soon(self._reader, stream)
-            if self.secret:
-                try:
+            try:
+                if self.secret:
                     await self._exchange(stream, p.Command.AUTH, self.secret.encode("utf-8"))
-                except BaseException:
-                    self._stream = None
-                    await stream.aclose()
-                    raise
+                if self.transaction_listener is not None:
+                    await self._exchange(stream, p.Command.PRODUCER_REGISTER, p.encode_register_request(self.group))
+            except BaseException:
+                self._stream = None
+                await stream.aclose()
+                raise
             return stream
 
     async def _reader(self, stream: trio.SocketStream) -> None:
@@ -224,6 +271,10 @@ class AsyncProducer(BackgroundTasks):
                     break
                 decoder.feed(data)
                 while (frame := decoder.next_frame()) is not p.NEED_DATA:
+                    if not frame.is_response:
+                        if frame.command == p.Command.TXN_CHECK:
+                            self._nursery.start_soon(self._answer_check, stream, frame)
+                        continue
                     waiter = self._waiting.pop(frame.request_id, None)
                     if waiter is None and frame.command == p.Command.ERROR:
                         err = p.decode_error(frame.payload)
@@ -278,6 +329,29 @@ class AsyncProducer(BackgroundTasks):
                 await self._forget(stream)
             raise error_for(err.code, err.message)
         return result.payload
+
+    async def _answer_check(self, stream, frame: p.Frame) -> None:
+        """Answer the server's TXN_CHECK with the listener's verdict (UNKNOWN if it fails)."""
+        state = TransactionState.UNKNOWN
+        try:
+            check = p.decode_check_request(frame.payload)
+            item = check.item
+            message = TransactionMessage(Handle(item.time.value, item.message_id), item.subject, item.body,
+                                         item.headers, check.checks)
+            if self.transaction_listener is not None:
+                state = TransactionState(await _call(self.transaction_listener.check_local_transaction, message))
+        except Exception:
+            log.exception("the transaction listener failed on a check; answering UNKNOWN")
+            state = TransactionState.UNKNOWN
+        if state not in (TransactionState.COMMIT, TransactionState.ROLLBACK):
+            state = TransactionState.UNKNOWN
+        reply = p.encode(p.Frame(p.Command.TXN_CHECK, frame.request_id, p.encode_check_response(state),
+                                 is_response=True))
+        try:
+            async with self._send_lock:
+                await stream.send_all(reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the server asks again later
 
     async def _forget(self, stream) -> None:
         if self._stream is stream:
@@ -379,7 +453,73 @@ class AsyncProducer(BackgroundTasks):
         r = p.decode_status_response(await self._call(p.Command.STATUS, p.encode_handle(handle)))
         if r.code != ResultCode.OK:
             raise error_for(r.code, r.message)
-        return Status(r.state, r.dispatch_time, r.broker_group)
+        return Status(r.state, r.dispatch_time, r.broker_group, r.checks, r.next_check_time)
+
+    # --- transactions ---------------------------------------------------------------------------
+
+    async def prepare(self, subject: str, body: bytes, *, group: str | None = None, check_immunity_ms: int = 0,
+                      deliver_at: int | None = None, delay: int | None = None, delay_level: int | None = None,
+                      message_id: str | None = None, headers: Mapping[str, str] | None = None) -> Handle:
+        """Store a half message of producer `group` (default: this producer's): durable, never
+        delivered until committed. `check_immunity_ms` delays the server's first check."""
+        group = group or self.group
+        if not group:
+            raise ValueError("a half message needs a producer group")
+        item = _item(subject, body, deliver_at, delay, delay_level, message_id, headers)
+        try:
+            request = p.encode_prepare_request(group, check_immunity_ms, item)
+        except p.LocalProtocolError as e:
+            raise InvalidMessage(str(e)) from None
+        (result,) = p.decode_send_response(await self._call(p.Command.PREPARE, request))
+        if result.code != ResultCode.OK:
+            raise error_for(result.code, result.message)
+        return Handle(result.schedule_time, result.message_id)
+
+    async def commit(self, handle: Handle | str) -> TransactionState:
+        """Schedule a half message; a repeated commit answers COMMIT again. Raises
+        DelayServerError TXN_NOT_FOUND (no such half message) or TXN_RESOLVED (rolled back or parked)."""
+        return await self._end(p.Command.COMMIT, handle)
+
+    async def rollback(self, handle: Handle | str) -> TransactionState:
+        """Drop a half message; raises as `commit` does."""
+        return await self._end(p.Command.ROLLBACK, handle)
+
+    async def _end(self, command: p.Command, handle: Handle | str) -> TransactionState:
+        handle = Handle.parse(handle) if isinstance(handle, str) else handle
+        r = p.decode_transaction_response(await self._call(command, p.encode_handle(handle)))
+        if r.code != ResultCode.OK:
+            raise error_for(r.code, r.message)
+        return r.state
+
+    async def send_in_transaction(self, subject: str, body: bytes, arg=None, *, check_immunity_ms: int = 0,
+                                  **kw) -> TransactionSendResult:
+        """RocketMQ's sendMessageInTransaction: prepare a half message, run the listener's
+        `execute_local_transaction(message, arg)`, then commit or roll back as it says. UNKNOWN
+        (or an exception from the listener, or a lost commit) leaves the half message to the
+        server's check-back. `kw`: deliver_at, delay, delay_level, message_id, headers."""
+        if self.transaction_listener is None:
+            raise ValueError("send_in_transaction needs a producer created with group and transaction_listener")
+        handle = await self.prepare(subject, body, check_immunity_ms=check_immunity_ms, **kw)
+        message = TransactionMessage(handle, subject, bytes(body), dict(kw.get("headers") or {}))
+        try:
+            state = TransactionState(await _call(self.transaction_listener.execute_local_transaction, message, arg,
+                                                 in_thread=False))
+        except Exception:
+            log.exception("execute_local_transaction failed; the server will check back")
+            state = TransactionState.UNKNOWN
+        await self._finish_transaction(handle, state)
+        return TransactionSendResult(handle, state)
+
+    async def _finish_transaction(self, handle: Handle, state: TransactionState) -> None:
+        try:
+            if state == TransactionState.COMMIT:
+                await self.commit(handle)
+            elif state == TransactionState.ROLLBACK:
+                await self.rollback(handle)
+        except (ConnectionError, TimeoutError, DelayServerError) as e:
+            # As RocketMQ's end of transaction: the check-back resolves what did not get through.
+            log.warning("%s of %s not confirmed (%s); the server will check back", state.name, handle, e)
+
 
     async def reschedule(self, handle: Handle | str, *, deliver_at: int | None = None,
                          delay: int | None = None) -> Rescheduled:
@@ -465,6 +605,15 @@ class AsyncProducer(BackgroundTasks):
             cursor = page.cursor
 
 
+async def _call(fn, *args, in_thread: bool = True):
+    """A listener method: awaited if async, else called (in a worker thread when `in_thread`)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    if in_thread:
+        return await trio.to_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
 class Producer:
     """The blocking facade: a trio loop in a background thread runs an AsyncProducer.
 
@@ -483,6 +632,8 @@ class Producer:
             parse_address(address, default_port=p.DEFAULT_PORT)  # AddressError now, here
         else:
             parse_address_list(meta)  # ValueError now, here
+            if options.get("transaction_listener") is not None:
+                raise ValueError("transactional producers connect to one delay server (address), not through meta")
         self._address, self._meta, self._timeout, self._options = address, meta, timeout, options
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -567,6 +718,34 @@ class Producer:
             if page.cursor is None:
                 return
             cursor = page.cursor
+    # --- transactions ---------------------------------------------------------------------------
+
+    def prepare(self, subject: str, body: bytes, **kw) -> Handle:
+        return self._run(self._producer.prepare, subject, body, **kw)
+
+    def commit(self, handle: Handle | str) -> TransactionState:
+        return self._run(self._producer.commit, handle)
+
+    def rollback(self, handle: Handle | str) -> TransactionState:
+        return self._run(self._producer.rollback, handle)
+
+    def send_in_transaction(self, subject: str, body: bytes, arg=None, *, check_immunity_ms: int = 0,
+                            **kw) -> TransactionSendResult:
+        """As AsyncProducer.send_in_transaction; `execute_local_transaction` runs in the
+        caller's thread (where its database transaction is), checks on the background thread."""
+        producer = self._producer
+        listener = producer.transaction_listener
+        if listener is None:
+            raise ValueError("send_in_transaction needs a producer created with group and transaction_listener")
+        handle = self.prepare(subject, body, check_immunity_ms=check_immunity_ms, **kw)
+        message = TransactionMessage(handle, subject, bytes(body), dict(kw.get("headers") or {}))
+        try:
+            state = TransactionState(listener.execute_local_transaction(message, arg))
+        except Exception:
+            log.exception("execute_local_transaction failed; the server will check back")
+            state = TransactionState.UNKNOWN
+        self._run(producer._finish_transaction, handle, state)
+        return TransactionSendResult(handle, state)
 
     def ping(self) -> bytes:
         return self._run(self._producer.ping)

@@ -120,6 +120,12 @@ class Config:
     # Idempotent send: a message id accepted within this window is answered with its first handle
     # (0 turns it off).
     dedupe_window_ms: int = _UNITS_MS["d"]
+    # transactions: half messages and their check-back (RocketMQ's defaults)
+    transaction_timeout_ms: int = 6_000
+    check_interval_ms: int = 60_000
+    check_max: int = 15
+    check_spacing_ms: int = 10
+    check_answer_timeout_ms: int = 3_000
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides) -> "Config":
@@ -223,6 +229,15 @@ class Config:
         # Idempotent send
         if get("dedupe_window") is not None or get("dedupe_window_ms") is not None:
             kw["dedupe_window_ms"] = parse_duration(get("dedupe_window", get("dedupe_window_ms")), "dedupe_window")
+        # transactions
+        for name in ("transaction_timeout_ms", "check_interval_ms", "check_spacing_ms", "check_answer_timeout_ms"):
+            if name in raw:
+                kw[name] = parse_duration(raw[name], name)
+        if "check_max" in raw:
+            v = raw["check_max"]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"check_max: expected a positive integer, got {v!r}")
+            kw["check_max"] = v
         groups = get("broker_group", get("broker_groups"))
         if groups is not None:
             kw["broker_groups"] = _broker_groups(groups)

@@ -65,6 +65,9 @@ class ResultCode(enum.IntEnum):
     UNAVAILABLE = 15
     # browse, reschedule, dedupe, schedules: 30-39
     DUPLICATE = 30  # a success: the id was accepted within dedupe_window; the answer is its first handle
+    # transactions (24-29)
+    TXN_NOT_FOUND = 24
+    TXN_RESOLVED = 25
 
     @property
     def description(self) -> str:
@@ -89,6 +92,9 @@ _DESCRIPTIONS = {
     ResultCode.NODE_ID_TAKEN: "a live node is registered under this node id (another session)",
     ResultCode.UNAVAILABLE: "the service cannot reach its database now; ask another instance",
     ResultCode.DUPLICATE: "a message with this id was accepted within dedupe_window: its handle is returned",
+    # transactions
+    ResultCode.TXN_NOT_FOUND: "no half message with this handle (never prepared, or resolved long ago)",
+    ResultCode.TXN_RESOLVED: "the half message was already resolved the other way (rolled back, committed or parked)",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 
@@ -198,6 +204,16 @@ class TimeKind(enum.IntEnum):
     LEVEL = 3  # a delay level, 1..N of the configured levels
 
 
+class TransactionState(enum.IntEnum):
+    """A producer's answer for a half message (RocketMQ's LocalTransactionState), and what a
+    COMMIT or ROLLBACK request reports: the resolution that now holds."""
+
+    COMMIT = 1
+    ROLLBACK = 2
+    UNKNOWN = 3
+    PARKED = 4  # checked `check_max` times (or past retention) without an answer: parked
+
+
 class CancelOutcome(enum.IntEnum):
     CANCELLED = 1
     ALREADY_DELIVERED = 2
@@ -211,6 +227,8 @@ class MessageState(enum.IntEnum):
     DELIVERED = 2
     CANCELLED = 3
     UNKNOWN = 4
+    # transactions: a half message prepared and not resolved yet (never delivered until committed)
+    PREPARED = 16
 
 
 @attrs.frozen

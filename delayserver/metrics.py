@@ -164,6 +164,7 @@ class _NodeCollector(Collector):
                      watch.longest_s)
         yield from self._groups(sender)
         yield from self._replication(s)
+        yield from self._transactions(s.replayer.transactions)
         if self.backlog is not None:
             pending = GaugeMetricFamily("delayserver_bucket_pending",
                                         "Pending messages per bucket (UTC start), for buckets holding any.",
@@ -173,6 +174,17 @@ class _NodeCollector(Collector):
                     pending.add_metric([row["bucket"]], row["pending"])
             yield pending
             yield _gauge("delayserver_pending", "Pending messages in all buckets.", self.backlog.total_pending())
+
+    def _transactions(self, halves):
+        """Half messages: open now, and what replay applied (the same figures on master and slaves)."""
+        yield _gauge("delayserver_half_messages_prepared", "Half messages prepared and not resolved yet.",
+                     len(halves.unresolved()))
+        events = CounterMetricFamily("delayserver_half_messages",
+                                     "Half-message events: prepared, committed, rolled back, checked, parked.",
+                                     labels=["event"])
+        for name, value in zip(("prepared", "committed", "rolled_back", "checked", "parked"), halves.totals()):
+            events.add_metric([name], value)
+        yield events
 
     def _groups(self, sender):
         delivered = CounterMetricFamily("delayserver_broker_group_delivered", "Messages delivered, per broker group.",

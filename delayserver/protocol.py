@@ -51,6 +51,16 @@ then bytes; i64 times are epoch milliseconds or a delay in milliseconds)::
     BROWSE     UTF-8 JSON both ways: the query (node/browse.py, BrowseQuery.from_json) and the page,
                {"messages": [...], "cursor": str | null, "examined": n}; bodies in base64
     SCHEDULE   UTF-8 JSON both ways: a schedule request and its answer (schedules/service.py)
+    PREPARE    request:  producer group str16, check_immunity_ms i64, then a SEND request of one
+                         message; response: a SEND response (its handle names the half message)
+    COMMIT,    request:  a Handle (as CANCEL)
+    ROLLBACK   response: code u16, state u8 (TransactionState: the resolution now holding), message str32
+    TXN_CHECK  sent by the server to a producer of the group: checks u32, producer group str16,
+               then a SEND request of one message (time kind AT: its schedule time);
+               response: state u8 (TransactionState COMMIT, ROLLBACK or UNKNOWN)
+    PRODUCER_REGISTER  request: producer group str16 (this connection answers TXN_CHECK for the
+               group's half messages); response: empty
+    STATUS     with state PREPARED, the response goes on: checks u32, next_check_time i64
     SYNC_*     defined by the replication modules
 
 Result codes are those of `message.ResultCode`; a code this side does not know is kept as an int,
@@ -66,7 +76,9 @@ from typing import Any, Mapping, Sequence
 import attrs
 import crc32c as _crc32c
 
-from delayserver.message import MAX_BODY_BYTES, CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec
+from delayserver.message import (
+    MAX_BODY_BYTES, CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec, TransactionState,
+)
 
 #: The delay server's default port (the meta server's is 20800).
 DEFAULT_PORT = 20801
@@ -97,6 +109,12 @@ class Command(enum.IntEnum):
     RESCHEDULE = 48
     BROWSE = 49
     SCHEDULE = 50
+    # transactions (40-47)
+    PREPARE = 40
+    COMMIT = 41
+    ROLLBACK = 42
+    TXN_CHECK = 43
+    PRODUCER_REGISTER = 44
 
 
 _COMMANDS = {int(c): c for c in Command}
@@ -281,6 +299,9 @@ class StatusResult:
     state: MessageState
     dispatch_time: int = 0
     broker_group: str = ""
+    # A PREPARED half message: how often the producer group was asked, and when it is asked next.
+    checks: int = 0
+    next_check_time: int = 0
 
 
 @attrs.frozen
@@ -307,6 +328,7 @@ _HANDLE = struct.Struct(">qH")  # schedule_time, id length
 _CANCEL_RESULT = struct.Struct(">HBI")  # code, outcome, message length
 _STATUS_RESULT = struct.Struct(">HBqH")  # code, state, dispatch_time, broker_group length
 _ERROR_RESULT = struct.Struct(">HI")  # code, message length
+_TXN_STATUS = struct.Struct(">Iq")  # checks, next_check_time
 
 
 def _pack(layout: struct.Struct, *values) -> bytes:
@@ -379,6 +401,10 @@ class _Reader:
 
     def str32(self, what: str) -> str:
         return self.text(self.unpack(_U32)[0], what)
+
+    def rest(self) -> bytes:
+        """What is left of the payload, all taken."""
+        return self.take(len(self._view) - self._pos)
 
     def finish(self) -> None:
         if self._pos != len(self._view):
@@ -505,7 +531,8 @@ def encode_status_response(result: StatusResult) -> bytes:
         raise LocalProtocolError(f"unknown message state {result.state!r}")
     group = _utf8(result.broker_group, "broker group")
     head = _pack(_STATUS_RESULT, result.code, result.state, result.dispatch_time, len(group))
-    return b"".join((head, group, _str32(result.message, "result message")))
+    tail = _pack(_TXN_STATUS, result.checks, result.next_check_time) if result.state == MessageState.PREPARED else b""
+    return b"".join((head, group, _str32(result.message, "result message"), tail))
 
 
 def decode_status_response(payload: bytes) -> StatusResult:
@@ -513,7 +540,9 @@ def decode_status_response(payload: bytes) -> StatusResult:
     code, state, dispatch_time, group_len = reader.unpack(_STATUS_RESULT)
     state = _enum(MessageState, state, "message state")
     group = reader.text(group_len, "broker group")
-    result = StatusResult(_result_code(code), reader.str32("result message"), state, dispatch_time, group)
+    message = reader.str32("result message")
+    checks, next_check_time = reader.unpack(_TXN_STATUS) if state == MessageState.PREPARED else (0, 0)
+    result = StatusResult(_result_code(code), message, state, dispatch_time, group, checks, next_check_time)
     reader.finish()
     return result
 
@@ -585,3 +614,106 @@ def decode_json(payload: bytes) -> Any:
         return json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise RemoteProtocolError(f"payload is not JSON: {exc}") from None
+
+
+# --- transactions -----------------------------------------------------------------------------
+
+_I64 = struct.Struct(">q")
+_TXN_RESULT = struct.Struct(">HBI")  # code, TransactionState, message length
+_TXN_ANSWER = struct.Struct(">B")
+
+
+@attrs.frozen
+class TransactionResult:
+    """The answer to COMMIT or ROLLBACK: `state` is the resolution now holding."""
+
+    code: int
+    message: str
+    state: TransactionState
+
+
+@attrs.frozen
+class CheckRequest:
+    """The server asks a producer of `group` how the local transaction of `item` ended."""
+
+    group: str
+    checks: int
+    item: SendItem
+
+
+def _str16(text: str, what: str) -> bytes:
+    raw = _utf8(text, what)
+    return _U16.pack(len(raw)) + raw
+
+
+def _one_item(reader: _Reader, what: str) -> SendItem:
+    items = decode_send_request(reader.rest())
+    if len(items) != 1:
+        raise RemoteProtocolError(f"{what} carries {len(items)} messages, not one")
+    return items[0]
+
+
+def encode_prepare_request(group: str, check_immunity_ms: int, item: SendItem) -> bytes:
+    return _str16(group, "producer group") + _pack(_I64, check_immunity_ms) + encode_send_request([item])
+
+
+def decode_prepare_request(payload: bytes) -> tuple[str, int, SendItem]:
+    """``(producer group, check_immunity_ms, message)`` of a PREPARE request."""
+    reader = _Reader(payload, "PREPARE request")
+    group = reader.str16("producer group")
+    (immunity,) = reader.unpack(_I64)
+    return group, immunity, _one_item(reader, "PREPARE request")
+
+
+def encode_transaction_response(result: TransactionResult) -> bytes:
+    if not isinstance(result.state, TransactionState):
+        raise LocalProtocolError(f"unknown transaction state {result.state!r}")
+    message = _utf8(result.message, "result message", MAX_U32)
+    return _pack(_TXN_RESULT, result.code, result.state, len(message)) + message
+
+
+def decode_transaction_response(payload: bytes) -> TransactionResult:
+    reader = _Reader(payload, "transaction response")
+    code, state, message_len = reader.unpack(_TXN_RESULT)
+    state = _enum(TransactionState, state, "transaction state")
+    result = TransactionResult(_result_code(code), reader.text(message_len, "result message"), state)
+    reader.finish()
+    return result
+
+
+def encode_check_request(check: CheckRequest) -> bytes:
+    return _pack(_U32, check.checks) + _str16(check.group, "producer group") + encode_send_request([check.item])
+
+
+def decode_check_request(payload: bytes) -> CheckRequest:
+    reader = _Reader(payload, "TXN_CHECK request")
+    (checks,) = reader.unpack(_U32)
+    group = reader.str16("producer group")
+    return CheckRequest(group, checks, _one_item(reader, "TXN_CHECK request"))
+
+
+def encode_check_response(state: TransactionState) -> bytes:
+    if state not in (TransactionState.COMMIT, TransactionState.ROLLBACK, TransactionState.UNKNOWN):
+        raise LocalProtocolError(f"a check is answered COMMIT, ROLLBACK or UNKNOWN, not {state!r}")
+    return _TXN_ANSWER.pack(state)
+
+
+def decode_check_response(payload: bytes) -> TransactionState:
+    reader = _Reader(payload, "TXN_CHECK response")
+    (raw,) = reader.unpack(_TXN_ANSWER)
+    reader.finish()
+    state = _enum(TransactionState, raw, "transaction state")
+    if state == TransactionState.PARKED:
+        raise RemoteProtocolError("a check is answered COMMIT, ROLLBACK or UNKNOWN, not PARKED")
+    return state
+
+
+def encode_register_request(group: str) -> bytes:
+    return _str16(group, "producer group")
+
+
+def decode_register_request(payload: bytes) -> str:
+    reader = _Reader(payload, "PRODUCER_REGISTER request")
+    group = reader.str16("producer group")
+    reader.finish()
+    return group

@@ -28,10 +28,11 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
+    TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
     scheduled_record_head,
 )
 from delayserver.storage.store import Store
+from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.replayer")
@@ -43,7 +44,8 @@ class Replayer:
     def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
                  on_disk_full: Callable[[], None] = lambda: None,
-                 on_record: Callable[[int, bytes, int, int], None] | None = None):
+                 on_record: Callable[[int, bytes, int, int], None] | None = None,
+                 transactions: HalfMessages | None = None):
         """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
         holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
         when a schedule append or a checkpoint finds the disk full (the node releases its disk
@@ -59,6 +61,8 @@ class Replayer:
         self.caught_up = Wakeup()
         self.recent_batch = recent_batch
         self.on_disk_full = on_disk_full
+        # Half messages: transactional records are applied to them, and they are checkpointed here.
+        self.transactions = transactions if transactions is not None else HalfMessages(store.segment_scale_ms)
         # One checkpoint writer at a time (replay loop, cleaner, drain): snapshot, fsync, rename.
         self._checkpoint_lock = trio.Lock()
 
@@ -70,7 +74,8 @@ class Replayer:
     def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
              recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
              on_disk_full: Callable[[], None] = lambda: None,
-             on_record: Callable[[int, bytes, int, int], None] | None = None) -> "Replayer":
+             on_record: Callable[[int, bytes, int, int], None] | None = None,
+             transactions: HalfMessages | None = None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
 
@@ -102,7 +107,9 @@ class Replayer:
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
         self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
-                   recent_batch=recent_batch, on_disk_full=on_disk_full, on_record=on_record)
+                   recent_batch=recent_batch, on_disk_full=on_disk_full, on_record=on_record,
+                   transactions=transactions)
+        self.transactions.restore(cp.get("transactions"))
         end = store.message_log.end_offset
         # Nothing is loaded, so can_add refuses every record and the time passed is never used.
         while self.replay_once(ticks.last_now, end, max_bytes):
@@ -126,6 +133,7 @@ class Replayer:
         per_bucket: dict[int, list[bytes]] = {}
         sizes: dict[int, int] = {}
         notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
+        txn_notes = []  # (message_log offset, type, payload start, payload end) of transactional records
         end = self.offset
         on_record = self.on_record
         followed = 0
@@ -145,6 +153,12 @@ class Replayer:
                 sched, seq, mid = message_log_head(data, s, rtype)
             except RecordError as err:
                 raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
+            if rtype in TRANSACTION_TYPES:
+                txn_notes.append((off, rtype, s, e))
+                if rtype != RecordType.COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
+                    self.max_sequence = max(self.max_sequence, seq)
+                    end = base + e
+                    continue
             bucket = sched - sched % scale
             # The schedule record is a head then the message_log payload as it is: no copy.
             payload = view[s:e]
@@ -161,14 +175,20 @@ class Replayer:
                 on_record(rtype, data, s, e)
             end = base + e
         self._append_all(per_bucket)
+        for off, rtype, s, e in txn_notes:
+            try:
+                self.transactions.apply(off, rtype, data, s, e)
+            except RecordError as err:
+                raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
         for bucket, offset, rtype, sched, mid in notes:
-            if rtype == RecordType.MESSAGE:
+            if rtype != RecordType.CANCEL:  # MESSAGE or COMMIT
                 self.ticks.on_replayed(bucket, offset, sched, now)
             else:
                 self.ticks.on_cancel(bucket, offset, sched, mid)
         self.offset = end
-        self.replayed += len(notes)
-        return len(notes) + followed
+        count = len(notes) + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
+        self.replayed += count
+        return count + followed
 
     def _append_all(self, per_bucket: dict[int, list[bytes]]) -> None:
         schedule_log = self.store.schedule_log
@@ -193,6 +213,7 @@ class Replayer:
             "message_log_offset": self.offset,
             "max_sequence": self.max_sequence,
             "schedule_sizes": {bucket_name(b): s for b, s in self.store.schedule_log.sizes.items()},
+            "transactions": self.transactions.snapshot(),
         }
         return paths, new_files, data
 
@@ -202,6 +223,7 @@ class Replayer:
         failpoints.hit("schedule-before-checkpoint")
         write_checkpoint(self.checkpoint_path, data)
         self.checkpointed_offset = data["message_log_offset"]
+        self.transactions.checkpointed(data["transactions"])
 
     async def checkpoint_async(self) -> None:
         """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread).

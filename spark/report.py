@@ -16,6 +16,11 @@ cancelled, missing or not yet due):
   executors) and max; None when nothing was dispatched;
 - lateness_histogram: how many dispatched messages fall in each bin of HISTOGRAM_BINS (the first is
   "early", below 0 ms); None when nothing was dispatched.
+
+Half messages (transactional sends) reach schedule_log only when committed: one still prepared,
+rolled back or parked on `%TRANS_CHECK_MAX%<group>` is never scheduled, so never missing; a
+committed one is scheduled, dispatched or missing as any message is (its SCHEDULED record has the
+FLAG_TRANSACTIONAL bit in `flags`). `delayctl buckets` counts the half messages themselves.
 """
 from __future__ import annotations
 

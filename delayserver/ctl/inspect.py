@@ -108,8 +108,11 @@ def message_fields(m: Message) -> dict:
 
 def record_fields(rtype: int, value) -> dict:
     """The fields of a decoded record, flat, in the order people read them."""
-    if rtype == RecordType.MESSAGE:
+    if rtype in (RecordType.MESSAGE, RecordType.COMMIT):
         return message_fields(value)
+    if rtype == RecordType.PREPARE:
+        return {"group": value.group, "check_immunity_ms": value.check_immunity_ms,
+                **message_fields(value.message), "sequence": value.sequence}
     if rtype == RecordType.SCHEDULED:
         offset, message = value
         return {"message_log_offset": offset, **message_fields(message)}

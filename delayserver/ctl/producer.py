@@ -5,6 +5,8 @@
     delayctl status 1795323199529:01a2... --json
     delayctl reschedule 1795323199529:01a2... --delay 2h
     delayctl promote 1795323199529:01a2...
+    delayctl send --prepare --group orders --subject orders.expire --delay 30m --body 'order 42'
+    delayctl commit 1795323199529:01a2...      (or rollback)
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 from delayserver.config import ConfigError, parse_duration
-from delayserver.message import AddressError, DelayServerError, Handle
+from delayserver.message import AddressError, DelayServerError, Handle, MessageState
 
 DEFAULT_SERVER = "127.0.0.1:20801"
 
@@ -45,10 +47,24 @@ def register(subparsers) -> None:
     body.add_argument("--body", help="the body, as text")
     body.add_argument("--body-file", type=Path, help="read the body from this file ('-': stdin)")
     p.add_argument("--header", action="append", default=[], metavar="KEY=VALUE")
+    # transactions
+    p.add_argument("--prepare", action="store_true",
+                   help="store a half message: delivered only once committed (delayctl commit)")
+    p.add_argument("--group", help="producer group of the half message (with --prepare)")
+    p.add_argument("--check-immunity", help="no check-back before this long (with --prepare): 30s, 5m")
     p.set_defaults(run=run_send)
 
+    for name, helptext in (("commit", "schedule a half message (send --prepare) by its handle"),
+                           ("rollback", "drop a half message (send --prepare) by its handle")):
+        c = subparsers.add_parser(name, help=helptext)
+        c.add_argument("handle", help="the handle printed by send --prepare (SCHEDULE_TIME:ID)")
+        c.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(run=run_end, method=name)
+
     for name, helptext, fn in (("cancel", "cancel a pending message by its handle", run_cancel),
-                               ("status", "pending / delivered / cancelled / unknown, by handle", run_status)):
+                               ("status", "pending / delivered / cancelled / prepared / unknown, by handle",
+                                run_status)):
         c = subparsers.add_parser(name, help=helptext)
         c.add_argument("handle", help="the handle printed by send (SCHEDULE_TIME:ID)")
         c.add_argument("--server", default=DEFAULT_SERVER, help=f"HOST:PORT (default {DEFAULT_SERVER})")
@@ -84,11 +100,21 @@ def run_send(args) -> int:
         headers = dict(h.split("=", 1) for h in args.header)
         kw = {"delay": parse_duration(args.delay, "--delay")} if args.delay else (
             {"deliver_at": parse_at(args.at)} if args.at else {"delay_level": args.level})
+        if (args.group or args.check_immunity) and not args.prepare:
+            raise ValueError("--group and --check-immunity go with --prepare")
+        if args.prepare:
+            if not args.group:
+                raise ValueError("--prepare needs --group (the producer group the server checks back with)")
+            immunity = parse_duration(args.check_immunity, "--check-immunity") if args.check_immunity else 0
     except (ValueError, ConfigError, OSError) as e:
         return _fail(str(e))
     try:
         with Producer(args.server) as producer:
-            handle = producer.send(args.subject, body, message_id=args.id, headers=headers, **kw)
+            if args.prepare:
+                handle = producer.prepare(args.subject, body, group=args.group, check_immunity_ms=immunity,
+                                          message_id=args.id, headers=headers, **kw)
+            else:
+                handle = producer.send(args.subject, body, message_id=args.id, headers=headers, **kw)
     except AddressError as e:
         print(f"error: --server: {e}", file=sys.stderr)
         return 2
@@ -129,6 +155,20 @@ def run_cancel(args) -> int:
     return 0 if name in ("cancelled", "already_cancelled") else 1
 
 
+def _iso(ms: int) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def run_end(args) -> int:
+    answer = _ask(args, args.method)
+    if isinstance(answer, int):
+        return answer
+    handle, state = answer
+    name = {"COMMIT": "committed", "ROLLBACK": "rolled back"}[state.name]
+    print(json.dumps({"handle": str(handle), "state": name}) if args.json else name)
+    return 0
+
+
 def run_status(args) -> int:
     answer = _ask(args, "status")
     if isinstance(answer, int):
@@ -136,8 +176,13 @@ def run_status(args) -> int:
     handle, status = answer
     state = status.state.name.lower()
     if args.json:
-        print(json.dumps({"handle": str(handle), "state": state, "dispatch_time": status.dispatch_time or None,
-                          "broker_group": status.broker_group or None}))
+        fields = {"handle": str(handle), "state": state, "dispatch_time": status.dispatch_time or None,
+                  "broker_group": status.broker_group or None}
+        if status.state == MessageState.PREPARED:
+            fields |= {"checks": status.checks, "next_check_time": status.next_check_time}
+        print(json.dumps(fields))
+    elif status.state == MessageState.PREPARED:
+        print(f"{state}: checked {status.checks} time(s), next check at {_iso(status.next_check_time)}")
     elif status.dispatch_time:
         when = dt.datetime.fromtimestamp(status.dispatch_time / 1000, dt.timezone.utc).isoformat(timespec="milliseconds")
         print(f"{state} at {when} to {status.broker_group}")

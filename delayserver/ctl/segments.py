@@ -11,7 +11,7 @@ from typing import Iterator
 import attrs
 
 from delayserver.storage.reader import Damage, read_records
-from delayserver.storage.record import RecordType
+from delayserver.storage.record import TRANSACTION_TYPES, RecordType
 from delayserver.storage.segment import read_file
 
 #: Which log a segment belongs to, told by the type of its records.
@@ -24,6 +24,7 @@ LOG_OF_TYPE = {
     RecordType.DELIVERED: "spool",
     RecordType.PARKED: "parked",
     RecordType.SCHEDULE: "message_log",
+    **{t: "message_log" for t in TRANSACTION_TYPES},
 }
 
 

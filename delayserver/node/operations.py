@@ -201,16 +201,24 @@ def listed_json(m) -> dict:
 class Requests:
     """Answers each request frame of a delay-server connection with the bytes of its response."""
 
-    def __init__(self, operations: MessageOperations, master: Master, schedules=None):
+    def __init__(self, operations: MessageOperations, master: Master, schedules=None, transactions=None):
         self.operations = operations
         self.master = master
         self.schedules = schedules  # schedules/service.py
+        self.transactions = transactions  # a TransactionOperations: half messages
 
-    async def respond(self, frame: p.Frame) -> bytes:
-        """The response frame: the command's answer, or an ERROR frame with the refusal's code."""
+    async def respond(self, frame: p.Frame, session=None) -> bytes:
+        """The response frame: the command's answer, or an ERROR frame with the refusal's code.
+        `session`: the connection's ProducerSession, which takes the answers to the server's own
+        requests (TXN_CHECK); for those the result is empty (nothing to send)."""
         try:
             if frame.is_response:
+                if session is not None and session.on_response(frame):
+                    return b""
                 raise p.RemoteProtocolError("a response frame sent to the server")
+            if frame.command in _TRANSACTION_COMMANDS and self.transactions is not None:
+                payload = await self.transactions.respond(frame, session)
+                return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
             payload = await self._dispatch(frame)
             return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
         except (p.RemoteProtocolError, DelayServerError) as e:
@@ -230,7 +238,11 @@ class Requests:
         if cmd == p.Command.CANCEL:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
-            return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
+            handle = p.decode_handle(frame.payload)
+            result = await ops.status(handle)
+            if result.state == MessageState.UNKNOWN and self.transactions is not None:
+                result = self.transactions.status(handle) or result
+            return p.encode_status_response(result)
         if cmd == p.Command.SCHEDULE:
             return p.encode_json(await self.schedules.handle(p.decode_json(frame.payload)))
         if cmd == p.Command.BROWSE:
@@ -243,6 +255,10 @@ class Requests:
         if cmd == p.Command.SYNC_DISPATCH_LOG:
             return await self.master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
+
+
+_TRANSACTION_COMMANDS = frozenset({p.Command.PREPARE, p.Command.COMMIT, p.Command.ROLLBACK, p.Command.TXN_CHECK,
+                                   p.Command.PRODUCER_REGISTER})
 
 
 def _error(request_id: int, code: int, message: str) -> bytes:

@@ -128,10 +128,13 @@ def error_frame(request_id: int, code: int, message: str) -> bytes:
 
 
 async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *, gate: Gate | None = None,
-               what: str = "a connection", budget: ByteBudget | None = None) -> None:
+               what: str = "a connection", budget: ByteBudget | None = None,
+               on_send: Callable[[Callable[[bytes], Awaitable[None]]], None] | None = None) -> None:
     """Serve one connection until EOF, a timeout, a protocol error or a refused gate; does not
     close the stream. Requests already read when EOF comes are answered first. `budget`, when
-    given, is shared with other connections: the bytes of requests read and not answered yet."""
+    given, is shared with other connections: the bytes of requests read and not answered yet.
+    `on_send`, when given, is called with the connection's send function, so that this side may
+    send requests of its own over it (the server's TXN_CHECK)."""
     decoder = p.FrameDecoder(max_frame_bytes=limits.max_frame_bytes)
     lock = trio.Lock()
 
@@ -143,9 +146,14 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             pass
 
+    if on_send is not None:
+        on_send(send)
+
     async def answer(frame: p.Frame, size: int) -> None:
         try:
-            await send(await respond(frame))
+            data = await respond(frame)
+            if data:  # empty: the frame was an answer to this side's own request
+                await send(data)
         finally:
             slots.release()
             if held is not None:

@@ -315,6 +315,15 @@ class Receiver:
         p = _Pending(RecordType.SCHEDULE, [bytearray(payload)])
         await self._commit(p)
         return p.code, p.error or "stored", p.offset + HEADER_SIZE + len(payload)
+    async def append_record(self, rtype: int, payload: bytes) -> tuple[ResultCode, str, int]:
+        """Durably append one record of `rtype` whose payload starts store_time, schedule_time,
+        sequence (the transactional records); returns (code, message, message_log offset)."""
+        refused = self._refuse_writes()
+        if refused is not None:
+            return refused, self._refusal_text(refused), -1
+        p = _Pending(rtype, [bytearray(payload)])
+        await self._commit(p)
+        return p.code, p.error or "stored", p.offset
 
     def _refusal_text(self, code: ResultCode) -> str:
         if code == ResultCode.READ_ONLY:

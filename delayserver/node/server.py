@@ -30,7 +30,7 @@ from delayserver.schedules.registry import Registry
 from delayserver.schedules.service import ScheduleService
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
-from delayserver.node.pump import PumpLimits, error_frame, pump
+from delayserver.node.pump import PumpLimits, error_frame, peer_name, pump
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
 from delayserver.node.replication import Master, Slave
 from delayserver.node.role import NodeRole
@@ -42,6 +42,10 @@ from delayserver.storage.cleaner import clean
 from delayserver.storage.errors import StorageError
 from delayserver.storage.store import Store
 from delayserver.storage.time_index import TimeIndex
+from delayserver.transactions.checker import Checker
+from delayserver.transactions.operations import TransactionOperations
+from delayserver.transactions.sessions import ProducerSessions
+from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.service import serve_ticks
 from delayserver.wheel.tick_manager import TickManager
@@ -89,6 +93,7 @@ class DelayServer:
         )
         recent = RecentBatches()
         self.disk = DiskSpace(self.store, c.reserve_bytes, full=disk_full)
+        self.halves = HalfMessages(scale)
         self.dedupe = Dedupe(c.dedupe_window_ms, self.store.checkpoint_dir)
         if self.dedupe.table.enabled:
             self.dedupe.recover(self.store.message_log, self.clock.now_ms())
@@ -96,7 +101,7 @@ class DelayServer:
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
             self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
-            on_record=self._follow_record)
+            on_record=self._follow_record, transactions=self.halves)
         self.durable = Wakeup()
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
@@ -110,8 +115,15 @@ class DelayServer:
         self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
                                             self.lookup, on_acknowledged=self.metrics.acknowledged,
                                             browser=Browser(self.store, self.lookup, self.times))
+        # transactions: half messages, the producer connections that answer checks, the checker
+        self.producer_sessions = ProducerSessions()
+        self.transactions = TransactionOperations(self.store, self.receiver, self.replayer, self.lookup, self.role,
+                                                  c, self.clock, self.parked)
+        self.checker = Checker(self.transactions, self.producer_sessions, c, self.clock,
+                               may_check=self.role.may_deliver)
         self.requests = Requests(self.operations, self.master,
-                                 ScheduleService(self.schedules, self.operations, self.clock, c.max_message_bytes))
+                                 ScheduleService(self.schedules, self.operations, self.clock, c.max_message_bytes),
+                                 self.transactions)
         self.loop_watch = LoopWatch()
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
@@ -138,6 +150,8 @@ class DelayServer:
                 nursery.start_soon(self._save_followers_periodically)
                 await nursery.start(functools.partial(serve_schedules, self.schedules, self.operations, self.clock,
                                                       self.role.is_master))
+                await nursery.start(self.transactions.serve_parking)
+                await nursery.start(self.checker.serve)
                 # Bound now (the meta server is told the port), accepting only once the role is
                 # known: a producer quick off the mark waits in the backlog for its answer instead
                 # of meeting NOT_MASTER from a node that has not heard from the meta server yet.
@@ -232,7 +246,7 @@ class DelayServer:
             try:
                 cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
                                 now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=[*self.master.message_log_offsets.values(), *self._follower_offsets()],
+                                sync_offsets=self._pinned_offsets(),
                                 dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
                 if cleaned.buckets:
                     await self.replayer.checkpoint_async()
@@ -264,6 +278,14 @@ class DelayServer:
             await trio.sleep(interval_s)
             await self._save_followers()
 
+    def _pinned_offsets(self) -> list[int]:
+        """message_log offsets the cleaner keeps from: slaves' sync offsets, what the dedupe table
+        and the schedules are rebuilt from at start, open half messages."""
+        offsets = [*self.master.message_log_offsets.values(), *self._follower_offsets()]
+        if self.halves.pinned_offset is not None:
+            offsets.append(self.halves.pinned_offset)
+        return offsets
+
     # --- connections --------------------------------------------------------------------------
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
@@ -273,11 +295,14 @@ class DelayServer:
                     await stream.send_all(error_frame(0, ResultCode.BUSY, "too many connections"))
                 return
             self.connections += 1
+            session = self.producer_sessions.open(peer_name(stream))
             try:
                 gate = self._authenticate if self.config.auth_secret else None
-                await pump(stream, self.limits, self.requests.respond, gate=gate, what="a producer connection",
-                           budget=self.buffered)
+                await pump(stream, self.limits, functools.partial(self.requests.respond, session=session), gate=gate,
+                           what="a producer connection", budget=self.buffered,
+                           on_send=functools.partial(setattr, session, "send"))
             finally:
+                session.close()
                 self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass

@@ -25,6 +25,19 @@ Payload layouts (see the `*_HEAD` structs):
   payload (the schedule_log offset lets a reload skip what was parked).
 - SCHEDULE (message_log only, not replayed into schedule_log): store_time q, 0 q, sequence Q, then
   a recurring schedule's change as UTF-8 JSON (delayserver/schedules/registry.py).
+
+Transactional records (message_log; every one starts store_time q, schedule_time q, sequence Q like
+MESSAGE and CANCEL, so the master sets its sequence the same way):
+
+- PREPARE: store_time q, schedule_time q, sequence Q, check_immunity_ms q, group_len B, then the
+  producer group, then the MESSAGE payload of the half message (not scheduled until committed).
+- COMMIT: a MESSAGE payload (the committed message, FLAG_TRANSACTIONAL set): replayed into
+  schedule_log as a SCHEDULED record, and it resolves the half message of its (schedule_time, id).
+- ROLLBACK: the CANCEL layout, naming the half message it drops.
+- TXN_CHECK: store_time q, schedule_time q, sequence Q, checks I, id_len B, then id: the master
+  asked the producer group for the `checks`-th time (at store_time).
+- TXN_PARK: store_time q, schedule_time q, sequence Q, reason B (a ParkReason), id_len B, then id:
+  the half message goes to the parked messages of `%TRANS_CHECK_MAX%<group>`.
 """
 from __future__ import annotations
 
@@ -38,7 +51,7 @@ import attrs
 import crc32c as _crc32c
 
 from delayserver.message import (
-    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, BadHeaders, MessageTooLarge, _utf8, check_body_size,
+    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, BadHeaders, BadSubject, MessageTooLarge, _utf8, check_body_size,
     check_schedule_time, encode_id, encode_subject,
 )
 
@@ -53,6 +66,9 @@ SCHEDULED_CANCEL_HEAD = struct.Struct(">QqqQB")
 DISPATCH_HEAD = struct.Struct(">QqB")
 DELIVERED_HEAD = struct.Struct(">qI")
 PARKED_HEAD = struct.Struct(">qIQH")
+PREPARE_HEAD = struct.Struct(">qqQqB")
+TXN_CHECK_HEAD = struct.Struct(">qqQIB")
+TXN_PARK_HEAD = struct.Struct(">qqQBB")
 HEADER_ITEM = struct.Struct(">H")
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 _SCHEDULED_HEAD_SIZE = SCHEDULED_HEAD.size
@@ -74,6 +90,12 @@ class RecordType(enum.IntEnum):
     PARKED = 7
     # browse, reschedule, dedupe, schedules: 24-31
     SCHEDULE = 24
+    # transactions (16-23)
+    PREPARE = 16
+    COMMIT = 17
+    ROLLBACK = 18
+    TXN_CHECK = 19
+    TXN_PARK = 20
 
 
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
@@ -431,11 +453,15 @@ def message_log_head(buf, start: int, rtype: int) -> tuple[int, int, str | None]
         _, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
         pos = start + CANCEL_HEAD.size
         return sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
+    if rtype in TRANSACTION_TYPES:
+        _, sched, seq = _TXN_PREFIX.unpack_from(buf, start)
+        return sched, seq, None
     raise RecordError(start, f"record type {rtype} is not in message_log")
 
 
 #: The schedule_log type of each message_log type.
-SCHEDULED_TYPE = {RecordType.MESSAGE: RecordType.SCHEDULED, RecordType.CANCEL: RecordType.SCHEDULED_CANCEL}
+SCHEDULED_TYPE = {RecordType.MESSAGE: RecordType.SCHEDULED, RecordType.CANCEL: RecordType.SCHEDULED_CANCEL,
+                  RecordType.COMMIT: RecordType.SCHEDULED}
 
 
 def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple[int, bytes]:
@@ -554,6 +580,8 @@ def schedule_change_sequence(buf, start: int) -> int:
 
 def decode_payload(rtype: int, buf, start: int, end: int):
     """Decode any record's payload into its value (used by tools, not hot paths)."""
+    if rtype in TRANSACTION_TYPES:
+        return decode_transaction(rtype, buf, start, end)
     if rtype == RecordType.MESSAGE:
         return decode_message(buf, start, end)
     if rtype == RecordType.CANCEL:
@@ -571,3 +599,128 @@ def decode_payload(rtype: int, buf, start: int, end: int):
     if rtype == RecordType.SCHEDULE:
         return decode_schedule_change(buf, start, end)
     raise RecordError(start, f"unknown record type {rtype}")
+
+
+# --- transactions -----------------------------------------------------------------------------
+
+#: message_log records of transactional (half) messages.
+TRANSACTION_TYPES = frozenset({RecordType.PREPARE, RecordType.COMMIT, RecordType.ROLLBACK,
+                               RecordType.TXN_CHECK, RecordType.TXN_PARK})
+#: The fields every message_log record starts with: store_time, schedule_time, sequence.
+_TXN_PREFIX = struct.Struct(">qqQ")
+#: Set in the flags of a MESSAGE that a COMMIT made (a committed half message).
+FLAG_TRANSACTIONAL = 0x0001
+_MAX_GROUP_BYTES = 255
+
+
+class ParkReason(enum.IntEnum):
+    CHECK_MAX = 1  # asked `check_max` times, never answered COMMIT or ROLLBACK
+    RETENTION = 2  # unresolved past retention
+
+
+@attrs.frozen
+class Prepare:
+    """A half message: stored, invisible until committed; `group` is the producer group to ask."""
+
+    group: str
+    check_immunity_ms: int
+    message: Message
+    sequence: int = 0
+
+
+@attrs.frozen
+class TxnCheck:
+    message_id: str
+    schedule_time: int
+    checks: int
+    store_time: int = 0
+    sequence: int = 0
+
+
+@attrs.frozen
+class TxnPark:
+    message_id: str
+    schedule_time: int
+    reason: ParkReason
+    store_time: int = 0
+    sequence: int = 0
+
+
+#: Where half messages checked `check_max` times are parked: this prefix, then the producer group.
+TRANS_CHECK_MAX_PREFIX = "%TRANS_CHECK_MAX%"
+
+
+def encode_group(group: str) -> bytes:
+    """A producer group's bytes: 1 or more of a subject's characters, short enough that
+    `%TRANS_CHECK_MAX%<group>` is a subject (raises BadSubject)."""
+    if not isinstance(group, str) or not group:
+        raise BadSubject("a producer group is 1 or more characters of [A-Za-z0-9._:%|-]")
+    encode_subject(TRANS_CHECK_MAX_PREFIX + group)
+    return group.encode("utf-8")
+
+
+def encode_prepare(group: str, check_immunity_ms: int, message_payload: bytes) -> bytes:
+    """The PREPARE payload of a half message whose MESSAGE payload is `message_payload` (its store
+    and schedule times are copied into the head)."""
+    raw_group = encode_group(group)
+    store, sched = MESSAGE_HEAD.unpack_from(message_payload)[:2]
+    if not 0 <= check_immunity_ms <= (1 << 62):
+        raise ValueError(f"check immunity must be 0 to 2**62 ms, got {check_immunity_ms}")
+    return PREPARE_HEAD.pack(store, sched, 0, check_immunity_ms, len(raw_group)) + raw_group + message_payload
+
+
+@_decoding
+def decode_prepare(buf, start: int = 0, end: int | None = None) -> Prepare:
+    end = len(buf) if end is None else end
+    _store, _sched, seq, immunity, glen = PREPARE_HEAD.unpack_from(buf, start)
+    pos = start + PREPARE_HEAD.size
+    group = bytes(memoryview(buf)[pos : pos + glen]).decode("utf-8")
+    if not group:
+        raise ValueError("empty producer group")
+    return Prepare(group, immunity, decode_message(buf, pos + glen, end), seq)
+
+
+def encode_txn_check(c: TxnCheck) -> bytes:
+    mid = encode_id(c.message_id)
+    return TXN_CHECK_HEAD.pack(c.store_time, c.schedule_time, c.sequence, c.checks, len(mid)) + mid
+
+
+@_decoding
+def decode_txn_check(buf, start: int = 0, end: int | None = None) -> TxnCheck:
+    end = len(buf) if end is None else end
+    store, sched, seq, checks, idlen = TXN_CHECK_HEAD.unpack_from(buf, start)
+    pos = start + TXN_CHECK_HEAD.size
+    if pos + idlen != end:
+        raise ValueError("check fields do not add up to the payload length")
+    return TxnCheck(bytes(memoryview(buf)[pos:end]).decode("utf-8"), sched, checks, store, seq)
+
+
+def encode_txn_park(t: TxnPark) -> bytes:
+    mid = encode_id(t.message_id)
+    return TXN_PARK_HEAD.pack(t.store_time, t.schedule_time, t.sequence, t.reason, len(mid)) + mid
+
+
+@_decoding
+def decode_txn_park(buf, start: int = 0, end: int | None = None) -> TxnPark:
+    end = len(buf) if end is None else end
+    store, sched, seq, reason, idlen = TXN_PARK_HEAD.unpack_from(buf, start)
+    pos = start + TXN_PARK_HEAD.size
+    if pos + idlen != end:
+        raise ValueError("park fields do not add up to the payload length")
+    return TxnPark(bytes(memoryview(buf)[pos:end]).decode("utf-8"), sched, ParkReason(reason), store, seq)
+
+
+def decode_transaction(rtype: int, buf, start: int = 0, end: int | None = None):
+    """The value of a transactional record: Prepare, Message (COMMIT), Cancel (ROLLBACK), TxnCheck
+    or TxnPark; RecordError if it does not decode."""
+    if rtype == RecordType.PREPARE:
+        return decode_prepare(buf, start, end)
+    if rtype == RecordType.COMMIT:
+        return decode_message(buf, start, end)
+    if rtype == RecordType.ROLLBACK:
+        return decode_cancel(buf, start, end)
+    if rtype == RecordType.TXN_CHECK:
+        return decode_txn_check(buf, start, end)
+    if rtype == RecordType.TXN_PARK:
+        return decode_txn_park(buf, start, end)
+    raise RecordError(start, f"record type {rtype} is not transactional")

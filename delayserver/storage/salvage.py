@@ -159,7 +159,7 @@ def salvage(data_dir: Path, bucket: int, *, segment_scale_ms: int) -> SalvageRep
         for off, rtype, payload in _message_log_records(data_dir):
             if off in have or not any(lo <= off and (hi is None or off < hi) for lo, hi, _, _ in gaps):
                 continue
-            if rtype == RecordType.MESSAGE:
+            if rtype in (RecordType.MESSAGE, RecordType.COMMIT):  # a COMMIT is a MESSAGE payload
                 _, sched, _, _, idlen, *_ = MESSAGE_HEAD.unpack_from(payload, 0)
                 kind = RecordType.SCHEDULED
             elif rtype == RecordType.CANCEL:

@@ -13,6 +13,7 @@ from delayserver.message import (
 )
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, bucket_name, bucket_start
 from delayserver.storage.record import (
+    ParkReason, TxnCheck, TxnPark, encode_prepare, encode_txn_check, encode_txn_park,
     HEADER_SIZE, MAX_PAYLOAD_BYTES, Cancel, Dispatch, Message, RecordError, RecordType, decode_cancel,
     decode_delivered, decode_dispatch, decode_headers, decode_message, decode_parked, decode_payload,
     decode_scheduled, decode_scheduled_cancel, encode_cancel, encode_delivered, encode_dispatch, encode_headers,
@@ -76,6 +77,12 @@ def test_records_of_every_type_frame_and_decode_through_decode_payload():
         RecordType.DELIVERED: encode_delivered(T, 1, encode_message(m)),
         RecordType.PARKED: encode_parked(T, 1, 0, "why", encode_scheduled(3, encode_message(m))),
         RecordType.SCHEDULE: encode_schedule_change({"op": "delete", "name": "n"}, T),
+        # transactions
+        RecordType.PREPARE: encode_prepare("producers", 0, encode_message(m)),
+        RecordType.COMMIT: encode_message(m),
+        RecordType.ROLLBACK: encode_cancel(Cancel("id-1", T)),
+        RecordType.TXN_CHECK: encode_txn_check(TxnCheck("id-1", T, 1)),
+        RecordType.TXN_PARK: encode_txn_park(TxnPark("id-1", T, ParkReason.CHECK_MAX)),
     }
     assert set(payloads) == set(RecordType)
     buf = b"".join(encode_record(t, p) for t, p in payloads.items())

@@ -54,6 +54,9 @@ HTTP_STATUS = {
     ResultCode.NODE_ID_TAKEN: 409,
     ResultCode.UNAVAILABLE: 503,
     ResultCode.DUPLICATE: 200,
+    # transactions
+    ResultCode.TXN_NOT_FOUND: 404,
+    ResultCode.TXN_RESOLVED: 409,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 
