@@ -193,7 +193,10 @@ class SortedRuns:
         picked = self.runs[i:]
         version = self.version
         merged = await trio.to_thread.run_sync(_merge, picked)
-        if self.version == version and self.runs[i : i + len(picked)] == picked:
+        # The same run objects still in place (compared by identity: `==` would compare the numpy
+        # arrays inside, and raise for runs an inline merge replaced meanwhile).
+        current = self.runs[i : i + len(picked)]
+        if self.version == version and len(current) == len(picked) and all(a is b for a, b in zip(current, picked)):
             self.runs[i : i + len(picked)] = [merged]
         return True
 

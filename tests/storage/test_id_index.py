@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import trio
 
 from delayserver.lookup import Lookup
 from delayserver.message import MessageState
@@ -57,6 +58,45 @@ async def test_a_big_merge_runs_in_a_worker_thread_and_keeps_every_key(monkeypat
     assert len(runs.runs) <= before and len(runs) == 40_000
     keys = np.concatenate([k for k, _ in runs.runs] + [np.array(runs._tail_keys, dtype=np.uint64)])
     assert sorted(keys.tolist()) == list(range(40_000))
+
+
+async def test_runs_merged_inline_while_a_big_merge_is_in_its_thread_are_kept_and_the_stale_merge_dropped(
+        monkeypatch):
+    # The worker thread's merge waits until the event loop has sealed more keys, merging the runs
+    # the thread picked inline: the thread's result is stale then, and comparing it with the runs
+    # (numpy arrays of other shapes) must not raise.
+    import threading
+
+    runs = SortedRuns()
+    sealed_more = threading.Event()
+    real_merge = id_index._merge
+
+    def slow_merge(picked):
+        if threading.current_thread() is not threading.main_thread():
+            sealed_more.wait(10)
+        return real_merge(picked)
+
+    monkeypatch.setattr(id_index, "_merge", slow_merge)
+    # Runs of 1000, 150 and 100 keys: the worker merges the last two. Sealing 512 keys meanwhile
+    # merges the last run with them inline (at most 700 keys inline), so the worker's two runs
+    # are no longer the runs' last two.
+    monkeypatch.setattr(id_index, "INLINE_MERGE_KEYS", 700)
+    runs.runs = [(np.arange(0, 1000, dtype=np.uint64), None), (np.arange(1000, 1150, dtype=np.uint64), None),
+                 (np.arange(1150, 1250, dtype=np.uint64), None)]
+    assert runs.merge_start() == 1
+    first = 1250
+
+    async def seal_meanwhile():
+        for k in range(first, first + id_index.TAIL_KEYS):
+            runs.add(k)  # seals once: the inline merge takes the last picked run with it
+        assert len(runs.runs) == 3 and len(runs.runs[2][0]) == 100 + id_index.TAIL_KEYS
+        sealed_more.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(seal_meanwhile)
+        await runs.compact()
+    keys = np.concatenate([k for k, _ in runs.runs] + [np.array(runs._tail_keys, dtype=np.uint64)])
+    assert sorted(keys.tolist()) == list(range(first + id_index.TAIL_KEYS))
 
 
 def _messages(n: int, rng: random.Random) -> list[tuple[str, int]]:
