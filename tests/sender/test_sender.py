@@ -78,10 +78,11 @@ async def test_a_slow_group_does_not_hold_back_another(tmp_path, nursery, webhoo
             await prod.send_many([Message("slow.q", b"s", delay=0) for _ in range(64)])
             await wait_until(lambda: len(webhook_server.batches) >= 1, 10)
             await prod.send_many([Message("fast.q", b"f", delay=200) for _ in range(64)])
-        await wait_until(lambda: len(list(iter_spool(server.config.data_dir, "fast.q"))) == 64, 30)
+        # Counted as sent once its dispatch_log records are durable, just after the spool write.
+        await wait_until(lambda: server.sender.groups["fast-spool"].sent == 64, 30)
+        assert len(list(iter_spool(server.config.data_dir, "fast.q"))) == 64
         slow = server.sender.groups["slow-http"]
         assert slow.sent == 0 and slow.sending > 0  # its first batch is still unanswered
-        assert server.sender.groups["fast-spool"].sent == 64
     finally:
         webhook_server.closing.set()  # answer the held requests at once
     await wait_until(lambda: server.sender.groups["slow-http"].sent == 64, 30)
