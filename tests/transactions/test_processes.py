@@ -179,7 +179,8 @@ def test_a_failover_between_prepare_and_commit_changes_nothing(tmp_path, produce
         # The slave replayed both: one half message PREPARED, one committed and pending.
         assert wait_for(lambda: status(slave, by_check).state == MessageState.PREPARED, 30)
         assert wait_for(lambda: status(slave, committed).state == MessageState.PENDING, 30)
-        master.kill()  # kill -9 of the master; its slave takes over
+        master.kill()  # kill -9 of the master; its slave takes over: stopped, started again as a master
+        slave.terminate()
         slave.args = ["--config", str(config)]
         slave.start()
         with Producer(slave.address, timeout=20) as producer:
