@@ -17,7 +17,6 @@ time never fires. Promote is a reschedule to now. Cancel and reschedule of one h
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 
 import trio
@@ -25,6 +24,7 @@ import trio
 from delayserver import protocol as p
 from delayserver.lookup import Lookup
 from delayserver.dedupe import dedupe_key
+from delayserver.keyed_locks import KeyedLocks
 from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
 )
@@ -59,7 +59,7 @@ class MessageOperations:
         self.on_acknowledged = on_acknowledged
         self.browser = browser  # node/browse.py
         # Per handle being cancelled or rescheduled: its lock and how many hold or wait for it.
-        self._handle_locks: dict[Handle, list] = {}
+        self._handle_locks = KeyedLocks()  # one cancel or reschedule of a handle at a time
 
     async def send(self, items: list[p.SendItem], api: str = "binary") -> list[p.SendResult]:
         """Store a batch; each item gets its result (OK only once durable), in order. `api` names
@@ -87,24 +87,11 @@ class MessageOperations:
         return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
                               found.broker_group)
 
-    @contextlib.asynccontextmanager
-    async def _exclusive(self, handle: Handle):
-        """One cancel or reschedule of `handle` at a time."""
-        entry = self._handle_locks.setdefault(handle, [trio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._handle_locks[handle]
-
     async def cancel(self, handle: Handle) -> p.CancelResult:
         refusal = self.role.write_refusal()
         if refusal is not None:
             return p.CancelResult(refusal, refusal.description, CancelOutcome.UNKNOWN)
-        async with self._exclusive(handle):
+        async with self._handle_locks.hold(handle):
             return await self._cancel(handle)
 
     async def _cancel(self, handle: Handle) -> p.CancelResult:
@@ -138,7 +125,7 @@ class MessageOperations:
             new_time = self.receiver.schedule_time(when, self.receiver.clock.now_ms())
         except InvalidMessage as e:
             return p.RescheduleResult(e.code, str(e), CancelOutcome.UNKNOWN)
-        async with self._exclusive(handle):
+        async with self._handle_locks.hold(handle):
             return await self._reschedule(handle, new_time)
 
     async def _reschedule(self, handle: Handle, new_time: int) -> p.RescheduleResult:

@@ -8,13 +8,13 @@ answers "already committed" instead of scheduling the message twice.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import attrs
 import trio
 
 from delayserver import protocol as p
+from delayserver.keyed_locks import KeyedLocks
 from delayserver.message import BadHeaders, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeKind, TimeSpec
 from delayserver.message import TransactionState as TS
 from delayserver.sender.parked import ParkedLog, iter_parked
@@ -55,23 +55,9 @@ class TransactionOperations:
         self.config = config
         self.clock = clock
         self.parked = parked
-        self._locks: dict[Key, list] = {}
+        self._locks = KeyedLocks()
 
     # --- helpers ------------------------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def _exclusive(self, key: Key):
-        entry = self._locks.get(key)
-        if entry is None:
-            entry = self._locks[key] = [trio.Lock(), 0]
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._locks[key]
 
     async def _replayed_past(self, offset: int, timeout_s: float = 5.0) -> None:
         with trio.move_on_after(timeout_s):
@@ -108,7 +94,7 @@ class TransactionOperations:
         except ValueError as e:  # the check immunity
             return p.SendResult(ResultCode.BAD_REQUEST, str(e), 0, item.message_id)
         key = (when, item.message_id)
-        async with self._exclusive(key):
+        async with self._locks.hold(key):
             await self._replayed_past(self.receiver.durable_offset)
             if key in self.halves.open:
                 return p.SendResult(ResultCode.OK, "already prepared", when, item.message_id)
@@ -134,7 +120,7 @@ class TransactionOperations:
         if refusal is not None:
             return p.TransactionResult(refusal, refusal.description, TS.UNKNOWN)
         key = (handle.schedule_time, handle.message_id)
-        async with self._exclusive(key):
+        async with self._locks.hold(key):
             await self._replayed_past(self.receiver.durable_offset)
             half = self.halves.open.get(key)
             if half is None or half.parking:
@@ -178,7 +164,7 @@ class TransactionOperations:
     async def record_check(self, half: Half) -> bool:
         """Durably count one more check of `half` (so the count survives a restart or failover);
         False if the half message is resolved already or the record was refused."""
-        async with self._exclusive(half.key):
+        async with self._locks.hold(half.key):
             if self.halves.open.get(half.key) is not half or half.parking:
                 return False
             record = TxnCheck(half.message_id, half.schedule_time, half.checks + 1, self.clock.now_ms())
@@ -191,7 +177,7 @@ class TransactionOperations:
 
     async def park(self, half: Half, reason: ParkReason) -> bool:
         """Resolve `half` as parked (the park writer then writes its PARKED record)."""
-        async with self._exclusive(half.key):
+        async with self._locks.hold(half.key):
             if self.halves.open.get(half.key) is not half or half.parking:
                 return False
             record = TxnPark(half.message_id, half.schedule_time, reason, self.clock.now_ms())
