@@ -199,23 +199,9 @@ class Dedupe:
 
     def recover(self, message_log, now_ms: int, chunk_bytes: int = 8 << 20) -> None:
         """Load the saved table, then feed message_log from the offset it covers to the end."""
-        offset = self.table.load(self.path)
-        if offset is None or offset < message_log.start_offset:
-            if offset is not None:
-                log.warning("%s: covers message_log to %d, which starts at %d now; ids in between are lost",
-                            self.path, offset, message_log.start_offset)
-            offset = message_log.start_offset
-        offset = min(offset, message_log.end_offset)
-        self.saved_offset = offset
-        while offset < message_log.end_offset:
-            data, base = message_log.read(offset, chunk_bytes)
-            last = 0
-            for _, _, _, e in iter_checked_records(data):
-                last = e
-            if last == 0:
-                break
-            self.table.feed(data, 0, last)
-            offset = base + last
+        self.saved_offset = offset = message_log.resume_offset(self.table.load(self.path), str(self.path))
+        for data in message_log.read_from(offset, chunk_bytes):
+            self.table.feed(data, 0, len(data))
         self.table.expire(now_ms)
 
     async def save(self, now_ms: int, replay_offset: int) -> None:

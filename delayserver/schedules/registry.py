@@ -136,19 +136,7 @@ class Registry:
         if saved is not None:
             self.schedules = {s["schedule"]["name"]: ScheduleState.from_json(s) for s in saved["schedules"]}
             offset = saved["message_log_offset"]
-        if offset is None or offset < message_log.start_offset:
-            if offset is not None:
-                log.error("%s covers message_log to %d, which starts at %d now: changes in between are lost",
-                          self.path, offset, message_log.start_offset)
-            offset = message_log.start_offset
-        offset = min(offset, message_log.end_offset)
-        self.saved_offset = offset
-        while offset < message_log.end_offset:
-            data, base = message_log.read(offset, chunk_bytes)
-            last = 0
+        self.saved_offset = offset = message_log.resume_offset(offset, str(self.path))
+        for data in message_log.read_from(offset, chunk_bytes):
             for _, rtype, s, e in iter_checked_records(data):
                 self.feed_record(rtype, data, s, e)
-                last = e
-            if last == 0:
-                break
-            offset = base + last

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Iterator
 
 from delayserver import failpoints
 from delayserver.storage.directory import SegmentDirectory
@@ -142,6 +143,26 @@ class MessageLog:
         self.active.truncate(offset - self.active_base)
         self.segments[self.active_base] = self.active.size
         self.quarantined.pop(self.active_base, None)
+
+    def resume_offset(self, saved: int | None, what: str) -> int:
+        """Where to read from to rebuild `what`, saved as covering message_log up to `saved` (None:
+        nothing saved): the log's start when it no longer holds that offset (said in a warning),
+        never past its end."""
+        if saved is None or saved < self.start_offset:
+            if saved is not None:
+                log.warning("%s covers message_log to %d, which starts at %d now: what lies between is lost",
+                            what, saved, self.start_offset)
+            saved = self.start_offset
+        return min(saved, self.end_offset)
+
+    def read_from(self, offset: int, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
+        """The log from `offset` to its end, in chunks of whole records (see `read`)."""
+        while offset < self.end_offset:
+            data, base = self.read(offset, chunk_bytes)
+            if not data:
+                return
+            yield data
+            offset = base + len(data)
 
     def read(self, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
         """Raw bytes of whole records from `offset`: ``(data, base_offset_of_data)``.
