@@ -44,13 +44,15 @@ class Replayer:
     def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
                  on_disk_full: Callable[[], None] = lambda: None,
-                 on_record: Callable[[int, bytes, int, int], None] | None = None,
+                 on_record: Callable[[int, bytes, int, int, bool], None] | None = None,
                  transactions: HalfMessages | None = None):
         """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
         holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
         when a schedule append or a checkpoint finds the disk full (the node releases its disk
         reserve and refuses new messages, so that replay and delivery go on). `on_record(rtype,
-        data, payload_start, payload_end)`: called for each message_log record replayed (the dedupe table)."""
+        data, payload_start, payload_end, own)`: called for each message_log record replayed (the
+        dedupe table, the schedules); `own` is true for a batch this node's receiver wrote (taken
+        from `recent_batch`)."""
         self.store = store
         self.on_record = on_record
         self.ticks = ticks
@@ -74,7 +76,7 @@ class Replayer:
     def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
              recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
              on_disk_full: Callable[[], None] = lambda: None,
-             on_record: Callable[[int, bytes, int, int], None] | None = None,
+             on_record: Callable[[int, bytes, int, int, bool], None] | None = None,
              transactions: HalfMessages | None = None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
@@ -136,6 +138,7 @@ class Replayer:
         txn_notes = []  # (message_log offset, type, payload start, payload end) of transactional records
         end = self.offset
         on_record = self.on_record
+        own = recent is not None
         followed = 0
         # MessageLog.read checked every record it returned: walk the headers only.
         for pos, rtype, s, e in iter_checked_records(data):
@@ -145,7 +148,7 @@ class Replayer:
             if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_record), not scheduled
                 self.max_sequence = max(self.max_sequence, schedule_change_sequence(data, s))
                 if on_record is not None:
-                    on_record(rtype, data, s, e)
+                    on_record(rtype, data, s, e, own)
                 end = base + e
                 followed += 1
                 continue
@@ -172,7 +175,7 @@ class Replayer:
             recs += (head, payload)
             self.max_sequence = max(self.max_sequence, seq)
             if on_record is not None:
-                on_record(rtype, data, s, e)
+                on_record(rtype, data, s, e, own)
             end = base + e
         self._append_all(per_bucket)
         for off, rtype, s, e in txn_notes:

@@ -23,7 +23,6 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.lookup import Lookup
-from delayserver.dedupe import dedupe_key
 from delayserver.keyed_locks import KeyedLocks
 from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
@@ -157,9 +156,6 @@ class MessageOperations:
         finally:
             ticks.end_move(handle.schedule_time, handle.message_id, moved)
         ticks.remove_cancelled(bucket, found.offsets, handle.schedule_time)
-        if self.receiver.dedupe is not None and self.receiver.dedupe.enabled:
-            self.receiver.dedupe.remember(dedupe_key(message.message_id, message.headers), new_time,
-                                          self.receiver.clock.now_ms())
         return p.RescheduleResult(ResultCode.OK, "rescheduled", CancelOutcome.RESCHEDULED, new_time)
 
 

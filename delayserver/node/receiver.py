@@ -62,6 +62,9 @@ class _Pending:
     code: ResultCode = ResultCode.OK
     error: str = ""
     offset: int = -1
+    #: Called once the records are durable (in the commit task: a request cancelled while it waits
+    #: for its answer still has it called).
+    on_durable: Callable[[], None] | None = None
 
 
 class RecentBatches:
@@ -247,6 +250,7 @@ class Receiver:
             if table is not None:
                 for i, when in accepted:
                     self._committing[keys[i]] = (p, when)
+                p.on_durable = lambda: [table.remember(keys[i], when, now) for i, when in accepted]
             try:
                 await self._commit(p)
             finally:
@@ -257,8 +261,6 @@ class Receiver:
             ok = p.code == ResultCode.OK
             for i, when in accepted:
                 results[i] = SendResult(p.code, "stored" if ok else p.error, when if ok else 0, items[i].message_id)
-                if ok and table is not None:
-                    table.remember(keys[i], when, now)
         for i, first in twins:
             r = results[first]
             results[i] = _duplicate(r.schedule_time, r.message_id) if r.code == ResultCode.OK else r
@@ -302,6 +304,10 @@ class Receiver:
             return e.code, str(e), -1
         p = _Pending(RecordType.MESSAGE, [bytearray(moved), bytearray(cancel)],
                      rtypes=(RecordType.MESSAGE, RecordType.CANCEL))
+        table = self.dedupe
+        if table is not None and table.enabled:
+            key = dedupe_key(message.message_id, message.headers)
+            p.on_durable = lambda: table.remember(key, new_time, now)
         await self._commit(p)
         end = p.offset + 2 * HEADER_SIZE + len(moved) + len(cancel)
         return p.code, p.error or "stored", end
@@ -505,6 +511,8 @@ class Receiver:
     def _finish(self, batch: list[_Pending], code: ResultCode, error: str) -> None:
         for p in batch:
             p.code, p.error = code, error
+            if code == ResultCode.OK and p.on_durable is not None:
+                p.on_durable()
             p.done.set()
 
     def _go_read_only(self, reason: str) -> None:

@@ -257,9 +257,11 @@ class DelayServer:
         """Where message_log is needed from to rebuild the dedupe table and the schedules at start."""
         return [self.schedules.saved_offset, *([self.dedupe.saved_offset] if self.dedupe.table.enabled else [])]
 
-    def _follow_record(self, rtype: int, data, s: int, e: int) -> None:
-        """Every replayed message_log record: the dedupe table and the schedules follow it."""
-        if self.dedupe.table.enabled:
+    def _follow_record(self, rtype: int, data, s: int, e: int, own: bool) -> None:
+        """Every replayed message_log record: the dedupe table and the schedules follow it. A batch
+        this node wrote itself is in the dedupe table already (a send is remembered when it is
+        acknowledged, a move when it is stored): it is not decoded a second time."""
+        if self.dedupe.table.enabled and not own:
             self.dedupe.table.feed_record(rtype, data, s, e)
         self.schedules.feed_record(rtype, data, s, e)
 

@@ -82,9 +82,9 @@ class Registry:
         if rtype == RecordType.SCHEDULE:
             self.apply(decode_schedule_change(data, s, e).change)
         elif rtype == RecordType.MESSAGE:
-            idlen = MESSAGE_HEAD.unpack_from(data, s)[4]
             at = s + _MESSAGE_HEAD_SIZE
-            if bytes(data[at : at + len(_PREFIX)]) == _PREFIX:
+            if data[at : at + len(_PREFIX)] == _PREFIX:  # the id starts right after the head
+                idlen = MESSAGE_HEAD.unpack_from(data, s)[4]
                 parsed = parse_occurrence_id(bytes(data[at : at + idlen]).decode("utf-8"))
                 if parsed is not None:
                     self.advance(*parsed)

@@ -103,3 +103,31 @@ async def test_in_disk_full_mode_messages_are_refused_until_space_is_back(store,
         (result,) = await r.send([item(2)])
         nursery.cancel_scope.cancel()
     assert result.code == ResultCode.OK and not r.disk.full
+
+
+async def test_a_send_cancelled_while_it_waits_for_its_ack_is_still_remembered_for_dedupe(store, autojump_clock):
+    # The producer's connection drops before the answer: the message is stored all the same, and
+    # its retry must find it (the replayer does not feed the dedupe table this node's own batches).
+    from delayserver.dedupe import DedupeTable
+
+    table = DedupeTable(3_600_000)
+    r = Receiver(store, TrioClock(NOW), Config.from_dict({"max_delay": "1d"}), recent=RecentBatches(),
+                 disk=DiskSpace(store, 0), on_durable=Wakeup(), sequence_floor=lambda: 1, dedupe=table)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        with trio.CancelScope() as waiting:
+            nursery.start_soon(_cancel_soon, waiting)
+            await r.send([item(1)])
+        assert waiting.cancelled_caught
+        with trio.fail_after(5):
+            while r.durable_offset < store.message_log.end_offset or not store.message_log.end_offset:
+                await trio.sleep(0.001)
+        (again,) = await r.send([item(1)])
+        nursery.cancel_scope.cancel()
+    assert again.code == ResultCode.DUPLICATE and again.schedule_time == NOW + 1000
+    assert len(stored(store)) == 1
+
+
+async def _cancel_soon(scope: trio.CancelScope) -> None:
+    await trio.lowlevel.checkpoint()
+    scope.cancel()
