@@ -3,9 +3,9 @@
 Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
 sender is woken. While deliveries are under way and the bucket does not start soon, the loader is
 paced to its deadline: it pauses between slices so that it takes only the share of the event loop
-it needs to finish in three quarters of the time left before the load turns urgent (a quarter of `load_ahead`
-before the bucket starts), and delivery keeps the rest. A big bucket loading during a busy
-delivery window would otherwise take half the loop and let delivery fall behind.
+it needs to finish in three quarters of the time left before the load turns urgent (a quarter of
+`load_ahead` before the bucket starts), and delivery keeps the rest. A big bucket loading during a
+busy delivery window would otherwise take half the loop and let delivery fall behind.
 
 It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
 the replayer (an entry earlier than the current sleep), or at most `max_sleep_ms` (so that a
@@ -31,8 +31,8 @@ MAX_LOAD_PAUSE_S = 0.05
 
 def load_pause_s(slice_s: float, bytes_per_s: float, bytes_left: int, seconds_left: float) -> float:
     """How long to pause after a load slice of `slice_s` seconds so that the load, at `bytes_per_s`
-    while it runs, finishes its `bytes_left` in three quarters of `seconds_left`, taking no more of the loop
-    than that needs (and at least MIN_LOAD_SHARE of it). 0 when there is no time to spare."""
+    while it runs, finishes its `bytes_left` in three quarters of `seconds_left`, taking no more of
+    the loop than that needs (and at least MIN_LOAD_SHARE of it). 0 when there is no time to spare."""
     budget = seconds_left * 0.75
     if budget <= 0 or bytes_per_s <= 0:
         return 0.0
