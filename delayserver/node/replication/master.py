@@ -54,7 +54,13 @@ class Master:
                     await receiver.durable_changed.wait()
         data, start = b"", offset
         if offset < receiver.durable_offset:
-            data, start = message_log.read(offset, min(request.max_bytes, MAX_SYNC_BYTES))
+            try:
+                data, start = message_log.read(offset, min(request.max_bytes, MAX_SYNC_BYTES))
+            except CorruptSegment as e:
+                # The read raises only for damage where it starts: at the offset asked for.
+                raise DelayServerError(f"no whole record starts at message_log offset {offset} ({e.reason}): "
+                                       "a slave asks from the end of its copy, a record boundary",
+                                       code=ResultCode.BAD_REQUEST) from None
             # Only what is durable here goes out: a slave never holds what a master crash loses.
             data = _whole_records_before(data, start, receiver.durable_offset, "message_log offset")
         return wire.ML_RESP.pack(start, receiver.durable_offset) + data

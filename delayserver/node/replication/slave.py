@@ -64,6 +64,7 @@ class Slave:
         self.dispatch_held_back = 0  # dispatch records waiting for this node's replay, at the last pull
         self._behind_since: float | None = None  # trio time of the first pull that found us behind
         self._forked: set[int] = set()  # buckets whose dispatch_log names other messages than ours
+        self._logged_unexpected = False
 
     def lag_seconds(self) -> float:
         """How long this slave has been behind its master (0 when caught up at the last pull)."""
@@ -98,6 +99,11 @@ class Slave:
                 else:
                     log.error("replication from %s: %s", address, e)
                     await trio.sleep(1)
+            except Exception:  # noqa: BLE001 - whatever the master sends, this node goes on
+                if not self._logged_unexpected:
+                    self._logged_unexpected = True
+                    log.exception("replication from %s failed unexpectedly; retrying", address)
+                await trio.sleep(1)
 
     def _tls(self):
         """TLS to the master when `tls_ca` names the CA to check its certificate against."""
@@ -108,9 +114,8 @@ class Slave:
         offset = store.message_log.end_offset
         request = wire.encode_message_log_request(
             wire.MessageLogRequest(offset, MAX_SYNC_BYTES, self.poll_ms, self.node_id))
-        reply = await conn.request(p.Command.SYNC_MESSAGE_LOG, request)
-        start, master_end = wire.ML_RESP.unpack_from(reply, 0)
-        data = reply[wire.ML_RESP.size :]
+        start, master_end, data = wire.decode_message_log_response(
+            await conn.request(p.Command.SYNC_MESSAGE_LOG, request))
         self.lag_bytes = max(0, master_end - offset - len(data))
         self.in_sync = not self.lag_bytes
         if not self.lag_bytes:
@@ -149,7 +154,7 @@ class Slave:
                 if applicable:
                     dispatch_log.append(bucket, data[:applicable])
                     appended = True
-            except (DelayServerError, StorageError) as e:
+            except (DelayServerError, StorageError, RecordError) as e:
                 log.error("dispatch_log bucket %d from the master not stored: %s", bucket, e)
         self.dispatch_held_back = held_back
         if appended:

@@ -93,6 +93,14 @@ def decode_dispatch_log_request(payload: bytes) -> DispatchLogRequest:
     return DispatchLogRequest(node, sizes)
 
 
+def decode_message_log_response(reply: bytes) -> tuple[int, int, bytes]:
+    """(start, master durable end, records); RemoteProtocolError for a reply too short to hold them."""
+    if len(reply) < ML_RESP.size:
+        raise p.RemoteProtocolError(f"SYNC_MESSAGE_LOG answer of {len(reply)} bytes")
+    start, end = ML_RESP.unpack_from(reply, 0)
+    return start, end, reply[ML_RESP.size :]
+
+
 def decode_dispatch_log_response(reply: bytes) -> list[tuple[int, int, bytes]]:
     """(bucket, start, bytes) per chunk; raises RemoteProtocolError for a reply that does not add up."""
     try:
