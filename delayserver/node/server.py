@@ -219,22 +219,26 @@ class DelayServer:
 
     async def _clean_periodically(self) -> None:
         """The cleaner: delete what replay, replication and retention no longer need."""
-        c = self.config
         while True:
-            await trio.sleep(c.cleaner_interval_ms / 1000)
+            await trio.sleep(self.config.cleaner_interval_ms / 1000)
             try:
-                # Written first: after a restart the cleaner still keeps what each slave lacks.
-                slaves = self.master.slaves
-                slaves.save()
-                pinning = slaves.pinning(self.receiver.durable_offset)
-                cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
-                                now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=[s.message_log_offset for s in pinning],
-                                dispatch_sync_sizes=[s.dispatch_sizes for s in pinning])
-                if cleaned.buckets:
-                    await self.replayer.checkpoint_async()
+                await self.clean_once()
             except StorageError as e:
                 log.error("cleaner pass failed: %s", e)
+
+    async def clean_once(self):
+        """One cleaner pass (raises StorageError subtypes); what it deleted."""
+        c = self.config
+        # Written first: after a restart the cleaner still keeps what each slave lacks.
+        slaves = self.master.slaves
+        slaves.save()
+        pinning = slaves.pinning(self.receiver.durable_offset)
+        cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset, now_ms=self.clock.now_ms(),
+                        retention_ms=c.retention_ms, sync_offsets=[s.message_log_offset for s in pinning],
+                        dispatch_sync_sizes=[s.dispatch_sizes for s in pinning])
+        if cleaned.buckets:
+            await self.replayer.checkpoint_async()
+        return cleaned
 
     # --- connections --------------------------------------------------------------------------
 

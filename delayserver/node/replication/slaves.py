@@ -76,6 +76,7 @@ class SlaveStates:
         self.registry = registry or Registry()
         self.max_lag_bytes = max_lag_bytes
         self.states: dict[str, SlaveState] = {}
+        self._new = False  # a slave not in the checkpoint yet
         self._load()
 
     def _load(self) -> None:
@@ -92,6 +93,7 @@ class SlaveStates:
 
     def save(self) -> None:
         """Write the offsets atomically (raises StorageError subtypes)."""
+        self._new = False
         write_checkpoint(self.path, {"slaves": {
             s.node_id: {"message_log_offset": s.message_log_offset, "pinning": s.pinning,
                         "dispatch_sizes": {str(b): n for b, n in s.dispatch_sizes.items()}}
@@ -104,15 +106,20 @@ class SlaveStates:
         if state is None:
             state = self.states[node_id] = SlaveState(node_id)
             log.info("slave %s pulls from this master", node_id)
+            self._new = True
         return state
 
     def pulled_message_log(self, node_id: str, offset: int, durable_end: int) -> bool:
-        """Note a registered slave's message_log pull at `offset`; False for an unregistered id."""
+        """Note a registered slave's message_log pull at `offset`; False for an unregistered id. A
+        slave seen for the first time is written to the checkpoint at once (raises StorageError
+        subtypes), so that no restart can forget it before the next cleaner pass."""
         state = self._state(node_id)
         if state is None:
             return False
         state.message_log_offset = offset
         self._check_lag(state, durable_end)
+        if self._new:
+            self.save()
         return True
 
     def _check_lag(self, state: SlaveState, durable_end: int) -> None:
