@@ -94,3 +94,19 @@ async def test_with_a_cluster_secret_only_cluster_nodes_replicate(tmp_path, nurs
                                      cluster_secret="cluster", node_id="s1"))
     await wait_until(lambda: slave.store.message_log.end_offset == master.store.message_log.end_offset)
     assert list(master.master.slaves.states) == ["s1"]
+
+
+async def test_a_slave_behind_the_masters_retention_stops_and_says_so(tmp_path, nursery):
+    master = await start(nursery, cfg(tmp_path, "m", message_log_segment_bytes=4096, retention_ms=0,
+                                      cleaner_interval_ms="1h", checkpoint_interval_ms=10))
+    async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
+        for _ in range(20):
+            await prod.send_many([Message("gone.q", b"x" * 64, delay=HOUR) for _ in range(10)])
+    end = master.store.message_log.end_offset
+    await wait_until(lambda: master.replayer.checkpointed_offset == end)
+    await master.clean_once()
+    assert master.store.message_log.start_offset > 0
+    slave = await start(nursery, cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}"))
+    await wait_until(lambda: slave.slave.stopped_reason)
+    assert "retention" in slave.slave.stopped_reason and "cleaned" in slave.slave.stopped_reason
+    assert slave.store.message_log.end_offset == 0
