@@ -96,7 +96,7 @@ async def test_with_a_cluster_secret_only_cluster_nodes_replicate(tmp_path, nurs
     assert list(master.master.slaves.states) == ["s1"]
 
 
-async def test_a_slave_behind_the_masters_retention_stops_and_says_so(tmp_path, nursery):
+async def test_a_slave_behind_the_masters_retention_takes_a_snapshot_instead_of_looping(tmp_path, nursery):
     master = await start(nursery, cfg(tmp_path, "m", message_log_segment_bytes=4096, retention_ms=0,
                                       cleaner_interval_ms="1h", checkpoint_interval_ms=10))
     async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
@@ -106,7 +106,31 @@ async def test_a_slave_behind_the_masters_retention_stops_and_says_so(tmp_path, 
     await wait_until(lambda: master.replayer.checkpointed_offset == end)
     await master.clean_once()
     assert master.store.message_log.start_offset > 0
-    slave = await start(nursery, cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}"))
-    await wait_until(lambda: slave.slave.stopped_reason)
-    assert "retention" in slave.slave.stopped_reason and "cleaned" in slave.slave.stopped_reason
+    async with trio.open_nursery() as slave_nursery:
+        slave = await start(slave_nursery, cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}"))
+        await wait_until(lambda: slave.restart_requested)
+    assert slave.slave.stopped_reason == "restarting to install a snapshot of the master"
+    assert (tmp_path / "s" / "snapshot" / "manifest.json").is_file()
     assert slave.store.message_log.end_offset == 0
+
+
+async def test_a_slave_past_max_slave_lag_is_told_to_resync_and_does_from_a_snapshot(tmp_path, nursery):
+    master = await start(nursery, cfg(tmp_path, "m", max_slave_lag=2000, checkpoint_interval_ms=10))
+    async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
+        handles = await prod.send_many([Message("lag.q", b"x" * 64, delay=HOUR) for _ in range(100)])
+    slave_config = cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}", node_id="s1")
+    async with trio.open_nursery() as slave_nursery:
+        slave = await start(slave_nursery, slave_config)
+        await wait_until(lambda: slave.restart_requested)  # it stops itself to install the snapshot
+    assert slave.store.message_log.end_offset == 0  # it never pulled the log it was too far behind on
+    assert (tmp_path / "s" / "snapshot").is_dir()
+    slave = await start(nursery, slave_config)
+    assert not (tmp_path / "s" / "snapshot").exists()
+    async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
+        handles += await prod.send_many([Message("lag.q", b"after", delay=HOUR) for _ in range(5)])
+    await wait_until(lambda: slave.store.message_log.end_offset == master.store.message_log.end_offset)
+    assert slave.store.message_log.start_offset > 0
+    await wait_until(lambda: master.master.slaves.states["s1"].message_log_offset == slave.store.message_log.end_offset)
+    assert master.master.slaves.states["s1"].pinning
+    async with AsyncProducer(f"127.0.0.1:{slave.port}") as prod:
+        assert {(await prod.status(h)).state.name for h in handles} == {"PENDING"}
