@@ -25,6 +25,7 @@ from typing import Callable
 import attrs
 import trio
 
+from delayserver.message import DelayServerError
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import StorageError
 
@@ -59,14 +60,17 @@ class Registry:
         from delayserver.meta.client import MetaUnavailable
 
         self.ids = set()
+        last_error = ""
         while True:
             try:
                 reply = await client.request("list_nodes", group=group)
                 self.ids = {n["node_id"] for n in reply["nodes"] if n["node_id"] != own_id}
-            except (MetaUnavailable, OSError) as e:  # keep the last list while the meta server is away
-                log.info("cannot list the nodes of group %s: %s", group, e)
-            except Exception:  # noqa: BLE001 - a bad answer must not stop the master
-                log.exception("listing the nodes of group %s failed", group)
+                last_error = ""
+            except (MetaUnavailable, DelayServerError, OSError, KeyError, TypeError) as e:
+                # Keep the last list while the meta server is away; say so once per cause.
+                if str(e) != last_error:
+                    last_error = str(e)
+                    log.warning("cannot list the nodes of group %s (keeping the last list): %s", group, e)
             await trio.sleep(interval_s)
 
 
@@ -82,14 +86,16 @@ class SlaveStates:
     def _load(self) -> None:
         try:
             data = read_checkpoint(self.path) or {}
-        except StorageError as e:
-            # Losing it only lets the cleaner go further than a slave wanted; say so.
-            log.error("slave offsets not read back (%s): the cleaner ignores slaves until they pull again", e)
-            data = {}
-        for node_id, s in data.get("slaves", {}).items():
-            self.states[node_id] = SlaveState(
-                node_id, int(s["message_log_offset"]), {int(b): int(n) for b, n in s["dispatch_sizes"].items()},
-                bool(s.get("pinning", True)))
+            for node_id, s in data.get("slaves", {}).items():
+                self.states[node_id] = SlaveState(
+                    node_id, int(s["message_log_offset"]), {int(b): int(n) for b, n in s["dispatch_sizes"].items()},
+                    bool(s.get("pinning", True)))
+        except (StorageError, KeyError, ValueError, TypeError, AttributeError) as e:
+            # Losing it only lets the cleaner go further than a slave wanted (a slave that then
+            # finds its records cleaned resyncs from a snapshot); say so.
+            log.error("slave offsets not read back from %s (%s): the cleaner ignores slaves until they pull again",
+                      self.path, e)
+            self.states.clear()
 
     def save(self) -> None:
         """Write the offsets atomically (raises StorageError subtypes)."""
