@@ -22,7 +22,7 @@ import trio
 
 from delayserver.message import DelayServerError, ResultCode
 from delayserver.node.replication import wire
-from delayserver.node.replication.slaves import InSync, SlaveStates
+from delayserver.node.replication.slaves import MAX_LONG_POLL_S, InSync, SlaveStates
 from delayserver.storage.buckets import bucket_name
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.reader import raise_unless_incomplete, read_records
@@ -65,7 +65,7 @@ class Master:
             if self.insync is not None:
                 self.insync.acknowledged(request.node_id, offset)
         if offset == receiver.durable_offset and request.wait_ms:
-            with trio.move_on_after(min(request.wait_ms, 10_000) / 1000):
+            with trio.move_on_after(min(request.wait_ms / 1000, MAX_LONG_POLL_S)):
                 while offset == receiver.durable_offset:
                     await receiver.durable_changed.wait()
         data, start = b"", offset

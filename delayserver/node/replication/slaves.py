@@ -32,6 +32,8 @@ from delayserver.storage.errors import StorageError
 log = logging.getLogger("delayserver.replication")
 
 CHECKPOINT_NAME = "slaves.json"
+#: The longest a master holds a slave's SYNC_MESSAGE_LOG request open (master.py).
+MAX_LONG_POLL_S = 10.0
 
 
 @attrs.define(eq=False)
@@ -158,16 +160,15 @@ class InSync:
         self.timeout_s = timeout_s
         self.durable_end = durable_end
         self.acked: dict[str, int] = {}
+        self._seen: dict[str, float] = {}  # trio time of each slave's last acknowledgement
         self.closed = True
         self.timeouts = 0
         self._changed = trio.Event()
 
     def acknowledged(self, node_id: str, offset: int) -> None:
-        """A registered slave holds message_log fsynced up to `offset`."""
-        if offset <= self.acked.get(node_id, -1):
-            if offset < self.acked.get(node_id, -1):
-                self.acked[node_id] = offset  # it started over (a resync, a new disk)
-            return
+        """A registered slave holds message_log fsynced up to `offset` (lower than before: it
+        started over, from a snapshot or a new disk)."""
+        self._seen[node_id] = trio.current_time()
         self.acked[node_id] = offset
         if self.closed and self._enough(self.durable_end()):
             self.closed = False
@@ -177,7 +178,10 @@ class InSync:
         self._changed = trio.Event()
 
     def in_sync(self, end: int) -> int:
-        return sum(1 for o in self.acked.values() if o >= end)
+        """Slaves that hold `end` and were heard from lately: an acknowledgement older than a long
+        poll plus the timeout is from a slave gone, or from before this node was last promoted."""
+        recent = trio.current_time() - self.timeout_s - MAX_LONG_POLL_S
+        return sum(1 for node, o in self.acked.items() if o >= end and self._seen[node] >= recent)
 
     def _enough(self, end: int) -> bool:
         return self.in_sync(end) >= self.min_insync_replicas

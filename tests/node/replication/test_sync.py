@@ -98,3 +98,17 @@ async def test_the_http_api_shows_the_sync_state(tmp_path, nursery):
     assert replication["sync"] == {"accepting_writes": True, "in_sync_slaves": 1, "min_insync_replicas": 1,
                                    "timeouts": 0}
     assert [(s["node_id"], s["pinning"]) for s in replication["slaves"]] == [("s1", True)]
+
+
+async def test_an_acknowledgement_from_a_slave_long_silent_does_not_count(autojump_clock):
+    from delayserver.node.replication import InSync
+
+    insync = InSync(min_insync_replicas=1, timeout_s=1.0, durable_end=lambda: 100)
+    insync.acknowledged("s1", 100)
+    assert not insync.closed and insync.in_sync(100) == 1
+    await trio.sleep(12)  # past a long poll and the timeout: s1 is gone, or this node was demoted meanwhile
+    assert insync.in_sync(100) == 0
+    assert not await insync.replicated(100)
+    assert insync.closed and insync.timeouts == 1
+    insync.acknowledged("s1", 100)
+    assert not insync.closed
