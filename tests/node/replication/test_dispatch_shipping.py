@@ -7,8 +7,12 @@ from __future__ import annotations
 import trio
 
 from delayserver.client import AsyncProducer, Message
-from delayserver.node.replication import slave as slave_module
-from delayserver.storage.record import RecordType, decode_dispatch
+from delayserver.node.replication import Slave, slave as slave_module
+from delayserver.storage.record import (
+    Dispatch, Message as RecordMessage, RecordType, decode_dispatch, encode_dispatch, encode_message, encode_record,
+    encode_scheduled,
+)
+from delayserver.storage.store import Store
 
 from tests.node.replication.helpers import cfg, spooled_ids, start, wait_until
 
@@ -55,3 +59,35 @@ async def test_a_promoted_slave_delivers_new_messages_at_offsets_its_master_had_
         await trio.sleep(0.3)
         nursery.cancel_scope.cancel()
     assert sorted(spooled_ids(promoted, "ship.q")) == sorted(h.message_id for h in new[1:])
+
+
+T = 1_795_449_600_000
+
+
+def scheduled(message_log_offset: int, message_id: str) -> bytes:
+    payload = encode_message(RecordMessage(message_id, "s.q", b"x", T))
+    return encode_record(RecordType.SCHEDULED, encode_scheduled(message_log_offset, payload))
+
+
+def dispatch(schedule_offset: int, message_log_offset: int = -1) -> bytes:
+    return encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(schedule_offset, T, "g", message_log_offset)))
+
+
+def test_dispatch_records_apply_up_to_the_first_message_not_held_or_not_the_same(tmp_path):
+    store = Store.open(tmp_path, segment_scale_ms=3_600_000)
+    bucket = T - T % 3_600_000
+    first, second = scheduled(0, "a"), scheduled(100, "b")
+    store.schedule_log.append(bucket, first + second)
+    slave = Slave(store, None, None, "s1")
+    held = [dispatch(0, 0), dispatch(len(first), 100)]
+    # Held, named right: all applied; the old format (no message_log offset) by its offset alone.
+    assert slave._applicable(bucket, b"".join(held), 0) == len(b"".join(held))
+    assert slave._applicable(bucket, dispatch(0), 0) == len(dispatch(0))
+    # Not replayed here yet: applied up to it, the rest next round.
+    later = dispatch(len(first + second), 200)
+    assert slave._applicable(bucket, held[0] + later + held[1], 0) == len(held[0])
+    # Another message at that offset (forked histories), or no record starting there: not applied.
+    assert slave._applicable(bucket, held[0] + dispatch(len(first), 999), 0) == len(held[0])
+    assert bucket in slave._forked
+    assert Slave(store, None, None, "s1")._applicable(bucket, dispatch(3, 0), 0) == 0
+    store.close()
