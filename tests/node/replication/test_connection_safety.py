@@ -17,7 +17,6 @@ from delayserver.node.replication import wire
 
 from tests.node.replication.helpers import cfg, spooled_ids, start, wait_until
 
-NODE = b"probe"
 
 
 def dispatch_request(sizes: dict[int, int]) -> bytes:

@@ -15,7 +15,8 @@ HOUR = 3_600_000
 
 def message_log_range(data_dir) -> tuple[int, int]:
     """(start, end) of a node's message_log, from its segment files."""
-    segments = sorted((int(p.name[: -len(SUFFIX)]), p.stat().st_size) for p in (data_dir / "message_log").glob("*" + SUFFIX))
+    paths = (data_dir / "message_log").glob("*" + SUFFIX)
+    segments = sorted((int(p.name[: -len(SUFFIX)]), p.stat().st_size) for p in paths)
     return segments[0][0], segments[-1][0] + segments[-1][1]
 
 
