@@ -27,4 +27,5 @@ BENCHMARKS = {
     "browse": "bench.browse",
     "dedupe": "bench.dedupe",
     "transactions": "bench.transactions",
+    "replication": "bench.replication",
 }

@@ -68,6 +68,8 @@ class ResultCode(enum.IntEnum):
     # transactions (24-29)
     TXN_NOT_FOUND = 24
     TXN_RESOLVED = 25
+    # replication
+    NOT_ENOUGH_REPLICAS = 16
 
     @property
     def description(self) -> str:
@@ -95,6 +97,7 @@ _DESCRIPTIONS = {
     # transactions
     ResultCode.TXN_NOT_FOUND: "no half message with this handle (never prepared, or resolved long ago)",
     ResultCode.TXN_RESOLVED: "the half message was already resolved the other way (rolled back, committed or parked)",
+    ResultCode.NOT_ENOUGH_REPLICAS: "no in-sync slave acknowledged in time (replication = \"sync\"); retry later",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 

@@ -104,6 +104,7 @@ class Command(enum.IntEnum):
     AUTH = 6
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
+    SYNC_SNAPSHOT = 18
     META = 32
     # browse, reschedule, dedupe, schedules: 48-63
     RESCHEDULE = 48

@@ -17,6 +17,7 @@ time never fires. Promote is a reschedule to now. Cancel and reschedule of one h
 from __future__ import annotations
 
 import base64
+import hmac
 import logging
 
 import trio
@@ -182,13 +183,39 @@ def listed_json(m) -> dict:
 
 
 class Requests:
-    """Answers each request frame of a delay-server connection with the bytes of its response."""
+    """The request handler of a node's connections: `connection()` gives each its own responder."""
 
-    def __init__(self, operations: MessageOperations, master: Master, schedules=None, transactions=None):
+    def __init__(self, operations: MessageOperations, master: Master, schedules=None, transactions=None, *,
+                 cluster_secret: str = ""):
         self.operations = operations
         self.master = master
         self.schedules = schedules  # schedules/service.py
         self.transactions = transactions  # a TransactionOperations: half messages
+        self.cluster_secret = cluster_secret.encode("utf-8")
+
+    def connection(self) -> ConnectionRequests:
+        return ConnectionRequests(self)
+
+
+class ConnectionRequests:
+    """Answers each request frame of one connection with the bytes of its response.
+
+    Nothing a request does can end the node: a refusal is answered with its code, and an
+    unexpected exception with INTERNAL, logged with its traceback once per connection. With a
+    cluster secret configured, replication requests are served only on a connection that sent AUTH
+    with it (producers' secrets do not let a client pull the logs or pin the cleaner)."""
+
+    def __init__(self, requests: Requests):
+        self._requests = requests
+        self.cluster = not requests.cluster_secret
+        self._logged = False
+
+    def authenticate(self, secret: bytes) -> bool:
+        """True, and this connection is a cluster node's, when `secret` is the cluster secret."""
+        cluster_secret = self._requests.cluster_secret
+        if cluster_secret and hmac.compare_digest(secret, cluster_secret):
+            self.cluster = True
+        return self.cluster and bool(cluster_secret)
 
     async def respond(self, frame: p.Frame, session=None) -> bytes:
         """The response frame: the command's answer, or an ERROR frame with the refusal's code.
@@ -199,8 +226,9 @@ class Requests:
                 if session is not None and session.on_response(frame):
                     return b""
                 raise p.RemoteProtocolError("a response frame sent to the server")
-            if frame.command in _TRANSACTION_COMMANDS and self.transactions is not None:
-                payload = await self.transactions.respond(frame, session)
+            transactions = self._requests.transactions
+            if frame.command in _TRANSACTION_COMMANDS and transactions is not None:
+                payload = await transactions.respond(frame, session)
                 return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
             payload = await self._dispatch(frame)
             return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
@@ -209,13 +237,19 @@ class Requests:
         except StorageError as e:
             log.exception("storage error serving a request")
             return _error(frame.request_id, ResultCode.INTERNAL, str(e))
+        except Exception as e:  # noqa: BLE001 - no request may take the node down
+            if not self._logged:
+                self._logged = True
+                log.exception("unexpected error serving %s; answered INTERNAL", frame.command.name)
+            return _error(frame.request_id, ResultCode.INTERNAL, f"internal error: {type(e).__name__}")
 
     async def _dispatch(self, frame: p.Frame) -> bytes:
-        cmd, ops = frame.command, self.operations
+        cmd, ops, master = frame.command, self._requests.operations, self._requests.master
         if cmd == p.Command.PING:
             return frame.payload
         if cmd == p.Command.AUTH:
-            return b""  # already authenticated on this connection
+            self.authenticate(frame.payload)  # a producer's secret was checked by the gate already
+            return b""
         if cmd == p.Command.SEND:
             return p.encode_send_response(await ops.send(p.decode_send_request(frame.payload)))
         if cmd == p.Command.CANCEL:
@@ -223,20 +257,24 @@ class Requests:
         if cmd == p.Command.STATUS:
             handle = p.decode_handle(frame.payload)
             result = await ops.status(handle)
-            if result.state == MessageState.UNKNOWN and self.transactions is not None:
-                result = self.transactions.status(handle) or result
+            if result.state == MessageState.UNKNOWN and self._requests.transactions is not None:
+                result = self._requests.transactions.status(handle) or result
             return p.encode_status_response(result)
         if cmd == p.Command.SCHEDULE:
-            return p.encode_json(await self.schedules.handle(p.decode_json(frame.payload)))
+            return p.encode_json(await self._requests.schedules.handle(p.decode_json(frame.payload)))
         if cmd == p.Command.BROWSE:
             query = BrowseQuery.from_json(p.decode_json(frame.payload))
             return p.encode_json(page_json(await ops.browse(query)))
         if cmd == p.Command.RESCHEDULE:
             return p.encode_reschedule_response(await ops.reschedule(*p.decode_reschedule_request(frame.payload)))
-        if cmd == p.Command.SYNC_MESSAGE_LOG:
-            return await self.master.message_log(frame.payload)
-        if cmd == p.Command.SYNC_DISPATCH_LOG:
-            return await self.master.dispatch_log(frame.payload)
+        if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG, p.Command.SYNC_SNAPSHOT):
+            if not self.cluster:
+                raise DelayServerError("replication needs AUTH with the cluster secret", code=ResultCode.UNAUTHORIZED)
+            if cmd == p.Command.SYNC_MESSAGE_LOG:
+                return await master.message_log(frame.payload)
+            if cmd == p.Command.SYNC_SNAPSHOT:
+                return await master.snapshot(frame.payload)
+            return await master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 
 

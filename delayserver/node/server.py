@@ -26,13 +26,14 @@ from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
 from delayserver.node.browse import Browser
 from delayserver.schedules.emitter import serve as serve_schedules
-from delayserver.schedules.registry import Registry
+from delayserver.schedules.registry import Registry as ScheduleRegistry
 from delayserver.schedules.service import ScheduleService
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, peer_name, pump
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
-from delayserver.node.replication import Master, Slave
+from delayserver.node.replication import InSync, Master, Registry, Slave, SlaveStates
+from delayserver.node.replication.snapshot import install_pending
 from delayserver.node.role import NodeRole
 from delayserver.node.view import NodeView
 from delayserver.replayer import Replayer
@@ -69,6 +70,7 @@ class DelayServer:
         self._listener_scope = trio.CancelScope()
         self.role = NodeRole.configured(config)
         self.slave: Slave | None = None
+        self.restart_requested = False
         self.buffered = ByteBudget(config.max_buffered_bytes)  # request bytes held by every connection
 
     # --- start --------------------------------------------------------------------------------
@@ -76,6 +78,7 @@ class DelayServer:
     def _open(self) -> None:
         c = self.config
         c.data_dir.mkdir(parents=True, exist_ok=True)
+        install_pending(c.data_dir)  # a snapshot of the master, taken by the slave before a restart
         self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
                                 message_log_segment_bytes=c.message_log_segment_bytes)
         disk_full = not self.store.take_reserve_at_start(c.reserve_bytes)
@@ -97,7 +100,7 @@ class DelayServer:
         self.dedupe = Dedupe(c.dedupe_window_ms, self.store.checkpoint_dir)
         if self.dedupe.table.enabled:
             self.dedupe.recover(self.store.message_log, self.clock.now_ms())
-        self.schedules = Registry(self.store.checkpoint_dir)
+        self.schedules = ScheduleRegistry(self.store.checkpoint_dir)
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
             self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
@@ -106,7 +109,15 @@ class DelayServer:
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
                                  sequence_floor=lambda: replayer.max_sequence + 1, dedupe=self.dedupe.table)
-        self.master = Master(self.receiver, self.store)
+        # Replication: registered slaves' durable offsets; in sync mode, the acknowledgement gate.
+        self.registry = Registry(set() if c.meta else None)
+        slaves = SlaveStates(self.store.checkpoint_dir, registry=self.registry, max_lag_bytes=c.max_slave_lag)
+        insync = None
+        if c.replication == "sync":
+            insync = InSync(min_insync_replicas=c.min_insync_replicas, timeout_s=c.sync_timeout_ms / 1000,
+                            durable_end=lambda: self.receiver.durable_offset)
+            self.receiver.replicas = insync
+        self.master = Master(self.receiver, self.store, slaves, insync, replayer)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
                              batches_in_flight=c.send_batches_in_flight, parked=self.parked,
@@ -123,7 +134,7 @@ class DelayServer:
                                may_check=self.role.may_deliver)
         self.requests = Requests(self.operations, self.master,
                                  ScheduleService(self.schedules, self.operations, self.clock, c.max_message_bytes),
-                                 self.transactions)
+                                 self.transactions, cluster_secret=c.cluster_secret)
         self.loop_watch = LoopWatch()
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
@@ -158,9 +169,12 @@ class DelayServer:
                 listeners = await trio.open_tcp_listeners(c.listen[1], host=c.listen[0])
                 self.port = listeners[0].socket.getsockname()[1]
                 if c.meta or c.replicate_from:
-                    node_id = c.node_id or f"{c.listen[0]}:{self.port}"
-                    self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
-                                       tls_ca=c.tls_ca)
+                    node_id = c.node_id or c.advertised_address or f"{c.listen[0]}:{self.port}"
+                    self.slave = Slave(self.store, self.receiver, self.role, node_id,
+                                       secret=c.cluster_secret or c.auth_secret, tls_ca=c.tls_ca,
+                                       on_snapshot=self._restart_for_snapshot)
+                if c.meta:
+                    nursery.start_soon(self._follow_registered, node_id)
                 await self._serve_http(nursery)
                 if c.meta:
                     await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
@@ -236,22 +250,48 @@ class DelayServer:
                 await trio.sleep(0.01)
         self._nursery.cancel_scope.cancel()
 
+    def _restart_for_snapshot(self) -> None:
+        """A slave's snapshot of its master is ready: stop; the next start installs it (the
+        `delayserver serve` process starts itself again when `restart_requested`)."""
+        log.warning("stopping to install the master's snapshot")
+        self.restart_requested = True
+        self._listener_scope.cancel()
+        self._nursery.cancel_scope.cancel()
+
+    async def _follow_registered(self, node_id: str) -> None:
+        """Keep the registry of slaves to the group's nodes at the meta server."""
+        from delayserver.meta.client import MetaClient
+
+        c = self.config
+        tls = ssl.create_default_context(cafile=c.meta_tls_ca) if c.meta_tls_ca else None
+        async with MetaClient(c.meta, secret=c.cluster_secret, tls=tls) as client:
+            await self.registry.follow(client, c.group, node_id)
+
     async def _clean_periodically(self) -> None:
         """The cleaner: delete what replay, replication and retention no longer need."""
-        c = self.config
         while True:
-            await trio.sleep(c.cleaner_interval_ms / 1000)
-            # Saved first, so that message_log is not kept past retention for their sake.
-            await self._save_followers()
+            await trio.sleep(self.config.cleaner_interval_ms / 1000)
             try:
-                cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
-                                now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=self._pinned_offsets(),
-                                dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
-                if cleaned.buckets:
-                    await self.replayer.checkpoint_async()
+                await self.clean_once()
             except StorageError as e:
                 log.error("cleaner pass failed: %s", e)
+
+    async def clean_once(self):
+        """One cleaner pass (raises StorageError subtypes); what it deleted."""
+        c = self.config
+        # Saved first, so that message_log is not kept past retention for their sake.
+        await self._save_followers()
+        # Written first: after a restart the cleaner still keeps what each slave lacks.
+        slaves = self.master.slaves
+        slaves.save()
+        pinning = slaves.pinning(self.receiver.durable_offset)
+        cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset, now_ms=self.clock.now_ms(),
+                        retention_ms=c.retention_ms,
+                        sync_offsets=[*(s.message_log_offset for s in pinning), *self._pinned_offsets()],
+                        dispatch_sync_sizes=[s.dispatch_sizes for s in pinning])
+        if cleaned.buckets:
+            await self.replayer.checkpoint_async()
+        return cleaned
 
     def _follower_offsets(self) -> list[int]:
         """Where message_log is needed from to rebuild the dedupe table and the schedules at start."""
@@ -281,9 +321,9 @@ class DelayServer:
             await self._save_followers()
 
     def _pinned_offsets(self) -> list[int]:
-        """message_log offsets the cleaner keeps from: slaves' sync offsets, what the dedupe table
-        and the schedules are rebuilt from at start, open half messages."""
-        offsets = [*self.master.message_log_offsets.values(), *self._follower_offsets()]
+        """message_log offsets the cleaner keeps from besides the slaves': what the dedupe table and
+        the schedules are rebuilt from at start, open half messages."""
+        offsets = self._follower_offsets()
         if self.halves.pinned_offset is not None:
             offsets.append(self.halves.pinned_offset)
         return offsets
@@ -299,8 +339,9 @@ class DelayServer:
             self.connections += 1
             session = self.producer_sessions.open(peer_name(stream))
             try:
-                gate = self._authenticate if self.config.auth_secret else None
-                await pump(stream, self.limits, functools.partial(self.requests.respond, session=session), gate=gate,
+                peer = self.requests.connection()
+                gate = functools.partial(self._authenticate, peer) if self.config.auth_secret else None
+                await pump(stream, self.limits, functools.partial(peer.respond, session=session), gate=gate,
                            what="a producer connection", budget=self.buffered,
                            on_send=functools.partial(setattr, session, "send"))
             finally:
@@ -308,15 +349,19 @@ class DelayServer:
                 self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
+        except Exception:  # noqa: BLE001 - one connection's failure never stops the node
+            log.exception("closing a connection after an unexpected error")
         finally:
             await stream.aclose()
 
-    async def _authenticate(self, frame: p.Frame, send) -> bool:
-        """With `auth_secret` set, a connection's first frame must be AUTH with that secret."""
+    async def _authenticate(self, peer, frame: p.Frame, send) -> bool:
+        """With `auth_secret` set, a connection's first frame must be AUTH with that secret (or
+        with the cluster secret: a node of the cluster, allowed to replicate)."""
         secret = self.config.auth_secret.encode("utf-8")
-        if frame.command == p.Command.AUTH and not frame.is_response and hmac.compare_digest(frame.payload, secret):
-            await send(p.encode(p.Frame(p.Command.AUTH, frame.request_id, b"", is_response=True)))
-            return True
+        if frame.command == p.Command.AUTH and not frame.is_response:
+            if peer.authenticate(frame.payload) or hmac.compare_digest(frame.payload, secret):
+                await send(p.encode(p.Frame(p.Command.AUTH, frame.request_id, b"", is_response=True)))
+                return True
         log.warning("refused a connection: %s", "wrong secret" if frame.command == p.Command.AUTH
                     else f"{frame.command.name} before AUTH")
         await send(error_frame(frame.request_id, ResultCode.UNAUTHORIZED,

@@ -57,6 +57,7 @@ HTTP_STATUS = {
     # transactions
     ResultCode.TXN_NOT_FOUND: 404,
     ResultCode.TXN_RESOLVED: 409,
+    ResultCode.NOT_ENOUGH_REPLICAS: 503,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 
