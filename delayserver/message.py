@@ -63,6 +63,9 @@ class ResultCode(enum.IntEnum):
     INTERNAL = 13
     NODE_ID_TAKEN = 14
     UNAVAILABLE = 15
+    # epochs and fencing
+    FENCED = 20
+    DIVERGED = 21
 
     @property
     def description(self) -> str:
@@ -86,6 +89,10 @@ _DESCRIPTIONS = {
     ResultCode.INTERNAL: "internal error",
     ResultCode.NODE_ID_TAKEN: "a live node is registered under this node id (another session)",
     ResultCode.UNAVAILABLE: "the service cannot reach its database now; ask another instance",
+    ResultCode.FENCED: "this node holds no unexpired master lease for its group's current epoch; nothing was "
+                       "acknowledged: ask the meta server for the master and retry",
+    ResultCode.DIVERGED: "the replica's history parts from this master's: it must find where (SYNC_EPOCH_END) "
+                         "and truncate there",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 

@@ -86,6 +86,8 @@ class Command(enum.IntEnum):
     AUTH = 6
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
+    # epochs and fencing
+    SYNC_EPOCH_END = 24
     META = 32
 
 

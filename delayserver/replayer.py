@@ -127,6 +127,9 @@ class Replayer:
             off = base + pos
             if off >= limit:
                 break
+            if rtype == RecordType.EPOCH:  # a batch's frame: nothing to schedule
+                end = base + e
+                continue
             try:
                 sched, seq, mid = message_log_head(data, s, rtype)
             except RecordError as err:

@@ -16,6 +16,7 @@ import trio
 from delayserver import protocol as p
 from delayserver.lookup import Lookup
 from delayserver.message import CancelOutcome, DelayServerError, Handle, MessageState, ResultCode
+from delayserver.node.divergence import answer_epoch_end
 from delayserver.node.receiver import Receiver
 from delayserver.node.replication import Master
 from delayserver.node.role import NodeRole
@@ -126,6 +127,8 @@ class Requests:
             return await self.master.message_log(frame.payload)
         if cmd == p.Command.SYNC_DISPATCH_LOG:
             return await self.master.dispatch_log(frame.payload)
+        if cmd == p.Command.SYNC_EPOCH_END:
+            return answer_epoch_end(self.master.store, self.master.receiver, frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 
 

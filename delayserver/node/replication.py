@@ -17,8 +17,9 @@ Wire payloads (big-endian), carried by SYNC_MESSAGE_LOG and SYNC_DISPATCH_LOG fr
 
 A master answers a message_log request at its durable end by waiting up to `wait_ms` for more (a
 long poll). An offset past the master's end means the slave holds records the master never had
-(the slave was a master once): the master refuses, and the slave stops and says so, since
-truncating them would drop acknowledged messages.
+(the slave was a master once): the master answers DIVERGED, and the slave connects again. On each
+connection, before pulling, the slave finds where its history parts from the master's and cuts
+it there after quarantining the rest (node/divergence.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
+from delayserver.node.divergence import no_realign
 from delayserver.node.receiver import Receiver
 from delayserver.node.role import NodeRole
 from delayserver.storage.errors import StorageError
@@ -71,7 +73,7 @@ class Master:
         if offset > receiver.durable_offset:
             raise DelayServerError(
                 f"slave offset {offset} is past this master's end {receiver.durable_offset}: the slave holds "
-                "records this master never had", code=ResultCode.BAD_REQUEST)
+                "records this master never had", code=ResultCode.DIVERGED)
         if offset < message_log.start_offset:
             raise DelayServerError(f"offset {offset} was cleaned from message_log", code=ResultCode.NOT_FOUND)
         self.message_log_offsets[node] = offset
@@ -152,6 +154,7 @@ class Slave:
         self.lag_bytes = 0  # the master's durable end minus ours, at the last pull
         self.in_sync = False  # the last pull left nothing of the master's durable log to fetch
         self._behind_since: float | None = None  # trio time of the first pull that found us behind
+        self.realign = no_realign  # run on each connection before pulling (node/divergence.py)
 
     def lag_seconds(self) -> float:
         """How long this slave has been behind its master (0 when caught up at the last pull)."""
@@ -169,6 +172,7 @@ class Slave:
             try:
                 async with AsyncProducer(address, timeout=15, secret=self.secret, tls=self._tls()) as conn:
                     log.info("replicating from %s", address)
+                    await self.realign(conn, address)
                     while self.role.is_slave() and self.role.master_address() == address:
                         await self._pull_message_log(conn)
                         await self._pull_dispatch_log(conn)

@@ -22,6 +22,7 @@ from delayserver.config import Config
 from delayserver.lookup import Lookup
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
+from delayserver.node.divergence import Realigner
 from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
@@ -87,6 +88,8 @@ class DelayServer:
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
                                  sequence_floor=lambda: replayer.max_sequence + 1)
+        self.receiver.epoch = functools.partial(self.role.epoch, self.store.message_log)
+        self.receiver.may_acknowledge = self.role.may_acknowledge
         self.master = Master(self.receiver, self.store)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
@@ -125,6 +128,8 @@ class DelayServer:
                     node_id = c.node_id or f"{c.listen[0]}:{self.port}"
                     self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
                                        tls_ca=c.tls_ca)
+                    self.slave.realign = Realigner(c.data_dir, self.store, self.receiver, self.replayer, self.ticks,
+                                                   self.clock)
                 await self._serve_http(nursery)
                 if c.meta:
                     await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)

@@ -23,6 +23,11 @@ Payload layouts (see the `*_HEAD` structs):
 - DELIVERED (spool): dispatch_time q, attempt I, then a MESSAGE payload.
 - PARKED: parked_time q, attempt I, schedule_offset Q, reason_len H, reason, then a SCHEDULED
   payload (the schedule_log offset lets a reload skip what was parked).
+- EPOCH (message_log): epoch Q. The first record of every batch a node appends to message_log:
+  the master epoch under which the records after it, up to the next EPOCH record, were written.
+  A slave copies it with the batch, byte for byte, so the epoch of every record is the same on
+  every node that holds it. Records before the first EPOCH record of a log (a log written before
+  epochs existed) are of epoch 0.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ SCHEDULED_CANCEL_HEAD = struct.Struct(">QqqQB")
 DISPATCH_HEAD = struct.Struct(">QqB")
 DELIVERED_HEAD = struct.Struct(">qI")
 PARKED_HEAD = struct.Struct(">qIQH")
+EPOCH_HEAD = struct.Struct(">Q")
 HEADER_ITEM = struct.Struct(">H")
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 _SCHEDULED_HEAD_SIZE = SCHEDULED_HEAD.size
@@ -69,6 +75,7 @@ class RecordType(enum.IntEnum):
     DISPATCH = 5
     DELIVERED = 6
     PARKED = 7
+    EPOCH = 12
 
 
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
@@ -513,6 +520,33 @@ def decode_parked(buf, start: int = 0, end: int | None = None) -> Parked:
     return Parked(when, attempt, soff, reason, offset, message)
 
 
+# --- epochs ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Epoch:
+    """The master epoch of the message_log records that follow, up to the next EPOCH record."""
+
+    epoch: int
+
+
+#: The size of a whole EPOCH record: what each batch of message_log carries on top of its records.
+EPOCH_RECORD_SIZE = HEADER_SIZE + EPOCH_HEAD.size
+
+
+def encode_epoch_record(epoch: int) -> bytes:
+    """The whole EPOCH record (header and payload) that opens a message_log batch of `epoch`."""
+    return encode_record(RecordType.EPOCH, EPOCH_HEAD.pack(epoch))
+
+
+@_decoding
+def decode_epoch(buf, start: int = 0, end: int | None = None) -> Epoch:
+    end = len(buf) if end is None else end
+    if end - start != EPOCH_HEAD.size:
+        raise ValueError(f"an epoch payload is {EPOCH_HEAD.size} bytes, not {end - start}")
+    return Epoch(EPOCH_HEAD.unpack_from(buf, start)[0])
+
+
 def decode_payload(rtype: int, buf, start: int, end: int):
     """Decode any record's payload into its value (used by tools, not hot paths)."""
     if rtype == RecordType.MESSAGE:
@@ -529,4 +563,6 @@ def decode_payload(rtype: int, buf, start: int, end: int):
         return decode_delivered(buf, start, end)
     if rtype == RecordType.PARKED:
         return decode_parked(buf, start, end)
+    if rtype == RecordType.EPOCH:
+        return decode_epoch(buf, start, end)
     raise RecordError(start, f"unknown record type {rtype}")

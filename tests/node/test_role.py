@@ -17,9 +17,14 @@ class Agent:
     read_only: bool = False
     master_address: str | None = None
     lease: bool = True
+    delivers_through_outage: bool = False  # deliver_through_meta_outage, and meta unreachable
+    epoch: int = 0
+
+    def holds_lease(self) -> bool:
+        return self.role is Role.MASTER and self.lease
 
     def may_deliver(self) -> bool:
-        return self.lease
+        return self.lease or self.delivers_through_outage
 
 
 def test_a_single_node_is_master_takes_writes_and_delivers():
@@ -43,15 +48,17 @@ def test_a_node_following_meta_is_fenced_until_the_agent_names_its_role():
     assert role.state is RoleState.FENCED and role.master_address() is None
 
 
-@pytest.mark.parametrize("read_only, lease, refusal, delivers", [
-    (False, True, None, True),
-    (True, True, ResultCode.READ_ONLY, True),
-    (False, False, None, False),  # the lease ran out: writes go on, delivery waits
+@pytest.mark.parametrize("read_only, lease, outage, refusal, delivers", [
+    (False, True, False, None, True),
+    (True, True, False, ResultCode.READ_ONLY, True),
+    (False, False, False, ResultCode.FENCED, False),  # the lease ran out: no acks, no delivery
+    (False, False, True, ResultCode.FENCED, True),  # deliver_through_meta_outage: delivery only
 ])
-def test_a_meta_master_writes_unless_read_only_and_delivers_only_under_its_lease(read_only, lease, refusal, delivers):
+def test_a_meta_master_acknowledges_and_delivers_only_under_its_lease(read_only, lease, outage, refusal, delivers):
     role = NodeRole(follows_meta=True)
-    role.follow(Agent(Role.MASTER, read_only=read_only, lease=lease))
+    role.follow(Agent(Role.MASTER, read_only=read_only, lease=lease, delivers_through_outage=outage))
     assert role.is_master() and role.write_refusal() is refusal and role.may_deliver() is delivers
+    assert role.may_acknowledge() is lease
 
 
 def test_a_meta_slave_pulls_from_the_master_the_agent_names():

@@ -53,6 +53,8 @@ HTTP_STATUS = {
     ResultCode.INTERNAL: 500,
     ResultCode.NODE_ID_TAKEN: 409,
     ResultCode.UNAVAILABLE: 503,
+    ResultCode.FENCED: 421,
+    ResultCode.DIVERGED: 409,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 
