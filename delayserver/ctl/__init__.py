@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 
-from delayserver.ctl import buckets, inspect, meta, parked, producer, salvage, spool, verify
+from delayserver.ctl import buckets, diverged, inspect, meta, parked, producer, salvage, spool, verify
 
-COMMANDS = [inspect, verify, buckets, producer, spool, parked, meta, salvage]
+COMMANDS = [inspect, verify, buckets, producer, spool, parked, meta, salvage, diverged]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ import trio
 from delayserver import failpoints
 from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time
 from delayserver.protocol import SendItem, SendResult
+from delayserver.storage.epochs import EpochRegression
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
     EPOCH_RECORD_SIZE, HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_epoch_record, encode_message_fields,
@@ -327,11 +328,11 @@ class Receiver:
             log.warning("message_log append refused: %s", e)
             self.disk.enter_full()
             return self._finish(batch, ResultCode.DISK_FULL, ResultCode.DISK_FULL.description)
+        except EpochRegression as e:  # the log holds a newer epoch than this node was told of
+            return self._finish(batch, ResultCode.FENCED, str(e))
         except StorageError as e:
             self._go_read_only(f"write failed: {e}")
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
-        except ValueError as e:  # the log holds a newer epoch than this node was told of
-            return self._finish(batch, ResultCode.FENCED, str(e))
         self.next_sequence = seq
         self.recent.remember(start, data)
         pos = start + EPOCH_RECORD_SIZE

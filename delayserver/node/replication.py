@@ -196,6 +196,8 @@ class Slave:
         offset = store.message_log.end_offset
         request = _ML_REQ.pack(offset, MAX_SYNC_BYTES, self.poll_ms, len(self.node_id)) + self.node_id
         reply = await conn.request(p.Command.SYNC_MESSAGE_LOG, request)
+        if not self.role.is_slave():
+            return  # promoted while the pull was in flight: never append the old master's records
         start, master_end = _ML_RESP.unpack_from(reply, 0)
         data = reply[_ML_RESP.size :]
         self.lag_bytes = max(0, master_end - offset - len(data))
@@ -226,6 +228,8 @@ class Slave:
         request = (_U16.pack(len(self.node_id)) + self.node_id + _U32.pack(len(buckets))
                    + b"".join(_SIZE.pack(b, dispatch_log.size(b)) for b in buckets))
         reply = await conn.request(p.Command.SYNC_DISPATCH_LOG, request)
+        if not self.role.is_slave():
+            return
         (count,) = _U32.unpack_from(reply, 0)
         pos = 4
         for _ in range(count):

@@ -19,12 +19,16 @@ import logging
 from pathlib import Path
 
 from delayserver.storage.checkpoint import CorruptCheckpoint, read_checkpoint, write_checkpoint
-from delayserver.storage.errors import CorruptSegment
+from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import EPOCH_HEAD, RecordType, iter_checked_records
 
 log = logging.getLogger("delayserver.storage")
 
 FILE_NAME = "epochs.json"
+
+
+class EpochRegression(StorageError):
+    """A batch of an older epoch than the log's last: never written (a log never goes back)."""
 
 
 class EpochHistory:
@@ -70,13 +74,13 @@ class EpochHistory:
 
     def begin(self, epoch: int, offset: int) -> None:
         """Note that a batch of `epoch` is about to be written at `offset`; durable before it
-        returns when `epoch` is new. Raises ValueError for an epoch older than the log's last (a
-        log never goes back in epochs) and StorageError when the file cannot be written."""
+        returns when `epoch` is new. Raises EpochRegression for an epoch older than the log's last
+        (a log never goes back in epochs) and StorageError when the file cannot be written."""
         last = self.last_epoch
         if epoch == last:
             return
         if epoch < last:
-            raise ValueError(f"a batch of epoch {epoch} cannot follow one of epoch {last} in message_log")
+            raise EpochRegression(f"a batch of epoch {epoch} cannot follow one of epoch {last} in message_log")
         self.entries.append((epoch, offset))
         try:
             self._save()

@@ -117,8 +117,8 @@ class MessageLog:
         None: `data` is records copied from elsewhere, whose EPOCH records are read from it. A new
         epoch goes into the epoch history before the write. Rolls to a new segment first when
         `data` would not fit in the active one. Does not fsync: call `sync()` before
-        acknowledging. Raises DiskFull / StorageError with the log intact, ValueError for a batch
-        of an older epoch than the log's last.
+        acknowledging. Raises DiskFull / StorageError with the log intact (EpochRegression for a
+        batch of an older epoch than the log's last).
         """
         if self.active.size and self.active.size + len(data) > self.segment_bytes:
             self.roll()
