@@ -2,6 +2,8 @@
 each may do (the agent here is a stand-in: the role's rules are pure logic)."""
 from __future__ import annotations
 
+import types
+
 import attrs
 import pytest
 
@@ -69,3 +71,19 @@ def test_a_meta_slave_pulls_from_the_master_the_agent_names():
     assert role.write_refusal() is ResultCode.NOT_MASTER and not role.may_deliver()
     agent.role = Role.MASTER  # promoted
     assert role.is_master() and role.master_address() is None and role.write_refusal() is None
+
+
+def test_deliver_through_meta_outage_is_off_by_default_with_sync_replication():
+    if "replication" not in {f.name for f in attrs.fields(Config)}:
+        pytest.skip('no replication = "sync" in this build')
+    assert Config.from_dict({"replication": "sync"}).deliver_through_meta_outage is False
+    assert Config.from_dict({"replication": "async"}).deliver_through_meta_outage is True
+    assert Config.from_dict({"replication": "sync", "deliver_through_meta_outage": True}).deliver_through_meta_outage
+
+
+def test_a_node_writes_the_epoch_of_the_meta_server_or_else_its_logs_last():
+    log = types.SimpleNamespace(epochs=types.SimpleNamespace(last_epoch=6))
+    assert NodeRole.configured(Config()).epoch(log) == 6
+    role = NodeRole(follows_meta=True)
+    role.follow(Agent(Role.MASTER, epoch=9))
+    assert role.epoch(log) == 9

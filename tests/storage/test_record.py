@@ -16,7 +16,7 @@ from delayserver.storage.record import (
     HEADER_SIZE, MAX_PAYLOAD_BYTES, Cancel, Dispatch, Message, RecordError, RecordType, decode_cancel,
     decode_delivered, decode_dispatch, decode_headers, decode_message, decode_parked, decode_payload,
     decode_scheduled, decode_scheduled_cancel, encode_cancel, encode_delivered, encode_dispatch, encode_headers,
-    encode_message, encode_parked, encode_record, encode_scheduled, iter_records, parse_record, scheduled_key,
+    encode_epoch_record, encode_message, encode_parked, encode_record, encode_scheduled, iter_records, parse_record, scheduled_key,
 )
 
 SUBJECT_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:%|-"
@@ -74,6 +74,7 @@ def test_records_of_every_type_frame_and_decode_through_decode_payload():
         RecordType.DISPATCH: encode_dispatch(Dispatch(0, T, "g")),
         RecordType.DELIVERED: encode_delivered(T, 1, encode_message(m)),
         RecordType.PARKED: encode_parked(T, 1, 0, "why", encode_scheduled(3, encode_message(m))),
+        RecordType.EPOCH: encode_epoch_record(5)[HEADER_SIZE:],
     }
     assert set(payloads) == set(RecordType)
     buf = b"".join(encode_record(t, p) for t, p in payloads.items())
