@@ -139,8 +139,9 @@ class Realigner:
     """What a slave runs on each connection to its master before pulling: find the divergence
     point, quarantine and cut what lies past it."""
 
-    def __init__(self, data_dir: Path, store, receiver, replayer, ticks, clock):
+    def __init__(self, data_dir: Path, store, receiver, replayer, ticks, clock, role):
         self.data_dir = Path(data_dir)
+        self.role = role
         self.store = store
         self.receiver = receiver
         self.replayer = replayer
@@ -151,8 +152,8 @@ class Realigner:
     async def __call__(self, conn, master: str) -> None:
         message_log = self.store.message_log
         point = await find_divergence(conn, message_log)
-        if point >= message_log.end_offset:
-            return
+        if point >= message_log.end_offset or not self.role.is_slave():
+            return  # agreeing, or promoted meanwhile: a master's log is the group's history
         if point < message_log.start_offset:
             raise DelayServerError(
                 f"the history diverges from master {master} at offset {point}, before the first segment "

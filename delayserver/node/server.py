@@ -129,7 +129,7 @@ class DelayServer:
                     self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
                                        tls_ca=c.tls_ca)
                     self.slave.realign = Realigner(c.data_dir, self.store, self.receiver, self.replayer, self.ticks,
-                                                   self.clock)
+                                                   self.clock, self.role)
                 await self._serve_http(nursery)
                 if c.meta:
                     await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
