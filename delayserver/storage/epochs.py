@@ -56,7 +56,8 @@ class EpochHistory:
                 data = None
         if data is None:
             self = cls(path, _scan(message_log))
-            self._save()
+            if self.entries:  # an empty history is what no file says: nothing to write at open
+                self._save()
             return self
         self = cls(path, entries)
         self.truncate(message_log.end_offset)

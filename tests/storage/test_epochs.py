@@ -71,7 +71,7 @@ def test_a_log_written_before_epochs_is_all_epoch_0(tmp_path, log):
     for i in range(10):
         log.append(message_record(i))
     log.close()
-    (tmp_path / FILE_NAME).unlink()
+    (tmp_path / FILE_NAME).unlink(missing_ok=True)
     old = MessageLog.open(tmp_path, SEGMENT_BYTES)
     assert old.epochs.entries == [] and old.epochs.last_epoch == 0 and old.epochs.epoch_at(100) == 0
     assert old.epochs.end_offset_for(3, old.end_offset) == (0, old.end_offset)
