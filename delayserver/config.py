@@ -213,6 +213,9 @@ class Config:
             if not isinstance(raw["deliver_through_meta_outage"], bool):
                 raise ConfigError("deliver_through_meta_outage: expected true or false")
             kw["deliver_through_meta_outage"] = raw["deliver_through_meta_outage"]
+        elif raw.get("replication", "async") == "sync":
+            # Off by default in sync mode: a master cut off from meta stops delivering with its lease.
+            kw["deliver_through_meta_outage"] = False
         if raw.get("advertised_address"):
             parse_address(raw["advertised_address"], "advertised_address")
         if raw.get("meta"):

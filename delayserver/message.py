@@ -70,6 +70,9 @@ class ResultCode(enum.IntEnum):
     TXN_RESOLVED = 25
     # replication
     NOT_ENOUGH_REPLICAS = 16
+    # epochs and fencing
+    FENCED = 20
+    DIVERGED = 21
 
     @property
     def description(self) -> str:
@@ -98,6 +101,10 @@ _DESCRIPTIONS = {
     ResultCode.TXN_NOT_FOUND: "no half message with this handle (never prepared, or resolved long ago)",
     ResultCode.TXN_RESOLVED: "the half message was already resolved the other way (rolled back, committed or parked)",
     ResultCode.NOT_ENOUGH_REPLICAS: "no in-sync slave acknowledged in time (replication = \"sync\"); retry later",
+    ResultCode.FENCED: "this node holds no unexpired master lease for its group's current epoch; nothing was "
+                       "acknowledged: ask the meta server for the master and retry",
+    ResultCode.DIVERGED: "the replica's history parts from this master's: it must find where (SYNC_EPOCH_END) "
+                         "and truncate there",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 

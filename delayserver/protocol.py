@@ -105,6 +105,8 @@ class Command(enum.IntEnum):
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
     SYNC_SNAPSHOT = 18
+    # epochs and fencing
+    SYNC_EPOCH_END = 24
     META = 32
     # browse, reschedule, dedupe, schedules: 48-63
     RESCHEDULE = 48

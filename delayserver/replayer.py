@@ -152,6 +152,9 @@ class Replayer:
                 end = base + e
                 followed += 1
                 continue
+            if rtype == RecordType.EPOCH:  # a batch's frame: nothing to schedule
+                end = base + e
+                continue
             try:
                 sched, seq, mid = message_log_head(data, s, rtype)
             except RecordError as err:

@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 
-from delayserver.ctl import browse, buckets, inspect, meta, parked, producer, salvage, schedules, spool, verify
+from delayserver.ctl import browse, buckets, diverged, inspect, meta, parked, producer, salvage, schedules, spool, verify
 
-COMMANDS = [inspect, verify, buckets, producer, browse, schedules, spool, parked, meta, salvage]
+COMMANDS = [inspect, verify, buckets, producer, browse, schedules, spool, parked, meta, salvage, diverged]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from delayserver.storage.segment import read_file
 LOG_OF_TYPE = {
     RecordType.MESSAGE: "message_log",
     RecordType.CANCEL: "message_log",
+    RecordType.EPOCH: "message_log",
     RecordType.SCHEDULED: "schedule_log",
     RecordType.SCHEDULED_CANCEL: "schedule_log",
     RecordType.DISPATCH: "dispatch_log",

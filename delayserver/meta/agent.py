@@ -14,9 +14,11 @@ node; anyone else is refused the node id while the node is live.
 
 Delivery is fenced (see `may_deliver`): a node delivers only while it is master at the group's
 current epoch and holds a lease, renewed by every answered heartbeat and measured on trio's
-monotonic clock from the moment that heartbeat was sent. The meta server marks a node down, and
-only then may grant a newer epoch to another node, after a whole lease without hearing from it;
-so the former master's lease has run out before its successor is told it is master.
+monotonic clock from the moment that heartbeat was sent. The lease (`lease_ms` in the answer) is
+shorter than the meta server's failure timeout, after which it marks a node down and only then
+may grant a newer epoch to another node; so the former master's lease has surely run out before
+its successor is told it is master. Writes are acknowledged only under the lease (`holds_lease`),
+even with `deliver_through_meta_outage`.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import trio
 from delayserver.message import ResultCode
 from delayserver.meta import routing
 from delayserver.meta.client import MetaClient, MetaError, MetaUnavailable
+from delayserver.meta.service import lease_margin_ms
 from delayserver.meta.store import Role, Route
 from delayserver.sender.groups import BrokerGroupSpec
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
@@ -115,6 +118,11 @@ class MetaAgent:
         if trio.current_time() < self._lease_until:
             return True
         return self.deliver_through_meta_outage and not self._reachable
+
+    def holds_lease(self) -> bool:
+        """True only while this node is master at its group's current epoch under an unexpired
+        lease: what acknowledging a write needs, whatever `deliver_through_meta_outage` says."""
+        return self.role is Role.MASTER and trio.current_time() < self._lease_until
 
     def broker_groups(self) -> list[BrokerGroupSpec]:
         """Every broker group, as last fetched or cached (read-only ones included)."""
@@ -226,8 +234,11 @@ class MetaAgent:
         self.read_only = reply["read_only"]
         master = reply["master"]
         self.master_address = master["address"] if master else None
-        # Measured from the send: the meta server heard from us no earlier than that.
-        self._lease_until = sent + self._interval_ms * self._missed / 1000 if role is Role.MASTER else float("-inf")
+        # Measured from the send: the meta server heard from us no earlier than that; and shorter
+        # than its failure timeout (an older meta server names no lease: the same margin here).
+        lease_ms = reply.get("lease_ms") or self._interval_ms * self._missed - lease_margin_ms(
+            self._interval_ms * self._missed)
+        self._lease_until = sent + lease_ms / 1000 if role is Role.MASTER else float("-inf")
 
     async def _refresh(self) -> None:
         try:

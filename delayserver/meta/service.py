@@ -116,7 +116,17 @@ class MetaService:
 
     @property
     def lease_ms(self) -> int:
+        """The failure timeout: a node not heard from for this long is marked down, and only then
+        may another node be granted a newer epoch."""
         return self.heartbeat_interval_ms * self.missed_heartbeats
+
+    @property
+    def node_lease_ms(self) -> int:
+        """The lease a master holds from the send of an answered heartbeat: shorter than the
+        failure timeout by `lease_margin_ms`, so that it has surely run out on the node's
+        monotonic clock before the meta server, on its own, marks the node down (clock rates,
+        scheduling delays)."""
+        return self.lease_ms - lease_margin_ms(self.lease_ms)
 
     async def handle(self, request: Any, *, authenticated: bool = True) -> dict:
         """The response to one decoded request; never raises for a bad request. A connection
@@ -258,7 +268,8 @@ class MetaService:
 
     async def op_heartbeat(self, args: _Args) -> dict:
         """heartbeat(group, node_id, session) -> role, epoch, heartbeat_interval_ms,
-        missed_heartbeats, read_only, master. NOT_FOUND: register again."""
+        missed_heartbeats, lease_ms, read_only, master. NOT_FOUND: register again. A master's
+        lease runs `lease_ms` from the moment it sent this heartbeat."""
         name, node_id = args.name("group"), args.name("node_id")
         session = args.get("session", str)
         args.finish()
@@ -281,6 +292,7 @@ class MetaService:
             "epoch": group.master_epoch,
             "heartbeat_interval_ms": self.heartbeat_interval_ms,
             "missed_heartbeats": self.missed_heartbeats,
+            "lease_ms": self.node_lease_ms,
             "read_only": group.read_only,
             "master": _master_json(master),
         }
@@ -508,6 +520,12 @@ class MetaService:
         routes, specs = await self._call(lambda: (self.store.list_routes(), self.store.list_broker_groups()))
         route, chosen = routing.resolve(subject, routes, specs)
         return {"route": route.pattern if route else None, "broker_groups": [s.to_json() for s in chosen]}
+
+
+def lease_margin_ms(failure_timeout_ms: int) -> int:
+    """How much shorter a master's lease is than the failure timeout: a tenth of it, at least
+    100 ms (and never all of it)."""
+    return min(max(failure_timeout_ms // 10, 100), failure_timeout_ms // 2)
 
 
 OPS: dict[str, Callable] = {

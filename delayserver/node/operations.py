@@ -29,6 +29,7 @@ from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
 )
 from delayserver.node.browse import BrowseQuery, Page
+from delayserver.node.divergence import answer_epoch_end
 from delayserver.node.receiver import Receiver
 from delayserver.node.replication import Master
 from delayserver.node.role import NodeRole
@@ -267,13 +268,16 @@ class ConnectionRequests:
             return p.encode_json(page_json(await ops.browse(query)))
         if cmd == p.Command.RESCHEDULE:
             return p.encode_reschedule_response(await ops.reschedule(*p.decode_reschedule_request(frame.payload)))
-        if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG, p.Command.SYNC_SNAPSHOT):
+        if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG, p.Command.SYNC_SNAPSHOT,
+                   p.Command.SYNC_EPOCH_END):
             if not self.cluster:
                 raise DelayServerError("replication needs AUTH with the cluster secret", code=ResultCode.UNAUTHORIZED)
             if cmd == p.Command.SYNC_MESSAGE_LOG:
                 return await master.message_log(frame.payload)
             if cmd == p.Command.SYNC_SNAPSHOT:
                 return await master.snapshot(frame.payload)
+            if cmd == p.Command.SYNC_EPOCH_END:
+                return answer_epoch_end(master.store, master.receiver, frame.payload)
             return await master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 

@@ -36,10 +36,11 @@ from delayserver import failpoints
 from delayserver.dedupe import dedupe_key
 from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time
 from delayserver.protocol import SendItem, SendResult
+from delayserver.storage.epochs import EpochRegression
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
-    HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_message_fields, encode_schedule_change, record_header,
-    set_sequence,
+    EPOCH_RECORD_SIZE, HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_epoch_record, encode_message_fields,
+    encode_schedule_change, record_header, set_sequence,
 )
 from delayserver.storage.segment import fsync_path, storage_failures
 from delayserver.wakeup import Wakeup
@@ -83,6 +84,10 @@ class RecentBatches:
         self._batches[start] = data
         while len(self._batches) > self.keep:
             self._batches.popitem(last=False)
+
+    def forget(self) -> None:
+        """Drop every batch (message_log was cut back: its offsets hold other records now)."""
+        self._batches.clear()
 
     def take(self, offset: int) -> tuple[bytes, int] | None:
         """The batch written at message_log `offset` and that offset, if still in memory."""
@@ -159,6 +164,10 @@ class Receiver:
         self.batches = 0
         #: replication = "sync": the gate every acknowledgement waits at (replication/slaves.py).
         self.replicas = None
+        #: The master epoch each batch is written under (its EPOCH record), and whether an
+        #: acknowledgement may go out now (the master's lease holds): set by the node.
+        self.epoch: Callable[[], int] = lambda: 0
+        self.may_acknowledge: Callable[[], bool] = lambda: True
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -371,7 +380,7 @@ class Receiver:
                 self._idle = trio.Event()
                 batch, size = self._take_batch()
                 if batch:
-                    await self._wait_for_room(size)
+                    await self._wait_for_room(size + EPOCH_RECORD_SIZE)
                     self._write_batch(batch)
                 # Let the connections queue the next batch while this one is fsynced.
                 await trio.lowlevel.checkpoint()
@@ -415,7 +424,8 @@ class Receiver:
         self._check_fsync_failures()
         if self.read_only_reason:
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
-        parts, seq = [], max(self.next_sequence, self.sequence_floor())
+        epoch = self.epoch()
+        parts, seq = [encode_epoch_record(epoch)], max(self.next_sequence, self.sequence_floor())
         sizes = []
         for p in batch:
             size = 0
@@ -428,17 +438,19 @@ class Receiver:
             sizes.append(size)
         data = b"".join(parts)
         try:
-            start = self.store.message_log.append(data)
+            start = self.store.message_log.append(data, epoch)
         except DiskFull as e:
             log.warning("message_log append refused: %s", e)
             self.disk.enter_full()
             return self._finish(batch, ResultCode.DISK_FULL, ResultCode.DISK_FULL.description)
+        except EpochRegression as e:  # the log holds a newer epoch than this node was told of
+            return self._finish(batch, ResultCode.FENCED, str(e))
         except StorageError as e:
             self._go_read_only(f"write failed: {e}")
             return self._finish(batch, ResultCode.READ_ONLY, self._refusal_text(ResultCode.READ_ONLY))
         self.next_sequence = seq
         self.recent.remember(start, data)
-        pos = start
+        pos = start + EPOCH_RECORD_SIZE
         for p, size in zip(batch, sizes):
             p.offset = pos
             pos += size
@@ -488,6 +500,10 @@ class Receiver:
                 self._acknowledge(batch)
 
     def _acknowledge(self, batch: list[_Pending]) -> None:
+        if not self.may_acknowledge():
+            # Durable here, but the master's lease lapsed meanwhile: a newer master may be taking
+            # writes, so no acknowledgement goes out (the producer retries with the new master).
+            return self._finish(batch, ResultCode.FENCED, ResultCode.FENCED.description)
         self.appended += sum(len(p.payloads) for p in batch)
         self.batches += 1
         self._finish(batch, ResultCode.OK, "")

@@ -7,9 +7,13 @@ The role comes from configuration or from the meta server:
 - `meta` set: whatever the meta server's agent says. Until the agent has an answer, and whenever
   it names no role, the node is fenced: it takes no writes and delivers nothing.
 
-A master takes writes unless its group is read-only, and delivers only while the agent holds the
-current epoch's lease (`MetaAgent.may_deliver`). A slave takes no writes (NOT_MASTER) and pulls
-from its master's address.
+A master following the meta server acknowledges writes only while it holds the current epoch's
+lease (FENCED otherwise: a master cut off from the meta server stops acknowledging once its lease
+lapses), unless its group is read-only (READ_ONLY); it delivers only under that lease too, or,
+with `deliver_through_meta_outage`, while the meta server is unreachable
+(`MetaAgent.may_deliver`). A slave takes no writes (NOT_MASTER) and pulls from its master's
+address. Every batch a master writes carries its epoch: the meta server's, or for a node without
+one the epoch its log already has (0 for a new log).
 """
 from __future__ import annotations
 
@@ -69,6 +73,18 @@ class NodeRole:
             return False
         return not self.follows_meta or self.agent.may_deliver()
 
+    def may_acknowledge(self) -> bool:
+        """A write may be acknowledged now: master, and under its lease when following meta."""
+        if self.state is not RoleState.MASTER:
+            return False
+        return not self.follows_meta or self.agent.holds_lease()
+
+    def epoch(self, message_log) -> int:
+        """The epoch a batch written now carries."""
+        if self.follows_meta and self.agent is not None:
+            return self.agent.epoch
+        return message_log.epochs.last_epoch
+
     def master_address(self) -> str | None:
         """The address a slave pulls from (None: not a slave, or no master known)."""
         if self.replicate_from:
@@ -76,10 +92,13 @@ class NodeRole:
         return self.agent.master_address if self.agent is not None and self.is_slave() else None
 
     def write_refusal(self) -> ResultCode | None:
-        """NOT_MASTER or READ_ONLY when this node must not take writes (not the master, or the meta
-        server says its group is read-only); None when it may."""
+        """NOT_MASTER, FENCED or READ_ONLY when this node must not take writes (not the master, a
+        master whose lease has lapsed, or the meta server says its group is read-only); None when
+        it may."""
         if self.state is not RoleState.MASTER:
             return ResultCode.NOT_MASTER
+        if self.follows_meta and not self.agent.holds_lease():
+            return ResultCode.FENCED
         if self.follows_meta and self.agent.read_only:
             return ResultCode.READ_ONLY
         return None

@@ -25,6 +25,7 @@ from delayserver.loopwatch import LoopWatch
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
 from delayserver.node.browse import Browser
+from delayserver.node.divergence import Realigner
 from delayserver.schedules.emitter import serve as serve_schedules
 from delayserver.schedules.registry import Registry as ScheduleRegistry
 from delayserver.schedules.service import ScheduleService
@@ -117,6 +118,8 @@ class DelayServer:
             insync = InSync(min_insync_replicas=c.min_insync_replicas, timeout_s=c.sync_timeout_ms / 1000,
                             durable_end=lambda: self.receiver.durable_offset)
             self.receiver.replicas = insync
+        self.receiver.epoch = functools.partial(self.role.epoch, self.store.message_log)
+        self.receiver.may_acknowledge = self.role.may_acknowledge
         self.master = Master(self.receiver, self.store, slaves, insync, replayer)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
@@ -173,6 +176,8 @@ class DelayServer:
                     self.slave = Slave(self.store, self.receiver, self.role, node_id,
                                        secret=c.cluster_secret or c.auth_secret, tls_ca=c.tls_ca,
                                        on_snapshot=self._restart_for_snapshot)
+                    self.slave.realign = Realigner(c.data_dir, self.store, self.receiver, self.replayer, self.ticks,
+                                                   self.clock, self.role)
                 if c.meta:
                     nursery.start_soon(self._follow_registered, node_id)
                 await self._serve_http(nursery)

@@ -18,6 +18,10 @@ power-loss tail when it starts within `max_unsynced_bytes` of the last valid rec
 truncated and the records dropped with it are logged (no acknowledgement, replay checkpoint or
 replica relied on them, since all of those wait for an fsync). Damage before that point is
 corruption. Sealed segments were fsynced whole at their roll, so damage in them is corruption.
+
+Epochs. Each batch opens with an EPOCH record naming the master epoch that wrote it
+(storage/record.py); `epochs` (storage/epochs.py) indexes where each epoch begins, so that a node
+can find where its history and its master's part (storage/epochs.py, node/divergence.py).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import Iterator
 
 from delayserver import failpoints
 from delayserver.storage.directory import SegmentDirectory
+from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
 from delayserver.storage.segment import Segment, fsync_dir, read_file
@@ -53,6 +58,7 @@ class MessageLog:
         self.active: Segment | None = None
         self.active_base = 0
         self.quarantined: dict[int, tuple[int, str]] = {}  # base -> (file offset, reason)
+        self.epochs: EpochHistory | None = None  # set by open
 
     @classmethod
     def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -75,6 +81,7 @@ class MessageLog:
             self.active_base = last
             self.active = Segment.open(self.path(last), power_loss_window=max_unsynced_bytes)
             self.segments[last] = self.active.size
+        self.epochs = EpochHistory.open(self)
         return self
 
     def _check_sealed_sizes(self) -> None:
@@ -104,14 +111,22 @@ class MessageLog:
     def start_offset(self) -> int:
         return self.segments.first()
 
-    def append(self, data: bytes) -> int:
+    def append(self, data: bytes, epoch: int | None = None) -> int:
         """Append already-encoded records in one write; returns the offset of the first byte.
 
-        Rolls to a new segment first when `data` would not fit in the active one. Does not fsync:
-        call `sync()` before acknowledging. Raises DiskFull / StorageError with the log intact.
+        `epoch`: the epoch of the EPOCH record `data` opens with (a batch this node frames);
+        None: `data` is records copied from elsewhere, whose EPOCH records are read from it. A new
+        epoch goes into the epoch history before the write. Rolls to a new segment first when
+        `data` would not fit in the active one. Does not fsync: call `sync()` before
+        acknowledging. Raises DiskFull / StorageError with the log intact (EpochRegression for a
+        batch of an older epoch than the log's last).
         """
         if self.active.size and self.active.size + len(data) > self.segment_bytes:
             self.roll()
+        if epoch is None:
+            self.epochs.note_batches(data, self.end_offset)
+        else:
+            self.epochs.begin(epoch, self.end_offset)
         pos = self.active.append(data)
         self.segments[self.active_base] = self.active.size
         return self.active_base + pos
@@ -143,6 +158,7 @@ class MessageLog:
         self.active.truncate(offset - self.active_base)
         self.segments[self.active_base] = self.active.size
         self.quarantined.pop(self.active_base, None)
+        self.epochs.truncate(offset)
 
     def resume_offset(self, saved: int | None, what: str) -> int:
         """Where to read from to rebuild `what`, saved as covering message_log up to `saved` (None:

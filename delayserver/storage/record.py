@@ -41,6 +41,11 @@ MESSAGE and CANCEL, so the master sets its sequence the same way):
   asked the producer group for the `checks`-th time (at store_time).
 - TXN_PARK: store_time q, schedule_time q, sequence Q, reason B (a ParkReason), id_len B, then id:
   the half message goes to the parked messages of `%TRANS_CHECK_MAX%<group>`.
+- EPOCH (message_log): epoch Q. The first record of every batch a node appends to message_log:
+  the master epoch under which the records after it, up to the next EPOCH record, were written.
+  A slave copies it with the batch, byte for byte, so the epoch of every record is the same on
+  every node that holds it. Records before the first EPOCH record of a log (a log written before
+  epochs existed) are of epoch 0.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ PARKED_HEAD = struct.Struct(">qIQH")
 PREPARE_HEAD = struct.Struct(">qqQqB")
 TXN_CHECK_HEAD = struct.Struct(">qqQIB")
 TXN_PARK_HEAD = struct.Struct(">qqQBB")
+EPOCH_HEAD = struct.Struct(">Q")
 HEADER_ITEM = struct.Struct(">H")
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 _SCHEDULED_HEAD_SIZE = SCHEDULED_HEAD.size
@@ -99,6 +105,7 @@ class RecordType(enum.IntEnum):
     ROLLBACK = 18
     TXN_CHECK = 19
     TXN_PARK = 20
+    EPOCH = 12
 
 
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
@@ -590,6 +597,33 @@ def schedule_change_sequence(buf, start: int) -> int:
     return _SCHEDULE_HEAD.unpack_from(buf, start)[2]
 
 
+# --- epochs ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Epoch:
+    """The master epoch of the message_log records that follow, up to the next EPOCH record."""
+
+    epoch: int
+
+
+#: The size of a whole EPOCH record: what each batch of message_log carries on top of its records.
+EPOCH_RECORD_SIZE = HEADER_SIZE + EPOCH_HEAD.size
+
+
+def encode_epoch_record(epoch: int) -> bytes:
+    """The whole EPOCH record (header and payload) that opens a message_log batch of `epoch`."""
+    return encode_record(RecordType.EPOCH, EPOCH_HEAD.pack(epoch))
+
+
+@_decoding
+def decode_epoch(buf, start: int = 0, end: int | None = None) -> Epoch:
+    end = len(buf) if end is None else end
+    if end - start != EPOCH_HEAD.size:
+        raise ValueError(f"an epoch payload is {EPOCH_HEAD.size} bytes, not {end - start}")
+    return Epoch(EPOCH_HEAD.unpack_from(buf, start)[0])
+
+
 def decode_payload(rtype: int, buf, start: int, end: int):
     """Decode any record's payload into its value (used by tools, not hot paths)."""
     if rtype in TRANSACTION_TYPES:
@@ -610,6 +644,8 @@ def decode_payload(rtype: int, buf, start: int, end: int):
         return decode_parked(buf, start, end)
     if rtype == RecordType.SCHEDULE:
         return decode_schedule_change(buf, start, end)
+    if rtype == RecordType.EPOCH:
+        return decode_epoch(buf, start, end)
     raise RecordError(start, f"unknown record type {rtype}")
 
 

@@ -46,7 +46,7 @@ async def run_node(root, body, clock=None, **kw) -> DelayServer:
 def stored_messages(root) -> list:
     """Every MESSAGE record of message_log, decoded."""
     out = []
-    for path in sorted((root / "message_log").iterdir()):
+    for path in sorted((root / "message_log").glob("*.log")):
         data = path.read_bytes()
         for _, rtype, s, e in iter_records(data):
             if rtype == RecordType.MESSAGE:

@@ -131,3 +131,47 @@ async def test_a_send_cancelled_while_it_waits_for_its_ack_is_still_remembered_f
 async def _cancel_soon(scope: trio.CancelScope) -> None:
     await trio.lowlevel.checkpoint()
     scope.cancel()
+
+
+async def test_each_batch_opens_with_the_epoch_it_is_written_under(store, autojump_clock):
+    r = receiver(store)
+    epoch = 3
+    r.epoch = lambda: epoch
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        await r.send([item(1), item(2)])
+        epoch = 4
+        (result,) = await r.send([item(3)])
+        nursery.cancel_scope.cancel()
+    data, _ = store.message_log.read(0, 1 << 20)
+    types = [rtype for _, rtype, _, _ in iter_records(data)]
+    assert types == [RecordType.EPOCH, RecordType.MESSAGE, RecordType.MESSAGE, RecordType.EPOCH, RecordType.MESSAGE]
+    assert [e for e, _ in store.message_log.epochs.entries] == [3, 4]
+    assert result.code == ResultCode.OK
+
+
+async def test_a_batch_written_after_the_lease_lapsed_is_not_acknowledged(store, autojump_clock):
+    r = receiver(store)
+    lease = True
+    r.may_acknowledge = lambda: lease
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        (ok,) = await r.send([item(1)])
+        lease = False  # the lease runs out between the check at the door and the fsync
+        (fenced,) = await r.send([item(2)])
+        nursery.cancel_scope.cancel()
+    assert (ok.code, fenced.code) == (ResultCode.OK, ResultCode.FENCED)
+
+
+async def test_a_batch_of_an_epoch_older_than_the_logs_is_refused_fenced(store, autojump_clock):
+    r = receiver(store)
+    epoch = 5
+    r.epoch = lambda: epoch
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        await r.send([item(1)])
+        end = store.message_log.end_offset
+        epoch = 4  # a node told of an older epoch than its log already holds
+        (result,) = await r.send([item(2)])
+        nursery.cancel_scope.cancel()
+    assert result.code == ResultCode.FENCED and store.message_log.end_offset == end

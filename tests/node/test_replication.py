@@ -7,6 +7,7 @@ import trio
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
 from delayserver.message import DelayServerError, MessageState, ResultCode
+from delayserver.node.divergence import list_diverged
 from delayserver.node.server import DelayServer
 from delayserver.sender.spool import iter_spool
 from delayserver.storage.store import bucket_stats
@@ -83,17 +84,28 @@ async def test_a_promoted_slave_delivers_what_is_due_and_skips_what_the_master_d
     assert not set(spooled_ids(promoted, "p.q")) & {h.message_id for h in early}
 
 
-async def test_a_slave_holding_records_its_master_never_had_stops_and_says_so(tmp_path, nursery):
+async def test_a_slave_holding_records_its_master_never_had_quarantines_them_and_goes_on(tmp_path, nursery):
     rogue = DelayServer(cfg(tmp_path, "s"))
     async with trio.open_nursery() as inner:
         await inner.start(rogue.serve)
         async with AsyncProducer(f"127.0.0.1:{rogue.port}") as prod:
-            await prod.send("x.q", b"only here", delay=3_600_000)
+            only_here = await prod.send("x.q", b"only here", delay=3_600_000)
+        await wait_until(lambda: rogue.replayer.offset == rogue.store.message_log.end_offset)
         inner.cancel_scope.cancel()
     master = DelayServer(cfg(tmp_path, "m"))
     await nursery.start(master.serve)
     slave = DelayServer(cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}"))
     await nursery.start(slave.serve)
-    await wait_until(lambda: slave.slave.stopped_reason)
-    assert "never had" in slave.slave.stopped_reason
-    assert slave.store.message_log.end_offset > 0  # nothing was truncated
+    await wait_until(lambda: slave.slave.realign.truncations == 1)
+    [diverged] = list_diverged(tmp_path / "s")
+    assert [m["message_id"] for m in diverged["messages"]] == [only_here.message_id]
+    async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
+        kept = await prod.send("x.q", b"from the master", delay=3_600_000)
+    end = master.store.message_log.end_offset
+    await wait_until(lambda: slave.store.message_log.end_offset == end and slave.replayer.offset == end)
+    assert list(slave.store.message_log.iter_from(0)) == list(master.store.message_log.iter_from(0))
+    assert not slave.slave.stopped_reason
+    # What was replayed from the cut part is gone from the schedule too: only the master's message.
+    await wait_until(lambda: stats(slave) == stats(master))
+    async with AsyncProducer(f"127.0.0.1:{slave.port}") as prod:
+        assert (await prod.status(kept)).state == MessageState.PENDING

@@ -2,6 +2,8 @@
 each may do (the agent here is a stand-in: the role's rules are pure logic)."""
 from __future__ import annotations
 
+import types
+
 import attrs
 import pytest
 
@@ -17,9 +19,14 @@ class Agent:
     read_only: bool = False
     master_address: str | None = None
     lease: bool = True
+    delivers_through_outage: bool = False  # deliver_through_meta_outage, and meta unreachable
+    epoch: int = 0
+
+    def holds_lease(self) -> bool:
+        return self.role is Role.MASTER and self.lease
 
     def may_deliver(self) -> bool:
-        return self.lease
+        return self.lease or self.delivers_through_outage
 
 
 def test_a_single_node_is_master_takes_writes_and_delivers():
@@ -43,15 +50,17 @@ def test_a_node_following_meta_is_fenced_until_the_agent_names_its_role():
     assert role.state is RoleState.FENCED and role.master_address() is None
 
 
-@pytest.mark.parametrize("read_only, lease, refusal, delivers", [
-    (False, True, None, True),
-    (True, True, ResultCode.READ_ONLY, True),
-    (False, False, None, False),  # the lease ran out: writes go on, delivery waits
+@pytest.mark.parametrize("read_only, lease, outage, refusal, delivers", [
+    (False, True, False, None, True),
+    (True, True, False, ResultCode.READ_ONLY, True),
+    (False, False, False, ResultCode.FENCED, False),  # the lease ran out: no acks, no delivery
+    (False, False, True, ResultCode.FENCED, True),  # deliver_through_meta_outage: delivery only
 ])
-def test_a_meta_master_writes_unless_read_only_and_delivers_only_under_its_lease(read_only, lease, refusal, delivers):
+def test_a_meta_master_acknowledges_and_delivers_only_under_its_lease(read_only, lease, outage, refusal, delivers):
     role = NodeRole(follows_meta=True)
-    role.follow(Agent(Role.MASTER, read_only=read_only, lease=lease))
+    role.follow(Agent(Role.MASTER, read_only=read_only, lease=lease, delivers_through_outage=outage))
     assert role.is_master() and role.write_refusal() is refusal and role.may_deliver() is delivers
+    assert role.may_acknowledge() is lease
 
 
 def test_a_meta_slave_pulls_from_the_master_the_agent_names():
@@ -62,3 +71,19 @@ def test_a_meta_slave_pulls_from_the_master_the_agent_names():
     assert role.write_refusal() is ResultCode.NOT_MASTER and not role.may_deliver()
     agent.role = Role.MASTER  # promoted
     assert role.is_master() and role.master_address() is None and role.write_refusal() is None
+
+
+def test_deliver_through_meta_outage_is_off_by_default_with_sync_replication():
+    if "replication" not in {f.name for f in attrs.fields(Config)}:
+        pytest.skip('no replication = "sync" in this build')
+    assert Config.from_dict({"replication": "sync"}).deliver_through_meta_outage is False
+    assert Config.from_dict({"replication": "async"}).deliver_through_meta_outage is True
+    assert Config.from_dict({"replication": "sync", "deliver_through_meta_outage": True}).deliver_through_meta_outage
+
+
+def test_a_node_writes_the_epoch_of_the_meta_server_or_else_its_logs_last():
+    log = types.SimpleNamespace(epochs=types.SimpleNamespace(last_epoch=6))
+    assert NodeRole.configured(Config()).epoch(log) == 6
+    role = NodeRole(follows_meta=True)
+    role.follow(Agent(Role.MASTER, epoch=9))
+    assert role.epoch(log) == 9

@@ -17,6 +17,7 @@ from delayserver.message import (
 )
 from delayserver.node.server import DelayServer
 from delayserver.storage.message_log import MessageLog
+from delayserver.storage.record import RecordType
 
 
 def config(tmp_path, **kw) -> Config:
@@ -199,7 +200,7 @@ async def test_disk_full_refuses_new_messages_then_writes_resume_and_the_log_sta
     assert err.value.code == ResultCode.DISK_FULL
     monkeypatch.setattr(os, "pwrite", real_pwrite)
     after = await prod.send("d.x", b"after", delay=3_600_000)
-    ids = [m for _, rtype, m in node.store.message_log.iter_from(0)]
+    ids = [m for _, rtype, m in node.store.message_log.iter_from(0) if rtype == RecordType.MESSAGE]
     assert len(ids) == 2
     assert (await prod.status(before)).state == (await prod.status(after)).state == MessageState.PENDING
 
@@ -239,7 +240,8 @@ async def test_restart_resumes_sequences_above_the_highest_written(tmp_path, nur
     async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
         await prod.send("s.x", b"x", delay=3_600_000)
     log = MessageLog.open(tmp_path / "data" / "message_log")
-    seqs = [struct.unpack_from(">Q", payload, 16)[0] for _, _, payload in log.iter_from(0)]
+    seqs = [struct.unpack_from(">Q", payload, 16)[0] for _, rtype, payload in log.iter_from(0)
+            if rtype == RecordType.MESSAGE]
     assert seqs == [1, 2, 3, 4, 5, 6]
 
 

@@ -17,7 +17,7 @@ from delayserver.storage.record import (
     HEADER_SIZE, MAX_PAYLOAD_BYTES, Cancel, Dispatch, Message, RecordError, RecordType, decode_cancel,
     decode_delivered, decode_dispatch, decode_headers, decode_message, decode_parked, decode_payload,
     decode_scheduled, decode_scheduled_cancel, encode_cancel, encode_delivered, encode_dispatch, encode_headers,
-    encode_message, encode_parked, encode_record, encode_schedule_change, encode_scheduled, iter_records, parse_record,
+    encode_epoch_record, encode_message, encode_parked, encode_record, encode_schedule_change, encode_scheduled, iter_records, parse_record,
     scheduled_key,
 )
 
@@ -83,6 +83,7 @@ def test_records_of_every_type_frame_and_decode_through_decode_payload():
         RecordType.ROLLBACK: encode_cancel(Cancel("id-1", T)),
         RecordType.TXN_CHECK: encode_txn_check(TxnCheck("id-1", T, 1)),
         RecordType.TXN_PARK: encode_txn_park(TxnPark("id-1", T, ParkReason.CHECK_MAX)),
+        RecordType.EPOCH: encode_epoch_record(5)[HEADER_SIZE:],
     }
     assert set(payloads) == set(RecordType)
     buf = b"".join(encode_record(t, p) for t, p in payloads.items())

@@ -41,8 +41,8 @@ async def test_writes_wait_for_the_fsync_in_progress_rather_than_run_past_the_bo
         message_log = server.store.message_log
         real_append = message_log.append
 
-        def checked_append(data):
-            offset = real_append(data)
+        def checked_append(data, epoch=None):
+            offset = real_append(data, epoch)
             worst.append(message_log.end_offset - server.receiver.durable_offset)
             return offset
 

@@ -58,6 +58,8 @@ HTTP_STATUS = {
     ResultCode.TXN_NOT_FOUND: 404,
     ResultCode.TXN_RESOLVED: 409,
     ResultCode.NOT_ENOUGH_REPLICAS: 503,
+    ResultCode.FENCED: 421,
+    ResultCode.DIVERGED: 409,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 

@@ -2,8 +2,9 @@
 
 A master answers a message_log request at its durable end by waiting up to `wait_ms` for more (a
 long poll). An offset past the master's end means the slave holds records the master never had
-(the slave was a master once): the master refuses, and the slave stops and says so, since
-truncating them would drop acknowledged messages. An offset that is not where a record starts, a
+(the slave was a master once): the master answers DIVERGED, and the slave connects again. On each
+connection, before pulling, the slave finds where its history parts from the master's and cuts it
+there after quarantining the rest (node/divergence.py). An offset that is not where a record starts, a
 size inside a dispatch_log record or past its end, a malformed request: each is answered
 BAD_REQUEST on that connection, and the master goes on.
 
@@ -54,7 +55,7 @@ class Master:
         if offset > receiver.durable_offset:
             raise DelayServerError(
                 f"slave offset {offset} is past this master's end {receiver.durable_offset}: the slave holds "
-                "records this master never had", code=ResultCode.BAD_REQUEST)
+                "records this master never had", code=ResultCode.DIVERGED)
         if offset < message_log.start_offset:
             raise DelayServerError(f"offset {offset} was cleaned from message_log", code=ResultCode.NOT_FOUND)
         if self.slaves.pulled_message_log(request.node_id, offset, receiver.durable_offset):

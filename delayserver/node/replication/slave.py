@@ -23,6 +23,7 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
+from delayserver.node.divergence import no_realign
 from delayserver.node.replication import snapshot, wire
 from delayserver.node.replication.master import MAX_SYNC_BYTES
 from delayserver.node.role import NodeRole
@@ -68,6 +69,7 @@ class Slave:
         self._behind_since: float | None = None  # trio time of the first pull that found us behind
         self._forked: set[int] = set()  # buckets whose dispatch_log names other messages than ours
         self._logged_unexpected = False
+        self.realign = no_realign  # run on each connection before pulling (node/divergence.py)
 
     def lag_seconds(self) -> float:
         """How long this slave has been behind its master (0 when caught up at the last pull)."""
@@ -85,6 +87,7 @@ class Slave:
             try:
                 async with AsyncProducer(address, timeout=15, secret=self.secret, tls=self._tls()) as conn:
                     log.info("replicating from %s", address)
+                    await self.realign(conn, address)
                     while self.role.is_slave() and self.role.master_address() == address:
                         await self._pull_message_log(conn)
                         await self._pull_dispatch_log(conn)
@@ -144,8 +147,10 @@ class Slave:
         offset = store.message_log.end_offset
         request = wire.encode_message_log_request(
             wire.MessageLogRequest(offset, MAX_SYNC_BYTES, self.poll_ms, self.node_id))
-        start, master_end, data = wire.decode_message_log_response(
-            await conn.request(p.Command.SYNC_MESSAGE_LOG, request))
+        reply = await conn.request(p.Command.SYNC_MESSAGE_LOG, request)
+        if not self.role.is_slave():
+            return  # promoted while the pull was in flight: never append the old master's records
+        start, master_end, data = wire.decode_message_log_response(reply)
         self.lag_bytes = max(0, master_end - offset - len(data))
         self.in_sync = not self.lag_bytes
         if not self.lag_bytes:
@@ -172,7 +177,10 @@ class Slave:
         dispatch_log = self.store.dispatch_log
         sizes = {b: dispatch_log.size(b) for b in dispatch_log.buckets()}
         request = wire.encode_dispatch_log_request(wire.DispatchLogRequest(self.node_id, sizes))
-        chunks = wire.decode_dispatch_log_response(await conn.request(p.Command.SYNC_DISPATCH_LOG, request))
+        reply = await conn.request(p.Command.SYNC_DISPATCH_LOG, request)
+        if not self.role.is_slave():
+            return  # promoted while the pull was in flight
+        chunks = wire.decode_dispatch_log_response(reply)
         held_back, appended = 0, False
         for bucket, start, data in chunks:
             if start != dispatch_log.size(bucket) or bucket in self._forked:
