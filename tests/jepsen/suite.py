@@ -1,0 +1,79 @@
+"""One run of the fault suite: producers and a canceller send throughout while a nemesis injects
+`rounds` faults; then the cluster is left whole until every message that must be delivered was
+(or `drain_s` passed), and the checker reads the history.
+
+Sizes come from environment variables, so a bigger run is the same test with a longer command
+line: ``DELAYSERVER_JEPSEN_ROUNDS=20 DELAYSERVER_JEPSEN_PRODUCERS=6 ops/test tests/jepsen``.
+"""
+from __future__ import annotations
+
+import random
+
+import attrs
+import trio
+
+from tests.faults.harness import env_int, seeded_rng
+from tests.jepsen.checker import Bounds, History, Verdict, check
+from tests.jepsen.cluster import Cluster, Observer
+from tests.jepsen.nemesis import Nemesis
+from tests.jepsen.workload import Workload
+
+ROUNDS = env_int("DELAYSERVER_JEPSEN_ROUNDS", 2)
+PRODUCERS = env_int("DELAYSERVER_JEPSEN_PRODUCERS", 2)
+MAX_DELAY_MS = env_int("DELAYSERVER_JEPSEN_MAX_DELAY_MS", 3000)
+
+
+@attrs.frozen
+class Run:
+    history: History
+    workload: Workload
+    verdict: Verdict
+
+    def report(self, name: str) -> str:
+        w = self.workload
+        faults = ", ".join(f"{f.kind} {f.node} {f.end_ms - f.start_ms} ms" for f in self.history.faults)
+        terms = ", ".join(f"{t.node}@{t.epoch}" for t in self.history.terms)
+        return (f"{name}: {self.verdict.summary()}; sent {len(self.history.sent)}, unanswered {w.unanswered}, "
+                f"refused {w.refused}; cancels {len(self.history.cancels)} answered, "
+                f"{len(self.history.cancel_unknown)} unanswered; faults: {faults}; masters: {terms}")
+
+
+def bounds_for(cluster: Cluster) -> Bounds:
+    """A delivery is in flight at a fault if it came up to two slave pulls (and a lease, for the
+    load) before it, or while the fault and its lease ran."""
+    lease = cluster.timing.lease_ms
+    return Bounds(in_flight_before_ms=1000 + lease, in_flight_after_ms=2 * lease + 1000)
+
+
+async def _run(cluster: Cluster, nemesis: Nemesis, rounds: int, rng: random.Random, drain_s: float) -> Run:
+    history = History()
+    observer = Observer(cluster)
+    workload = Workload(history, observer, rng, max_delay_ms=MAX_DELAY_MS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(observer.run)
+        stop = trio.Event()
+        async with trio.open_nursery() as clients:
+            for _ in range(PRODUCERS):
+                clients.start_soon(workload.produce, stop)
+            clients.start_soon(workload.cancel, stop)
+            for _ in range(rounds):
+                await trio.sleep(1.5)
+                await nemesis(cluster, observer, history)
+                await observer.wait_all_up(120)
+            await trio.sleep(1.5)
+            stop.set()
+        with trio.move_on_after(drain_s + MAX_DELAY_MS / 1000):
+            while not workload.expected() <= {d.message_id for d in
+                                              await trio.to_thread.run_sync(workload.deliveries, cluster)}:
+                await trio.sleep(0.5)
+        await trio.sleep(1.0)  # late duplicates, if any, are counted too
+        nursery.cancel_scope.cancel()
+    history.terms = list(observer.terms)
+    history.deliveries = workload.deliveries(cluster)
+    return Run(history, workload, check(history, bounds_for(cluster)))
+
+
+def run_rounds(cluster: Cluster, nemesis: Nemesis, rounds: int = ROUNDS, drain_s: float = 60.0) -> Run:
+    """Run the workload against `cluster` through `rounds` of `nemesis` (blocking)."""
+    _, rng = seeded_rng("DELAYSERVER_JEPSEN_SEED")
+    return trio.run(_run, cluster, nemesis, rounds, rng, drain_s)
