@@ -1,22 +1,19 @@
-"""The message ids a node's quarantine files name.
+"""The message ids a node's quarantine names.
 
-A node that truncates a divergent suffix of its message_log first copies it to a quarantine file
-naming every message id in it. The workload's ids (`j-` and seven digits) are distinctive, so they
-are found in any file under the data directory whose path says "quarantine", whatever its layout
-(a listing or a copy of the records).
+A node that finds its message_log diverged from its master's copies the divergent suffix to
+``DATA_DIR/quarantine/diverged/<offset>-<time>.log`` with a listing ``.json`` beside it that
+names every message (and cancel) in it, before truncating; these are read here.
 """
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 
-WORKLOAD_ID = re.compile(rb"j-\d{7}")
-
-
-def quarantine_files(data_dir: Path) -> list[Path]:
-    return sorted(p for p in Path(data_dir).rglob("*")
-                  if p.is_file() and "quarantine" in str(p.relative_to(data_dir)).lower())
+DIVERGED = Path("quarantine") / "diverged"
 
 
 def quarantined_ids(data_dir: Path) -> set[str]:
-    return {m.decode() for p in quarantine_files(data_dir) for m in WORKLOAD_ID.findall(p.read_bytes())}
+    """The ids of the messages in every divergent-suffix listing of `data_dir`."""
+    directory = Path(data_dir) / DIVERGED
+    listings = sorted(directory.glob("*.json")) if directory.is_dir() else []
+    return {m["message_id"] for path in listings for m in json.loads(path.read_text())["messages"]}
