@@ -116,6 +116,11 @@ class Config:
     cluster_secret: str = ""
     meta_tls_ca: str = ""
     deliver_through_meta_outage: bool = True
+    # Replication: sync acknowledgements, the slaves that hold back the cleaner.
+    replication: str = "async"
+    sync_timeout_ms: int = 5000
+    min_insync_replicas: int = 1
+    max_slave_lag: int = 1 << 30
     broker_groups: tuple[BrokerGroupSpec, ...] = (BrokerGroupSpec("spool"),)
 
     @classmethod
@@ -217,6 +222,22 @@ class Config:
                 if not isinstance(raw[name], str):
                     raise ConfigError(f"{name}: expected a string, got {raw[name]!r}")
                 kw[name] = raw[name]
+        # Replication: sync acknowledgements, the slaves that hold back the cleaner.
+        if "replication" in raw:
+            if raw["replication"] not in ("async", "sync"):
+                raise ConfigError(f"replication: expected 'async' or 'sync', got {raw['replication']!r}")
+            kw["replication"] = raw["replication"]
+        if "sync_timeout_ms" in raw:
+            kw["sync_timeout_ms"] = parse_duration(raw["sync_timeout_ms"], "sync_timeout_ms")
+            if kw["sync_timeout_ms"] <= 0:
+                raise ConfigError("sync_timeout_ms: must be more than 0")
+        if "min_insync_replicas" in raw:
+            v = raw["min_insync_replicas"]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"min_insync_replicas: expected a positive integer, got {v!r}")
+            kw["min_insync_replicas"] = v
+        if "max_slave_lag" in raw:
+            kw["max_slave_lag"] = parse_size(raw["max_slave_lag"], "max_slave_lag")
         groups = get("broker_group", get("broker_groups"))
         if groups is not None:
             kw["broker_groups"] = _broker_groups(groups)

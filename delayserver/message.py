@@ -63,6 +63,8 @@ class ResultCode(enum.IntEnum):
     INTERNAL = 13
     NODE_ID_TAKEN = 14
     UNAVAILABLE = 15
+    # replication
+    NOT_ENOUGH_REPLICAS = 16
 
     @property
     def description(self) -> str:
@@ -86,6 +88,7 @@ _DESCRIPTIONS = {
     ResultCode.INTERNAL: "internal error",
     ResultCode.NODE_ID_TAKEN: "a live node is registered under this node id (another session)",
     ResultCode.UNAVAILABLE: "the service cannot reach its database now; ask another instance",
+    ResultCode.NOT_ENOUGH_REPLICAS: "no in-sync slave acknowledged in time (replication = \"sync\"); retry later",
 }
 assert set(_DESCRIPTIONS) == set(ResultCode)
 

@@ -189,7 +189,9 @@ def _dispatch(a, starts, lengths, offsets, wanted):
     heads, fits = _heads(a, starts, lengths, DISPATCH)
     s, n = starts[fits], lengths[fits]
     group_at = s + DISPATCH.itemsize
-    add_up = group_at + heads["group_len"] == s + n
+    # The message_log offset after the group is absent in records written before it was added.
+    group_end = group_at + heads["group_len"]
+    add_up = (group_end == s + n) | (group_end + 8 == s + n)
     sel, strings, problems = _rows_that_decode(a, fits, add_up, offsets, "DISPATCH",
                                                {"broker_group": (group_at, heads["group_len"])})
     heads, kept = heads[sel], offsets[np.flatnonzero(fits)[sel]]

@@ -9,6 +9,7 @@ answer says ALREADY_DELIVERED then, never CANCELLED for a message a broker will 
 """
 from __future__ import annotations
 
+import hmac
 import logging
 
 import trio
@@ -91,11 +92,36 @@ class MessageOperations:
 
 
 class Requests:
-    """Answers each request frame of a delay-server connection with the bytes of its response."""
+    """The request handler of a node's connections: `connection()` gives each its own responder."""
 
-    def __init__(self, operations: MessageOperations, master: Master):
+    def __init__(self, operations: MessageOperations, master: Master, *, cluster_secret: str = ""):
         self.operations = operations
         self.master = master
+        self.cluster_secret = cluster_secret.encode("utf-8")
+
+    def connection(self) -> ConnectionRequests:
+        return ConnectionRequests(self)
+
+
+class ConnectionRequests:
+    """Answers each request frame of one connection with the bytes of its response.
+
+    Nothing a request does can end the node: a refusal is answered with its code, and an
+    unexpected exception with INTERNAL, logged with its traceback once per connection. With a
+    cluster secret configured, replication requests are served only on a connection that sent AUTH
+    with it (producers' secrets do not let a client pull the logs or pin the cleaner)."""
+
+    def __init__(self, requests: Requests):
+        self._requests = requests
+        self.cluster = not requests.cluster_secret
+        self._logged = False
+
+    def authenticate(self, secret: bytes) -> bool:
+        """True, and this connection is a cluster node's, when `secret` is the cluster secret."""
+        cluster_secret = self._requests.cluster_secret
+        if cluster_secret and hmac.compare_digest(secret, cluster_secret):
+            self.cluster = True
+        return self.cluster and bool(cluster_secret)
 
     async def respond(self, frame: p.Frame) -> bytes:
         """The response frame: the command's answer, or an ERROR frame with the refusal's code."""
@@ -109,23 +135,31 @@ class Requests:
         except StorageError as e:
             log.exception("storage error serving a request")
             return _error(frame.request_id, ResultCode.INTERNAL, str(e))
+        except Exception as e:  # noqa: BLE001 - no request may take the node down
+            if not self._logged:
+                self._logged = True
+                log.exception("unexpected error serving %s; answered INTERNAL", frame.command.name)
+            return _error(frame.request_id, ResultCode.INTERNAL, f"internal error: {type(e).__name__}")
 
     async def _dispatch(self, frame: p.Frame) -> bytes:
-        cmd, ops = frame.command, self.operations
+        cmd, ops, master = frame.command, self._requests.operations, self._requests.master
         if cmd == p.Command.PING:
             return frame.payload
         if cmd == p.Command.AUTH:
-            return b""  # already authenticated on this connection
+            self.authenticate(frame.payload)  # a producer's secret was checked by the gate already
+            return b""
         if cmd == p.Command.SEND:
             return p.encode_send_response(await ops.send(p.decode_send_request(frame.payload)))
         if cmd == p.Command.CANCEL:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
-        if cmd == p.Command.SYNC_MESSAGE_LOG:
-            return await self.master.message_log(frame.payload)
-        if cmd == p.Command.SYNC_DISPATCH_LOG:
-            return await self.master.dispatch_log(frame.payload)
+        if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG):
+            if not self.cluster:
+                raise DelayServerError("replication needs AUTH with the cluster secret", code=ResultCode.UNAUTHORIZED)
+            if cmd == p.Command.SYNC_MESSAGE_LOG:
+                return await master.message_log(frame.payload)
+            return await master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 
 

@@ -16,6 +16,9 @@ Failure rules:
   the file is trusted (storage/segment.py), so every batch written since the last good fsync gets
   READ_ONLY too. A failed fsync of any other file of the data directory (schedule_log,
   dispatch_log, a checkpoint, the spool) also turns the node read-only.
+- replication = "sync": a request is acknowledged only once `min_insync_replicas` slaves have
+  fsynced its records too (`replicas`, replication/slaves.py); otherwise NOT_ENOUGH_REPLICAS, and
+  writes are refused with it until a slave catches up.
 - The log's end never runs more than `message_log.max_unsynced_bytes` ahead of the last completed
   fsync: a batch that would go further waits for the fsync in progress. Recovery relies on that
   bound to tell a power-loss tail from corruption (storage/message_log.py).
@@ -54,6 +57,7 @@ class _Pending:
     code: ResultCode = ResultCode.OK
     error: str = ""
     offset: int = -1
+    end: int = -1  # message_log offset after its last record
 
 
 class RecentBatches:
@@ -137,6 +141,8 @@ class Receiver:
         self._idle.set()
         self.appended = 0
         self.batches = 0
+        #: replication = "sync": the gate every acknowledgement waits at (replication/slaves.py).
+        self.replicas = None
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -181,6 +187,8 @@ class Receiver:
             return ResultCode.READ_ONLY
         if self.disk.refuses():
             return ResultCode.DISK_FULL
+        if self.replicas is not None and self.replicas.refuses():
+            return ResultCode.NOT_ENOUGH_REPLICAS
         if self._queued >= self.config.max_queued_messages or self._queued_bytes >= self.config.max_queued_bytes:
             return ResultCode.BUSY
         return None
@@ -240,6 +248,12 @@ class Receiver:
         self._queued_bytes += sum(len(p) for p in pending.payloads)
         self._wakeup.set()
         await pending.done.wait()
+        if pending.code == ResultCode.OK and self.replicas is not None \
+                and not await self.replicas.replicated(pending.end):
+            # Stored here, not acknowledged: it is delivered unless this node's disk is lost.
+            pending.code = ResultCode.NOT_ENOUGH_REPLICAS
+            pending.error = (f"stored on the master but no {self.replicas.min_insync_replicas} slave(s) "
+                             f"acknowledged it within sync_timeout_ms ({self.replicas.timeout_s * 1000:.0f} ms)")
 
     # --- the commit task ----------------------------------------------------------------------
 
@@ -326,6 +340,7 @@ class Receiver:
         for p, size in zip(batch, sizes):
             p.offset = pos
             pos += size
+            p.end = pos
         failpoints.hit("after-append-before-ack")
         if self.config.flush == "sync":
             self._unflushed.append((pos, batch))

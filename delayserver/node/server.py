@@ -26,7 +26,7 @@ from delayserver.node.membership import follow_meta, local_groups
 from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
-from delayserver.node.replication import Master, Slave
+from delayserver.node.replication import InSync, Master, Registry, Slave, SlaveStates
 from delayserver.node.role import NodeRole
 from delayserver.node.view import NodeView
 from delayserver.replayer import Replayer
@@ -87,7 +87,15 @@ class DelayServer:
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
                                  sequence_floor=lambda: replayer.max_sequence + 1)
-        self.master = Master(self.receiver, self.store)
+        # Replication: registered slaves' durable offsets; in sync mode, the acknowledgement gate.
+        self.registry = Registry(set() if c.meta else None)
+        slaves = SlaveStates(self.store.checkpoint_dir, registry=self.registry, max_lag_bytes=c.max_slave_lag)
+        insync = None
+        if c.replication == "sync":
+            insync = InSync(min_insync_replicas=c.min_insync_replicas, timeout_s=c.sync_timeout_ms / 1000,
+                            durable_end=lambda: self.receiver.durable_offset)
+            self.receiver.replicas = insync
+        self.master = Master(self.receiver, self.store, slaves, insync)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
                              batches_in_flight=c.send_batches_in_flight, parked=self.parked,
@@ -95,7 +103,7 @@ class DelayServer:
         self.sender.on_delivered = self.metrics.delivered
         self.operations = MessageOperations(self.store, self.receiver, self.replayer, self.ticks, self.role,
                                             self.lookup, on_acknowledged=self.metrics.acknowledged)
-        self.requests = Requests(self.operations, self.master)
+        self.requests = Requests(self.operations, self.master, cluster_secret=c.cluster_secret)
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,
                                  max_bytes_before_gate=MAX_BYTES_BEFORE_AUTH,
@@ -122,9 +130,11 @@ class DelayServer:
                 listeners = await trio.open_tcp_listeners(c.listen[1], host=c.listen[0])
                 self.port = listeners[0].socket.getsockname()[1]
                 if c.meta or c.replicate_from:
-                    node_id = c.node_id or f"{c.listen[0]}:{self.port}"
-                    self.slave = Slave(self.store, self.receiver, self.role, node_id, secret=c.auth_secret,
-                                       tls_ca=c.tls_ca)
+                    node_id = c.node_id or c.advertised_address or f"{c.listen[0]}:{self.port}"
+                    self.slave = Slave(self.store, self.receiver, self.role, node_id,
+                                       secret=c.cluster_secret or c.auth_secret, tls_ca=c.tls_ca)
+                if c.meta:
+                    nursery.start_soon(self._follow_registered, node_id)
                 await self._serve_http(nursery)
                 if c.meta:
                     await follow_meta(c, self.clock, self.port, self.role, self.sender, nursery)
@@ -198,16 +208,29 @@ class DelayServer:
                 await trio.sleep(0.01)
         self._nursery.cancel_scope.cancel()
 
+    async def _follow_registered(self, node_id: str) -> None:
+        """Keep the registry of slaves to the group's nodes at the meta server."""
+        from delayserver.meta.client import MetaClient
+
+        c = self.config
+        tls = ssl.create_default_context(cafile=c.meta_tls_ca) if c.meta_tls_ca else None
+        async with MetaClient(c.meta, secret=c.cluster_secret, tls=tls) as client:
+            await self.registry.follow(client, c.group, node_id)
+
     async def _clean_periodically(self) -> None:
         """The cleaner: delete what replay, replication and retention no longer need."""
         c = self.config
         while True:
             await trio.sleep(c.cleaner_interval_ms / 1000)
             try:
+                # Written first: after a restart the cleaner still keeps what each slave lacks.
+                slaves = self.master.slaves
+                slaves.save()
+                pinning = slaves.pinning(self.receiver.durable_offset)
                 cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
                                 now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=list(self.master.message_log_offsets.values()),
-                                dispatch_sync_sizes=list(self.master.dispatch_sizes.values()))
+                                sync_offsets=[s.message_log_offset for s in pinning],
+                                dispatch_sync_sizes=[s.dispatch_sizes for s in pinning])
                 if cleaned.buckets:
                     await self.replayer.checkpoint_async()
             except StorageError as e:
@@ -223,22 +246,27 @@ class DelayServer:
                 return
             self.connections += 1
             try:
-                gate = self._authenticate if self.config.auth_secret else None
-                await pump(stream, self.limits, self.requests.respond, gate=gate, what="a producer connection",
+                peer = self.requests.connection()
+                gate = functools.partial(self._authenticate, peer) if self.config.auth_secret else None
+                await pump(stream, self.limits, peer.respond, gate=gate, what="a producer connection",
                            budget=self.buffered)
             finally:
                 self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
+        except Exception:  # noqa: BLE001 - one connection's failure never stops the node
+            log.exception("closing a connection after an unexpected error")
         finally:
             await stream.aclose()
 
-    async def _authenticate(self, frame: p.Frame, send) -> bool:
-        """With `auth_secret` set, a connection's first frame must be AUTH with that secret."""
+    async def _authenticate(self, peer, frame: p.Frame, send) -> bool:
+        """With `auth_secret` set, a connection's first frame must be AUTH with that secret (or
+        with the cluster secret: a node of the cluster, allowed to replicate)."""
         secret = self.config.auth_secret.encode("utf-8")
-        if frame.command == p.Command.AUTH and not frame.is_response and hmac.compare_digest(frame.payload, secret):
-            await send(p.encode(p.Frame(p.Command.AUTH, frame.request_id, b"", is_response=True)))
-            return True
+        if frame.command == p.Command.AUTH and not frame.is_response:
+            if peer.authenticate(frame.payload) or hmac.compare_digest(frame.payload, secret):
+                await send(p.encode(p.Frame(p.Command.AUTH, frame.request_id, b"", is_response=True)))
+                return True
         log.warning("refused a connection: %s", "wrong secret" if frame.command == p.Command.AUTH
                     else f"{frame.command.name} before AUTH")
         await send(error_frame(frame.request_id, ResultCode.UNAUTHORIZED,

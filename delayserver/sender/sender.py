@@ -419,7 +419,8 @@ class Sender:
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         per_bucket: dict[int, list[bytes]] = {}
         for d in acked:
-            rec = encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(d.schedule_offset, now, group.name)))
+            dispatch = Dispatch(d.schedule_offset, now, group.name, d.message_log_offset)
+            rec = encode_record(RecordType.DISPATCH, encode_dispatch(dispatch))
             per_bucket.setdefault(d.bucket, []).append(rec)
         dispatch_log = self.store.dispatch_log
         while True:

@@ -19,7 +19,10 @@ Payload layouts (see the `*_HEAD` structs):
   Headers: repeated (key_len H, key, value_len H, value), UTF-8.
 - CANCEL: store_time q, schedule_time q, sequence Q, id_len B, then id (the message to cancel).
 - SCHEDULED / SCHEDULED_CANCEL (schedule_log): message_log offset Q, then a MESSAGE / CANCEL payload.
-- DISPATCH (dispatch_log): schedule_log offset Q, dispatch_time q, group_len B, broker group.
+- DISPATCH (dispatch_log): schedule_log offset Q, dispatch_time q, group_len B, broker group,
+  then the message_log offset Q of the message delivered (absent in records written before it was
+  added: the payload ends after the group). A slave applies a replicated DISPATCH only when its own
+  schedule_log record at that offset came from that message_log offset.
 - DELIVERED (spool): dispatch_time q, attempt I, then a MESSAGE payload.
 - PARKED: parked_time q, attempt I, schedule_offset Q, reason_len H, reason, then a SCHEDULED
   payload (the schedule_log offset lets a reload skip what was parked).
@@ -446,18 +449,21 @@ def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple
 
 @attrs.frozen
 class Dispatch:
-    """One delivery: the schedule_log record at `schedule_offset` went to `broker_group`."""
+    """One delivery: the schedule_log record at `schedule_offset` (replayed from message_log at
+    `message_log_offset`; -1 in a record written before that field) went to `broker_group`."""
 
     schedule_offset: int
     dispatch_time: int
     broker_group: str
+    message_log_offset: int = -1
 
 
 def encode_dispatch(d: Dispatch) -> bytes:
     group = d.broker_group.encode("utf-8")
     if not 1 <= len(group) <= 255:
         raise ValueError("broker group name must be 1 to 255 bytes")
-    return DISPATCH_HEAD.pack(d.schedule_offset, d.dispatch_time, len(group)) + group
+    head = DISPATCH_HEAD.pack(d.schedule_offset, d.dispatch_time, len(group)) + group
+    return head + OFFSET.pack(d.message_log_offset) if d.message_log_offset >= 0 else head
 
 
 @_decoding
@@ -465,9 +471,15 @@ def decode_dispatch(buf, start: int = 0, end: int | None = None) -> Dispatch:
     end = len(buf) if end is None else end
     offset, when, glen = DISPATCH_HEAD.unpack_from(buf, start)
     pos = start + DISPATCH_HEAD.size
-    if pos + glen != end:
+    group_end = pos + glen
+    if group_end == end:
+        message_log_offset = -1
+    elif group_end + OFFSET.size == end:
+        (message_log_offset,) = OFFSET.unpack_from(buf, group_end)
+    else:
         raise ValueError("dispatch fields do not add up to the payload length")
-    return Dispatch(offset, when, bytes(memoryview(buf)[pos:end]).decode("utf-8"))
+    group = bytes(memoryview(buf)[pos:group_end]).decode("utf-8")
+    return Dispatch(offset, when, group, message_log_offset)
 
 
 def encode_delivered(dispatch_time: int, attempt: int, message_payload: bytes) -> bytes:

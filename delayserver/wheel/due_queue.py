@@ -41,6 +41,7 @@ class Due:
     tried: set = attrs.field(factory=set)
     group: object = None  # the broker group whose in-flight budget it counts against
     suspect: bool = False  # in a batch that failed whole: one more whole failure splits it
+    message_log_offset: int = -1  # where its record was replayed from (its dispatch record names it)
 
 
 class DueQueue:
@@ -82,12 +83,12 @@ class DueQueue:
             read = self._read(ref)
             if read is None:
                 continue
-            bucket, offset, _mlo, message = read
+            bucket, offset, mlo, message = read
             if ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
                 ticks.drop_cancelled(ref)
                 self.cancelled += 1
                 continue
-            out.append(Due(ref, bucket, offset, message, generation))
+            out.append(Due(ref, bucket, offset, message, generation, message_log_offset=mlo))
         return out
 
     def reread(self, due: Due) -> Message | None:

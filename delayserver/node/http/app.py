@@ -53,6 +53,7 @@ HTTP_STATUS = {
     ResultCode.INTERNAL: 500,
     ResultCode.NODE_ID_TAKEN: 409,
     ResultCode.UNAVAILABLE: 503,
+    ResultCode.NOT_ENOUGH_REPLICAS: 503,
 }
 assert set(HTTP_STATUS) == set(ResultCode)
 

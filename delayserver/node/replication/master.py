@@ -1,0 +1,105 @@
+"""The master's side of replication: answer the slaves' pulls, and note how far each got.
+
+A master answers a message_log request at its durable end by waiting up to `wait_ms` for more (a
+long poll). An offset past the master's end means the slave holds records the master never had
+(the slave was a master once): the master refuses, and the slave stops and says so, since
+truncating them would drop acknowledged messages. An offset that is not where a record starts, a
+size inside a dispatch_log record or past its end, a malformed request: each is answered
+BAD_REQUEST on that connection, and the master goes on.
+"""
+from __future__ import annotations
+
+import trio
+
+from delayserver.message import DelayServerError, ResultCode
+from delayserver.node.replication import wire
+from delayserver.node.replication.slaves import InSync, SlaveStates
+from delayserver.storage.errors import CorruptSegment
+from delayserver.storage.reader import raise_unless_incomplete, read_records
+from delayserver.storage.record import RecordError
+
+MAX_SYNC_BYTES = 4 << 20
+
+
+class Master:
+    """Answer pulls; remember how far each registered slave got (for the cleaner and, in sync
+    mode, for the producers' acknowledgements)."""
+
+    def __init__(self, receiver, store, slaves: SlaveStates, insync: InSync | None = None):
+        self.receiver = receiver
+        self.store = store
+        self.slaves = slaves
+        self.insync = insync
+
+    @property
+    def message_log_offsets(self) -> dict[str, int]:
+        """Each registered slave's last message_log offset (what it holds fsynced)."""
+        return {s.node_id: s.message_log_offset for s in self.slaves.states.values()}
+
+    async def message_log(self, payload: bytes) -> bytes:
+        request = wire.decode_message_log_request(payload)
+        offset, receiver, message_log = request.offset, self.receiver, self.store.message_log
+        if offset > receiver.durable_offset:
+            raise DelayServerError(
+                f"slave offset {offset} is past this master's end {receiver.durable_offset}: the slave holds "
+                "records this master never had", code=ResultCode.BAD_REQUEST)
+        if offset < message_log.start_offset:
+            raise DelayServerError(f"offset {offset} was cleaned from message_log", code=ResultCode.NOT_FOUND)
+        if self.slaves.pulled_message_log(request.node_id, offset, receiver.durable_offset) \
+                and self.insync is not None:
+            self.insync.acknowledged(request.node_id, offset)
+        if offset == receiver.durable_offset and request.wait_ms:
+            with trio.move_on_after(min(request.wait_ms, 10_000) / 1000):
+                while offset == receiver.durable_offset:
+                    await receiver.durable_changed.wait()
+        data, start = b"", offset
+        if offset < receiver.durable_offset:
+            try:
+                data, start = message_log.read(offset, min(request.max_bytes, MAX_SYNC_BYTES))
+            except CorruptSegment as e:
+                # The read raises only for damage where it starts: at the offset asked for.
+                raise DelayServerError(f"no whole record starts at message_log offset {offset} ({e.reason}): "
+                                       "a slave asks from the end of its copy, a record boundary",
+                                       code=ResultCode.BAD_REQUEST) from None
+            # Only what is durable here goes out: a slave never holds what a master crash loses.
+            data = _whole_records_before(data, start, receiver.durable_offset, "message_log offset")
+        return wire.ML_RESP.pack(start, receiver.durable_offset) + data
+
+    async def dispatch_log(self, payload: bytes) -> bytes:
+        request = wire.decode_dispatch_log_request(payload)
+        dispatch_log = self.store.dispatch_log
+        mine = {bucket: dispatch_log.size(bucket) for bucket in dispatch_log.buckets()}
+        for bucket, have in request.sizes.items():
+            if have > mine.get(bucket, 0):
+                raise DelayServerError(f"dispatch_log bucket {bucket}: size {have} is past this master's "
+                                       f"{mine.get(bucket, 0)}", code=ResultCode.BAD_REQUEST)
+        self.slaves.pulled_dispatch_log(request.node_id, request.sizes)
+        chunks, budget = [], MAX_SYNC_BYTES
+        for bucket, size in mine.items():
+            have = request.sizes.get(bucket, 0)
+            if size > have and budget > 0:
+                try:
+                    data = dispatch_log.read(bucket, have, min(size, have + budget))
+                except CorruptSegment as e:
+                    raise DelayServerError(f"dispatch_log bucket {bucket}: {e}", code=ResultCode.INTERNAL) from None
+                data = _whole_records_before(data, have, have + len(data), f"dispatch_log bucket {bucket} size")
+                if data:
+                    chunks.append(wire.CHUNK.pack(bucket, have, len(data)) + data)
+                    budget -= len(data)
+        return wire.U32.pack(len(chunks)) + b"".join(chunks)
+
+
+def _whole_records_before(data: bytes, start: int, limit: int, what: str) -> bytes:
+    """The whole records of `data` (a read at `start`) that end at or before `limit`; BAD_REQUEST
+    when `start` is not where a record starts."""
+    end = 0
+    try:
+        for _, _, _, stop in read_records(data, report=raise_unless_incomplete):
+            if start + stop > limit:
+                break
+            end = stop
+    except (RecordError, CorruptSegment) as e:
+        raise DelayServerError(f"{what} {start} is not where a record starts ({e})",
+                               code=ResultCode.BAD_REQUEST) from None
+    return data[:end]
+

@@ -1,0 +1,118 @@
+"""The replication requests and answers on the wire, with strict decoders (no I/O here).
+
+Big-endian, carried by SYNC_MESSAGE_LOG and SYNC_DISPATCH_LOG frames::
+
+    SYNC_MESSAGE_LOG   request:  offset u64, max_bytes u32, wait_ms u32, node id str16
+                       response: start u64, master durable end u64, then whole records
+    SYNC_DISPATCH_LOG  request:  node id str16, count u32, then (bucket i64, size u64) * count
+                       response: count u32, then (bucket i64, start u64, length u32, bytes) * count
+
+A SYNC_MESSAGE_LOG request at `offset` also acknowledges that the slave holds message_log up to
+`offset` fsynced (it asks for more only after its fsync): in sync mode that is the slave's ack.
+
+Every decoder raises RemoteProtocolError (BAD_REQUEST) for a payload that does not parse to the
+byte, so that nothing a peer sends reaches the logs as an unchecked number.
+"""
+from __future__ import annotations
+
+import struct
+
+import attrs
+
+from delayserver import protocol as p
+
+ML_REQ = struct.Struct(">QIIH")
+ML_RESP = struct.Struct(">QQ")
+U16 = struct.Struct(">H")
+U32 = struct.Struct(">I")
+SIZE = struct.Struct(">qQ")
+CHUNK = struct.Struct(">qQI")
+MAX_NODE_ID_BYTES = 255
+MAX_BUCKETS = 1 << 20
+
+
+@attrs.frozen
+class MessageLogRequest:
+    offset: int
+    max_bytes: int
+    wait_ms: int
+    node_id: str
+
+
+@attrs.frozen
+class DispatchLogRequest:
+    node_id: str
+    sizes: dict[int, int]
+
+
+def _node_id(payload: bytes, pos: int, what: str) -> tuple[str, int]:
+    (n,) = U16.unpack_from(payload, pos)
+    raw = payload[pos + 2 : pos + 2 + n]
+    if len(raw) != n or not 1 <= n <= MAX_NODE_ID_BYTES:
+        raise p.RemoteProtocolError(f"malformed {what} request: node id of {n} bytes")
+    return raw.decode("utf-8"), pos + 2 + n
+
+
+def encode_message_log_request(r: MessageLogRequest) -> bytes:
+    node = r.node_id.encode("utf-8")
+    return ML_REQ.pack(r.offset, r.max_bytes, r.wait_ms, len(node)) + node
+
+
+def decode_message_log_request(payload: bytes) -> MessageLogRequest:
+    try:
+        offset, max_bytes, wait_ms, _ = ML_REQ.unpack_from(payload, 0)
+        node, end = _node_id(payload, ML_REQ.size - 2, "SYNC_MESSAGE_LOG")
+    except (struct.error, UnicodeDecodeError):
+        raise p.RemoteProtocolError("malformed SYNC_MESSAGE_LOG request") from None
+    if end != len(payload):
+        raise p.RemoteProtocolError("malformed SYNC_MESSAGE_LOG request: bytes after the node id")
+    return MessageLogRequest(offset, max_bytes, wait_ms, node)
+
+
+def encode_dispatch_log_request(r: DispatchLogRequest) -> bytes:
+    node = r.node_id.encode("utf-8")
+    return (U16.pack(len(node)) + node + U32.pack(len(r.sizes))
+            + b"".join(SIZE.pack(b, s) for b, s in r.sizes.items()))
+
+
+def decode_dispatch_log_request(payload: bytes) -> DispatchLogRequest:
+    try:
+        node, pos = _node_id(payload, 0, "SYNC_DISPATCH_LOG")
+        (count,) = U32.unpack_from(payload, pos)
+        pos += 4
+        if count > MAX_BUCKETS or pos + count * SIZE.size != len(payload):
+            raise p.RemoteProtocolError(f"malformed SYNC_DISPATCH_LOG request: {count} buckets declared, "
+                                        f"{len(payload) - pos} bytes follow")
+        sizes = {}
+        for _ in range(count):
+            bucket, size = SIZE.unpack_from(payload, pos)
+            sizes[bucket] = size
+            pos += SIZE.size
+    except (struct.error, UnicodeDecodeError):
+        raise p.RemoteProtocolError("malformed SYNC_DISPATCH_LOG request") from None
+    return DispatchLogRequest(node, sizes)
+
+
+def decode_message_log_response(reply: bytes) -> tuple[int, int, bytes]:
+    """(start, master durable end, records); RemoteProtocolError for a reply too short to hold them."""
+    if len(reply) < ML_RESP.size:
+        raise p.RemoteProtocolError(f"SYNC_MESSAGE_LOG answer of {len(reply)} bytes")
+    start, end = ML_RESP.unpack_from(reply, 0)
+    return start, end, reply[ML_RESP.size :]
+
+
+def decode_dispatch_log_response(reply: bytes) -> list[tuple[int, int, bytes]]:
+    """(bucket, start, bytes) per chunk; raises RemoteProtocolError for a reply that does not add up."""
+    try:
+        (count,) = U32.unpack_from(reply, 0)
+        pos, out = 4, []
+        for _ in range(count):
+            bucket, start, length = CHUNK.unpack_from(reply, pos)
+            pos += CHUNK.size
+            if pos + length > len(reply):
+                raise p.RemoteProtocolError("SYNC_DISPATCH_LOG answer cut short")
+            out.append((bucket, start, reply[pos : pos + length]))
+            pos += length
+    except struct.error:
+        raise p.RemoteProtocolError("malformed SYNC_DISPATCH_LOG answer") from None
+    return out
