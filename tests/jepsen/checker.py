@@ -15,6 +15,8 @@ injected (kind, node, from, to). `check` returns a `Verdict` of counts and examp
   came within `in_flight_before_ms` before the fault began, or while the fault lasted, up to
   `in_flight_after_ms` after it began), and at most `max_per_fault` such redeliveries per fault;
   an id delivered under two epochs (by two masters) is such a redelivery too, and counted apart;
+- both modes: the group takes writes again once the faults are healed (an acknowledgement after
+  the last fault ended);
 - async mode: the acknowledged ids that were lost are counted, and `check_quarantine` compares
   them with what the nodes quarantined.
 """
@@ -110,6 +112,8 @@ class Verdict:
     cross_epoch_unexplained: list[str] = attrs.Factory(list)
     deposed_deliveries: int = 0  # deliveries by a node while another held a newer epoch
     over_bound: list[str] = attrs.Factory(list)  # faults with more redeliveries than the bound
+    acked_after_faults: int = 0  # acknowledgements after the last fault was healed
+    unavailable: list[str] = attrs.Factory(list)  # the last fault, when nothing was acknowledged after it
 
     def problems(self, mode: str) -> list[str]:
         """The broken rules of `mode` ("sync" or "async"), each with examples."""
@@ -117,7 +121,8 @@ class Verdict:
                  ("delivered early", self.early),
                  ("redelivered with no fault in flight", self.unexplained_redeliveries),
                  ("delivered under two epochs with no fault in flight", self.cross_epoch_unexplained),
-                 ("more redeliveries for one fault than the bound", self.over_bound)]
+                 ("more redeliveries for one fault than the bound", self.over_bound),
+                 ("nothing acknowledged after the last fault was healed", self.unavailable)]
         if mode == "sync":
             rules += [("acknowledged but never delivered", self.lost),
                       ("delivered after an acknowledged cancel", self.cancel_violations)]
@@ -129,7 +134,8 @@ class Verdict:
                 f"redeliveries {sum(self.redeliveries_per_fault.values())} over "
                 f"{len(self.redeliveries_per_fault)} faults (at most "
                 f"{max(self.redeliveries_per_fault.values(), default=0)} for one); "
-                f"under two epochs {len(self.cross_epoch)}; by a deposed master {self.deposed_deliveries}")
+                f"under two epochs {len(self.cross_epoch)}; by a deposed master {self.deposed_deliveries}; "
+                f"acknowledged after the last fault {self.acked_after_faults}")
 
 
 def check(history: History, bounds: Bounds = Bounds()) -> Verdict:
@@ -172,6 +178,11 @@ def check(history: History, bounds: Bounds = Bounds()) -> Verdict:
             else:
                 per_fault[fault] += 1
     v.redeliveries_per_fault = dict(per_fault)
+    if history.faults:
+        last = max(history.faults, key=lambda f: f.end_ms)
+        v.acked_after_faults = sum(1 for a in history.acks.values() if a.at_ms > last.end_ms)
+        if not v.acked_after_faults:
+            v.unavailable = [f"{last.kind}@{last.start_ms}-{last.end_ms}"]
     v.over_bound = [f"{history.faults[i].kind}@{history.faults[i].start_ms}: {n}"
                     for i, n in sorted(per_fault.items()) if n > bounds.max_per_fault]
     return v

@@ -133,3 +133,17 @@ def test_the_quarantine_must_name_every_lost_id_and_only_ids_that_were_sent():
     assert check_quarantine(["a", "b"], {"a", "b", "c"}, h) == {}
     assert check_quarantine(["a", "b"], {"a", "zz"}, h) == {"lost but not quarantined": ["b"],
                                                             "quarantined but never sent": ["zz"]}
+
+
+def test_a_group_that_takes_no_write_after_the_last_fault_is_refused():
+    h = history("a")
+    deliver(h, "a", 1000)
+    h.faults.append(Fault("partition_slave", "n2", 3000, 4000))
+    v = check(h, BOUNDS)
+    assert v.unavailable == ["partition_slave@3000-4000"]
+    assert any("nothing acknowledged after the last fault" in p for p in v.problems("async"))
+    h.acks["b"] = Ack("b", 5000, 5000, "n1", 4500)
+    h.sent.add("b")
+    deliver(h, "b", 5000)
+    v = check(h, BOUNDS)
+    assert v.unavailable == [] and v.acked_after_faults == 1
