@@ -28,6 +28,7 @@ class Run:
     history: History
     workload: Workload
     verdict: Verdict
+    stuck: str | None = None  # why the rounds stopped early: the group did not recover in time
 
     def report(self, name: str) -> str:
         w = self.workload
@@ -35,7 +36,8 @@ class Run:
         terms = ", ".join(f"{t.node}@{t.epoch}" for t in self.history.terms)
         return (f"{name}: {self.verdict.summary()}; sent {len(self.history.sent)}, unanswered {w.unanswered}, "
                 f"refused {w.refused}; cancels {len(self.history.cancels)} answered, "
-                f"{len(self.history.cancel_unknown)} unanswered; faults: {faults}; masters: {terms}")
+                f"{len(self.history.cancel_unknown)} unanswered; faults: {faults}; masters: {terms}"
+                + (f"; STUCK: {self.stuck}" if self.stuck else ""))
 
 
 def bounds_for(cluster: Cluster) -> Bounds:
@@ -47,6 +49,7 @@ def bounds_for(cluster: Cluster) -> Bounds:
 
 async def _run(cluster: Cluster, nemesis: Nemesis, rounds: int, rng: random.Random, drain_s: float) -> Run:
     history = History()
+    stuck = None
     observer = Observer(cluster)
     workload = Workload(history, observer, rng, max_delay_ms=MAX_DELAY_MS)
     async with trio.open_nursery() as nursery:
@@ -56,10 +59,15 @@ async def _run(cluster: Cluster, nemesis: Nemesis, rounds: int, rng: random.Rand
             for _ in range(PRODUCERS):
                 clients.start_soon(workload.produce, stop)
             clients.start_soon(workload.cancel, stop)
-            for _ in range(rounds):
+            for i in range(rounds):
                 await trio.sleep(1.5)
-                await nemesis(cluster, observer, history)
-                await observer.wait_all_up(120)
+                try:
+                    await nemesis(cluster, observer, history)
+                    await observer.wait_all_up(120)
+                except trio.TooSlowError:
+                    stuck = (f"round {i + 1} of {nemesis.__name__}: the group did not recover in time "
+                             f"(meta server says {observer.states}, master terms {observer.terms})")
+                    break
             await _writes_again(history, timeout_s=30)
             await trio.sleep(1.5)
             stop.set()
@@ -71,7 +79,7 @@ async def _run(cluster: Cluster, nemesis: Nemesis, rounds: int, rng: random.Rand
         nursery.cancel_scope.cancel()
     history.terms = list(observer.terms)
     history.deliveries = workload.deliveries(cluster)
-    return Run(history, workload, check(history, bounds_for(cluster)))
+    return Run(history, workload, check(history, bounds_for(cluster)), stuck)
 
 
 async def _writes_again(history: History, timeout_s: float) -> None:

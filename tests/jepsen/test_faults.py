@@ -21,9 +21,10 @@ from tests.jepsen.suite import ROUNDS, run_rounds
 pytestmark = pytest.mark.slow
 
 
-def assert_ran(run, name: str) -> None:
+def assert_ran(run, name: str, cluster) -> None:
     report = run.report(name)
     print(report)
+    assert run.stuck is None, f"{report}\n{cluster.logs()}"
     assert len(run.history.faults) == ROUNDS, report
     assert run.verdict.acked > 50, f"too little was acknowledged to check anything: {report}"
 
@@ -32,7 +33,7 @@ def assert_ran(run, name: str) -> None:
 def test_sync_mode_keeps_every_acknowledged_message_through(nemesis, start_cluster):
     cluster = start_cluster("sync")
     run = run_rounds(cluster, NEMESES[nemesis])
-    assert_ran(run, f"sync {nemesis}")
+    assert_ran(run, f"sync {nemesis}", cluster)
     problems = run.verdict.problems("sync")
     assert not problems, "\n".join([run.report(f"sync {nemesis}"), *problems, cluster.logs()])
 
@@ -41,7 +42,7 @@ def test_sync_mode_keeps_every_acknowledged_message_through(nemesis, start_clust
 def test_async_mode_loses_only_what_it_reports_and_never_delivers_wrongly(nemesis, start_cluster):
     cluster = start_cluster("async")
     run = run_rounds(cluster, NEMESES[nemesis])
-    assert_ran(run, f"async {nemesis}")
+    assert_ran(run, f"async {nemesis}", cluster)
     problems = run.verdict.problems("async")
     assert not problems, "\n".join([run.report(f"async {nemesis}"), *problems, cluster.logs()])
 
@@ -49,7 +50,7 @@ def test_async_mode_loses_only_what_it_reports_and_never_delivers_wrongly(nemesi
 def test_async_mode_quarantines_exactly_the_acknowledged_messages_it_lost(start_cluster):
     cluster = start_cluster("async")
     run = run_rounds(cluster, NEMESES["kill_master_cut_from_slave"])
-    assert_ran(run, "async kill_master_cut_from_slave")
+    assert_ran(run, "async kill_master_cut_from_slave", cluster)
     assert run.verdict.lost, "the master acknowledged nothing the slave missed: nothing was tested"
     quarantined = {i for d in cluster.data_dirs.values() for i in quarantined_ids(d)}
     offenders = check_quarantine(run.verdict.lost, quarantined, run.history)
