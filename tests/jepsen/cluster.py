@@ -8,7 +8,6 @@ directory; `Cluster.logs()` gathers their tails for a failure message.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -49,7 +48,7 @@ class Proc:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.network.exec_prefix(self.name) + [sys.executable, *self.argv],
-                                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ))
+                                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + timeout
         while not self.ready.search(self.log()[offset:]):
             if self.process.poll() is not None:
