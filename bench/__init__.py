@@ -24,4 +24,5 @@ BENCHMARKS = {
     "meta": "bench.meta",
     "reconcile": "bench.reconcile",
     "http": "bench.http",
+    "replication": "bench.replication",
 }

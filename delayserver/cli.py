@@ -31,13 +31,19 @@ def _serve_parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def run_node(config: Config) -> None:
+async def run_node(config: Config) -> bool:
+    """Serve until SIGTERM or SIGINT (drain) or until the node asks to be started again (a slave
+    that took a snapshot of its master); True in the last case."""
     from delayserver.node.server import DelayServer
 
     server = DelayServer(config)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(server.serve)
+            async def serve(task_status=trio.TASK_STATUS_IGNORED):
+                await server.serve(task_status=task_status)
+                nursery.cancel_scope.cancel()  # stopped by itself: stop waiting for signals
+
+            port = await nursery.start(serve)
             print(f"delayserver: serving on {config.listen[0]}:{port}, data in {config.data_dir}", flush=True)
             if server.http_port is not None:
                 scheme = "https" if config.tls_cert else "http"
@@ -46,6 +52,7 @@ async def run_node(config: Config) -> None:
             async for _ in signals:
                 await server.drain()
                 break
+    return server.restart_requested
 
 
 def serve_main(argv: list[str]) -> int:
@@ -67,7 +74,9 @@ def serve_main(argv: list[str]) -> int:
     except LayoutMismatch as e:
         print(f"delayserver: {e}", file=sys.stderr)
         return 2
-    trio.run(run_node, config)
+    if trio.run(run_node, config):
+        # Everything is closed: start again as the same command, which installs the snapshot.
+        os.execv(sys.executable, [sys.executable, "-m", "delayserver", "serve", *argv])
     return 0
 
 

@@ -6,10 +6,10 @@
 `meta` names one meta server or several; the group list comes from the first that answers.
 
 Sends go round-robin to the masters of the live, writable delay groups. A group that fails a
-request (connection lost, timeout, NOT_MASTER, READ_ONLY, DISK_FULL, BUSY) is skipped for a
-cool-down and the request goes to the next one, so a dead delay group only costs a retry; the
-group list is refreshed from the meta server periodically and after a failure. A message sent to a
-group whose answer was lost may be stored twice (at least once; the id travels with it).
+request (connection lost, timeout, NOT_MASTER, READ_ONLY, DISK_FULL, BUSY, NOT_ENOUGH_REPLICAS) is
+skipped for a cool-down and the request goes to the next one, so a dead delay group only costs a
+retry; the group list is refreshed from the meta server periodically and after a failure. A message
+sent to a group whose answer was lost may be stored twice (at least once; the id travels with it).
 `cancel` and `status` ask every live group, since a handle does not name its group.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from delayserver.trio_util import BackgroundTasks
 COOL_DOWN_S = 5.0
 REFRESH_S = 10.0
 #: Codes that say "not this group now": try another.
-_GROUP_FAILURES = {ResultCode.NOT_MASTER, ResultCode.READ_ONLY, ResultCode.DISK_FULL, ResultCode.BUSY}
+_GROUP_FAILURES = {ResultCode.NOT_MASTER, ResultCode.READ_ONLY, ResultCode.DISK_FULL, ResultCode.BUSY,
+                   ResultCode.NOT_ENOUGH_REPLICAS}
 
 
 class NoDelayGroup(ConnectionError):

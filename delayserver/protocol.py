@@ -86,6 +86,7 @@ class Command(enum.IntEnum):
     AUTH = 6
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
+    SYNC_SNAPSHOT = 18
     META = 32
 
 

@@ -78,3 +78,16 @@ def test_the_server_refuses_to_start_on_invalid_configuration(tmp_path):
                            "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "flush" in proc.stderr and "invalid configuration" in proc.stderr
+
+
+def test_replication_options():
+    c = Config.from_dict({"replication": "sync", "sync_timeout_ms": "2s", "min_insync_replicas": 2,
+                          "max_slave_lag": "64MiB"})
+    assert (c.replication, c.sync_timeout_ms, c.min_insync_replicas, c.max_slave_lag) == ("sync", 2000, 2, 64 << 20)
+    assert Config().replication == "async"
+    for raw, match in [({"replication": "semi"}, "replication: expected 'async' or 'sync'"),
+                       ({"sync_timeout_ms": 0}, "sync_timeout_ms: must be more than 0"),
+                       ({"min_insync_replicas": 0}, "min_insync_replicas: expected a positive integer"),
+                       ({"max_slave_lag": "lots"}, "max_slave_lag")]:
+        with pytest.raises(ConfigError, match=match):
+            Config.from_dict(raw)

@@ -154,11 +154,13 @@ class ConnectionRequests:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             return p.encode_status_response(await ops.status(p.decode_handle(frame.payload)))
-        if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG):
+        if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG, p.Command.SYNC_SNAPSHOT):
             if not self.cluster:
                 raise DelayServerError("replication needs AUTH with the cluster secret", code=ResultCode.UNAUTHORIZED)
             if cmd == p.Command.SYNC_MESSAGE_LOG:
                 return await master.message_log(frame.payload)
+            if cmd == p.Command.SYNC_SNAPSHOT:
+                return await master.snapshot(frame.payload)
             return await master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 

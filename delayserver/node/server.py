@@ -27,6 +27,7 @@ from delayserver.node.operations import MessageOperations, Requests
 from delayserver.node.pump import PumpLimits, error_frame, pump
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
 from delayserver.node.replication import InSync, Master, Registry, Slave, SlaveStates
+from delayserver.node.replication.snapshot import install_pending
 from delayserver.node.role import NodeRole
 from delayserver.node.view import NodeView
 from delayserver.replayer import Replayer
@@ -58,6 +59,7 @@ class DelayServer:
         self._listener_scope = trio.CancelScope()
         self.role = NodeRole.configured(config)
         self.slave: Slave | None = None
+        self.restart_requested = False
         self.buffered = ByteBudget(config.max_buffered_bytes)  # request bytes held by every connection
 
     # --- start --------------------------------------------------------------------------------
@@ -65,6 +67,7 @@ class DelayServer:
     def _open(self) -> None:
         c = self.config
         c.data_dir.mkdir(parents=True, exist_ok=True)
+        install_pending(c.data_dir)  # a snapshot of the master, taken by the slave before a restart
         self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
                                 message_log_segment_bytes=c.message_log_segment_bytes)
         disk_full = not self.store.take_reserve_at_start(c.reserve_bytes)
@@ -95,7 +98,7 @@ class DelayServer:
             insync = InSync(min_insync_replicas=c.min_insync_replicas, timeout_s=c.sync_timeout_ms / 1000,
                             durable_end=lambda: self.receiver.durable_offset)
             self.receiver.replicas = insync
-        self.master = Master(self.receiver, self.store, slaves, insync)
+        self.master = Master(self.receiver, self.store, slaves, insync, replayer)
         self.sender = Sender(self.ticks, self.store, local_groups(c), self.clock, send_batch_size=c.send_batch_size,
                              send_wait_ms=c.send_wait_ms, max_inflight=c.max_inflight,
                              batches_in_flight=c.send_batches_in_flight, parked=self.parked,
@@ -132,7 +135,8 @@ class DelayServer:
                 if c.meta or c.replicate_from:
                     node_id = c.node_id or c.advertised_address or f"{c.listen[0]}:{self.port}"
                     self.slave = Slave(self.store, self.receiver, self.role, node_id,
-                                       secret=c.cluster_secret or c.auth_secret, tls_ca=c.tls_ca)
+                                       secret=c.cluster_secret or c.auth_secret, tls_ca=c.tls_ca,
+                                       on_snapshot=self._restart_for_snapshot)
                 if c.meta:
                     nursery.start_soon(self._follow_registered, node_id)
                 await self._serve_http(nursery)
@@ -208,6 +212,14 @@ class DelayServer:
                 await trio.sleep(0.01)
         self._nursery.cancel_scope.cancel()
 
+    def _restart_for_snapshot(self) -> None:
+        """A slave's snapshot of its master is ready: stop; the next start installs it (the
+        `delayserver serve` process starts itself again when `restart_requested`)."""
+        log.warning("stopping to install the master's snapshot")
+        self.restart_requested = True
+        self._listener_scope.cancel()
+        self._nursery.cancel_scope.cancel()
+
     async def _follow_registered(self, node_id: str) -> None:
         """Keep the registry of slaves to the group's nodes at the meta server."""
         from delayserver.meta.client import MetaClient
@@ -219,22 +231,26 @@ class DelayServer:
 
     async def _clean_periodically(self) -> None:
         """The cleaner: delete what replay, replication and retention no longer need."""
-        c = self.config
         while True:
-            await trio.sleep(c.cleaner_interval_ms / 1000)
+            await trio.sleep(self.config.cleaner_interval_ms / 1000)
             try:
-                # Written first: after a restart the cleaner still keeps what each slave lacks.
-                slaves = self.master.slaves
-                slaves.save()
-                pinning = slaves.pinning(self.receiver.durable_offset)
-                cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset,
-                                now_ms=self.clock.now_ms(), retention_ms=c.retention_ms,
-                                sync_offsets=[s.message_log_offset for s in pinning],
-                                dispatch_sync_sizes=[s.dispatch_sizes for s in pinning])
-                if cleaned.buckets:
-                    await self.replayer.checkpoint_async()
+                await self.clean_once()
             except StorageError as e:
                 log.error("cleaner pass failed: %s", e)
+
+    async def clean_once(self):
+        """One cleaner pass (raises StorageError subtypes); what it deleted."""
+        c = self.config
+        # Written first: after a restart the cleaner still keeps what each slave lacks.
+        slaves = self.master.slaves
+        slaves.save()
+        pinning = slaves.pinning(self.receiver.durable_offset)
+        cleaned = clean(self.store, replay_offset=self.replayer.checkpointed_offset, now_ms=self.clock.now_ms(),
+                        retention_ms=c.retention_ms, sync_offsets=[s.message_log_offset for s in pinning],
+                        dispatch_sync_sizes=[s.dispatch_sizes for s in pinning])
+        if cleaned.buckets:
+            await self.replayer.checkpoint_async()
+        return cleaned
 
     # --- connections --------------------------------------------------------------------------
 

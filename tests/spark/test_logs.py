@@ -274,3 +274,14 @@ def test_the_cli_refuses_a_path_that_is_not_a_data_directory_before_starting_spa
     assert "listed twice" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main([str(tmp_path / "a"), "--split-bytes", "0"])
+
+
+def test_dispatch_records_with_and_without_their_message_log_offset_are_read(tmp_path):
+    store = Store.open(tmp_path, segment_scale_ms=SCALE_MS)
+    records = [encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(0, T, GROUP))),
+               encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(9, T + 1, GROUP, 123)))]
+    store.dispatch_log.append(T - T % SCALE_MS, b"".join(records))
+    store.close()
+    got = [(r["record_type"], r["schedule_offset"], r["broker_group"], r["error"])
+           for r in rows(tmp_path, DISPATCH_LOG)]
+    assert got == [("DISPATCH", 0, GROUP, None), ("DISPATCH", 9, GROUP, None)]

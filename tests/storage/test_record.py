@@ -256,3 +256,13 @@ def test_record_heads_agree_with_the_full_decoders():
         message_log_head(encode_dispatch(Dispatch(1, T, "g")), 0, RecordType.DISPATCH)
     with pytest.raises(RecordError):
         cancel_key(b"\x00" * 30 + b"\xff")  # an id that is not UTF-8
+
+
+def test_a_dispatch_record_names_its_message_and_old_records_still_decode():
+    d = Dispatch(4096, T + 12, "group-a", 77_000)
+    assert decode_dispatch(encode_dispatch(d)) == d
+    old = encode_dispatch(Dispatch(4096, T + 12, "group-a"))  # written before the field was added
+    assert len(old) == len(encode_dispatch(d)) - 8
+    assert decode_dispatch(old) == Dispatch(4096, T + 12, "group-a", -1)
+    with pytest.raises(ValueError):
+        decode_dispatch(encode_dispatch(d) + b"x")

@@ -101,9 +101,13 @@ SCHEMAS = {
                        "may_deliver": {"type": "boolean"}, "message_log": {"type": "object"},
                        "loading_cursor": {"type": "object"},
                        "replication": {"type": "object", "properties": {
+                           "mode": {"type": "string", "enum": ["async", "sync"]},
+                           "sync": {"type": "object", "properties": {
+                               "accepting_writes": {"type": "boolean"}, "in_sync_slaves": {"type": "integer"},
+                               "min_insync_replicas": {"type": "integer"}, "timeouts": {"type": "integer"}}},
                            "slaves": {"type": "array", "items": {"type": "object", "properties": {
                                "node_id": {"type": "string"}, "offset": {"type": "integer"},
-                               "lag_bytes": {"type": "integer"}}}},
+                               "lag_bytes": {"type": "integer"}, "pinning": {"type": "boolean"}}}},
                            "from_master": {"type": "object"}}}},
     },
     "GroupNodes": {"type": "object", "required": ["code", "nodes"],

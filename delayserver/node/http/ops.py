@@ -89,9 +89,14 @@ class ServerOps:
     def _replication(self) -> dict:
         n = self._node
         durable = n.receiver.durable_offset
-        slaves = [{"node_id": node, "offset": offset, "lag_bytes": max(0, durable - offset)}
-                  for node, offset in sorted(n.master.message_log_offsets.items())]
-        out: dict = {"slaves": slaves}
+        slaves = [{"node_id": s.node_id, "offset": s.message_log_offset,
+                   "lag_bytes": max(0, durable - s.message_log_offset), "pinning": s.pinning}
+                  for s in sorted(n.master.slaves.states.values(), key=lambda s: s.node_id)]
+        out: dict = {"mode": n.config.replication, "slaves": slaves}
+        insync = n.master.insync
+        if insync is not None:
+            out["sync"] = {"accepting_writes": not insync.closed, "in_sync_slaves": insync.in_sync(durable),
+                           "min_insync_replicas": insync.min_insync_replicas, "timeouts": insync.timeouts}
         if n.slave is not None and n.role.is_slave():
             out["from_master"] = {"master": n.role.master_address() or "", "pulled_bytes": n.slave.pulled,
                                   "lag_bytes": n.slave.lag_bytes, "lag_seconds": round(n.slave.lag_seconds(), 3),

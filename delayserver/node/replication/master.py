@@ -6,14 +6,24 @@ long poll). An offset past the master's end means the slave holds records the ma
 truncating them would drop acknowledged messages. An offset that is not where a record starts, a
 size inside a dispatch_log record or past its end, a malformed request: each is answered
 BAD_REQUEST on that connection, and the master goes on.
+
+A slave that finds its next offset cleaned, or is told it is more than `max_slave_lag` behind (both
+NOT_FOUND), resyncs from a snapshot (SYNC_SNAPSHOT):
+the master's replay checkpoint as of now (message_log offset, max sequence, the size of every
+schedule_log and dispatch_log segment, taken together, between two replay steps) and then the
+segments up to those sizes. From then on the slave pulls message_log from that offset, which the
+manifest pins for it.
 """
 from __future__ import annotations
+
+import json
 
 import trio
 
 from delayserver.message import DelayServerError, ResultCode
 from delayserver.node.replication import wire
-from delayserver.node.replication.slaves import InSync, SlaveStates
+from delayserver.node.replication.slaves import MAX_LONG_POLL_S, InSync, SlaveStates
+from delayserver.storage.buckets import bucket_name
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.reader import raise_unless_incomplete, read_records
 from delayserver.storage.record import RecordError
@@ -25,8 +35,10 @@ class Master:
     """Answer pulls; remember how far each registered slave got (for the cleaner and, in sync
     mode, for the producers' acknowledgements)."""
 
-    def __init__(self, receiver, store, slaves: SlaveStates, insync: InSync | None = None):
+    def __init__(self, receiver, store, slaves: SlaveStates, insync: InSync | None = None, replayer=None):
+        """`replayer`: for snapshots, whose offset and schedule sizes go together."""
         self.receiver = receiver
+        self.replayer = replayer
         self.store = store
         self.slaves = slaves
         self.insync = insync
@@ -45,11 +57,15 @@ class Master:
                 "records this master never had", code=ResultCode.BAD_REQUEST)
         if offset < message_log.start_offset:
             raise DelayServerError(f"offset {offset} was cleaned from message_log", code=ResultCode.NOT_FOUND)
-        if self.slaves.pulled_message_log(request.node_id, offset, receiver.durable_offset) \
-                and self.insync is not None:
-            self.insync.acknowledged(request.node_id, offset)
+        if self.slaves.pulled_message_log(request.node_id, offset, receiver.durable_offset):
+            if not self.slaves.states[request.node_id].pinning:
+                raise DelayServerError(
+                    f"offset {offset} is more than max_slave_lag ({self.slaves.max_lag_bytes} bytes) behind this "
+                    f"master's end {receiver.durable_offset}: resync from a snapshot", code=ResultCode.NOT_FOUND)
+            if self.insync is not None:
+                self.insync.acknowledged(request.node_id, offset)
         if offset == receiver.durable_offset and request.wait_ms:
-            with trio.move_on_after(min(request.wait_ms, 10_000) / 1000):
+            with trio.move_on_after(min(request.wait_ms / 1000, MAX_LONG_POLL_S)):
                 while offset == receiver.durable_offset:
                     await receiver.durable_changed.wait()
         data, start = b"", offset
@@ -87,6 +103,38 @@ class Master:
                     chunks.append(wire.CHUNK.pack(bucket, have, len(data)) + data)
                     budget -= len(data)
         return wire.U32.pack(len(chunks)) + b"".join(chunks)
+
+
+    async def snapshot(self, payload: bytes) -> bytes:
+        request = wire.decode_snapshot_request(payload)
+        store = self.store
+        if request.kind == wire.MANIFEST:
+            if self.replayer is None:
+                raise DelayServerError("this node serves no snapshots", code=ResultCode.BAD_REQUEST)
+            # No await from here to the answer: the offset and the sizes are of one moment.
+            offset = self.replayer.offset
+            manifest = {
+                "message_log_offset": offset,
+                "max_sequence": self.replayer.max_sequence,
+                "segment_scale_ms": store.segment_scale_ms,
+                "schedule_sizes": {bucket_name(b): s for b, s in store.schedule_log.sizes.items()},
+                "dispatch_sizes": {bucket_name(b): store.dispatch_log.size(b) for b in store.dispatch_log.buckets()},
+            }
+            # The slave goes on from `offset`: keep it from the cleaner from now on.
+            self.slaves.pulled_message_log(request.node_id, offset, self.receiver.durable_offset)
+            return json.dumps(manifest).encode("utf-8")
+        log = store.schedule_log if request.kind == wire.SCHEDULE_LOG else store.dispatch_log
+        size = log.size(request.bucket) if request.bucket in log.buckets() else 0
+        if request.limit > size:
+            raise DelayServerError(f"bucket {request.bucket} holds {size} bytes, not {request.limit} (cleaned since "
+                                   "the manifest?): take a new snapshot", code=ResultCode.NOT_FOUND)
+        if request.offset == request.limit:
+            return b""
+        try:
+            data = log.read(request.bucket, request.offset, min(request.limit, request.offset + MAX_SYNC_BYTES))
+        except CorruptSegment as e:
+            raise DelayServerError(f"bucket {request.bucket}: {e}", code=ResultCode.INTERNAL) from None
+        return _whole_records_before(data, request.offset, request.limit, f"bucket {request.bucket} offset")
 
 
 def _whole_records_before(data: bytes, start: int, limit: int, what: str) -> bytes:

@@ -23,7 +23,7 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
-from delayserver.node.replication import wire
+from delayserver.node.replication import snapshot, wire
 from delayserver.node.replication.master import MAX_SYNC_BYTES
 from delayserver.node.role import NodeRole
 from delayserver.storage.errors import CorruptSegment, StorageError
@@ -47,9 +47,12 @@ class Slave:
     """The slave's side: a task that pulls from the role's master address while the role is slave."""
 
     def __init__(self, store, receiver, role: NodeRole, node_id: str, *, secret: str = "", tls_ca: str = "",
-                 poll_ms: int = 500):
+                 poll_ms: int = 500, on_snapshot=None):
         """`secret`: the cluster secret (or the master's producer secret when the cluster has
-        none); `tls_ca`: a CA file to check the master's certificate against (TLS when given)."""
+        none); `tls_ca`: a CA file to check the master's certificate against (TLS when given).
+        `on_snapshot()`: called once a snapshot of the master is ready to install (the node
+        restarts to install it); without it, a slave behind the master's retention stops."""
+        self.on_snapshot = on_snapshot
         self.store = store
         self.receiver = receiver
         self.role = role
@@ -92,9 +95,11 @@ class Slave:
                 if e.code == ResultCode.BAD_REQUEST:
                     self.stopped_reason = str(e)
                     log.critical("replication stopped: %s", e)
+                elif e.code == ResultCode.NOT_FOUND and self.on_snapshot is not None:
+                    await self._resync(address, e)
                 elif e.code == ResultCode.NOT_FOUND:
-                    self.stopped_reason = (f"{e}: this node fell behind the master's retention; give it an empty "
-                                           "data directory (or a copy of the master's) to start it again")
+                    self.stopped_reason = (f"{e}: this node fell behind the master's retention; seed it with a "
+                                           "copy of the master's data directory")
                     log.critical("replication stopped: %s", self.stopped_reason)
                 else:
                     log.error("replication from %s: %s", address, e)
@@ -104,6 +109,31 @@ class Slave:
                     self._logged_unexpected = True
                     log.exception("replication from %s failed unexpectedly; retrying", address)
                 await trio.sleep(1)
+
+    async def _resync(self, address: str, cause: DelayServerError) -> None:
+        """Behind the master's retention: take a snapshot of it, then have the node restart to
+        install it (snapshot.py). A segment cleaned during the download means a new snapshot."""
+        from delayserver.client import AsyncProducer
+
+        log.warning("replication from %s: %s; this node fell behind the master's retention: resyncing from a "
+                    "snapshot of the master", address, cause)
+        try:
+            async with AsyncProducer(address, timeout=60, secret=self.secret, tls=self._tls()) as conn:
+                await snapshot.download(conn, self.node_id, self.store.root, self.store.segment_scale_ms)
+        except DelayServerError as e:
+            if e.code == ResultCode.BAD_REQUEST:
+                self.stopped_reason = f"cannot resync from the master: {e}"
+                log.critical("replication stopped: %s", self.stopped_reason)
+            else:  # a segment cleaned during the download, say: the next round takes a new snapshot
+                log.error("snapshot of the master not taken: %s", e)
+                await trio.sleep(1)
+            return
+        except (ConnectionError, TimeoutError, OSError, p.RemoteProtocolError, ValueError, KeyError) as e:
+            log.error("snapshot of the master not taken: %s", e)
+            await trio.sleep(1)
+            return
+        self.stopped_reason = "restarting to install a snapshot of the master"
+        self.on_snapshot()
 
     def _tls(self):
         """TLS to the master when `tls_ca` names the CA to check its certificate against."""

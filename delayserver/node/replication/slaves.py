@@ -25,12 +25,15 @@ from typing import Callable
 import attrs
 import trio
 
+from delayserver.message import DelayServerError
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import StorageError
 
 log = logging.getLogger("delayserver.replication")
 
 CHECKPOINT_NAME = "slaves.json"
+#: The longest a master holds a slave's SYNC_MESSAGE_LOG request open (master.py).
+MAX_LONG_POLL_S = 10.0
 
 
 @attrs.define(eq=False)
@@ -59,14 +62,17 @@ class Registry:
         from delayserver.meta.client import MetaUnavailable
 
         self.ids = set()
+        last_error = ""
         while True:
             try:
                 reply = await client.request("list_nodes", group=group)
                 self.ids = {n["node_id"] for n in reply["nodes"] if n["node_id"] != own_id}
-            except (MetaUnavailable, OSError) as e:  # keep the last list while the meta server is away
-                log.info("cannot list the nodes of group %s: %s", group, e)
-            except Exception:  # noqa: BLE001 - a bad answer must not stop the master
-                log.exception("listing the nodes of group %s failed", group)
+                last_error = ""
+            except (MetaUnavailable, DelayServerError, OSError, KeyError, TypeError) as e:
+                # Keep the last list while the meta server is away; say so once per cause.
+                if str(e) != last_error:
+                    last_error = str(e)
+                    log.warning("cannot list the nodes of group %s (keeping the last list): %s", group, e)
             await trio.sleep(interval_s)
 
 
@@ -76,22 +82,26 @@ class SlaveStates:
         self.registry = registry or Registry()
         self.max_lag_bytes = max_lag_bytes
         self.states: dict[str, SlaveState] = {}
+        self._new = False  # a slave not in the checkpoint yet
         self._load()
 
     def _load(self) -> None:
         try:
             data = read_checkpoint(self.path) or {}
-        except StorageError as e:
-            # Losing it only lets the cleaner go further than a slave wanted; say so.
-            log.error("slave offsets not read back (%s): the cleaner ignores slaves until they pull again", e)
-            data = {}
-        for node_id, s in data.get("slaves", {}).items():
-            self.states[node_id] = SlaveState(
-                node_id, int(s["message_log_offset"]), {int(b): int(n) for b, n in s["dispatch_sizes"].items()},
-                bool(s.get("pinning", True)))
+            for node_id, s in data.get("slaves", {}).items():
+                self.states[node_id] = SlaveState(
+                    node_id, int(s["message_log_offset"]), {int(b): int(n) for b, n in s["dispatch_sizes"].items()},
+                    bool(s.get("pinning", True)))
+        except (StorageError, KeyError, ValueError, TypeError, AttributeError) as e:
+            # Losing it only lets the cleaner go further than a slave wanted (a slave that then
+            # finds its records cleaned resyncs from a snapshot); say so.
+            log.error("slave offsets not read back from %s (%s): the cleaner ignores slaves until they pull again",
+                      self.path, e)
+            self.states.clear()
 
     def save(self) -> None:
         """Write the offsets atomically (raises StorageError subtypes)."""
+        self._new = False
         write_checkpoint(self.path, {"slaves": {
             s.node_id: {"message_log_offset": s.message_log_offset, "pinning": s.pinning,
                         "dispatch_sizes": {str(b): n for b, n in s.dispatch_sizes.items()}}
@@ -104,15 +114,20 @@ class SlaveStates:
         if state is None:
             state = self.states[node_id] = SlaveState(node_id)
             log.info("slave %s pulls from this master", node_id)
+            self._new = True
         return state
 
     def pulled_message_log(self, node_id: str, offset: int, durable_end: int) -> bool:
-        """Note a registered slave's message_log pull at `offset`; False for an unregistered id."""
+        """Note a registered slave's message_log pull at `offset`; False for an unregistered id. A
+        slave seen for the first time is written to the checkpoint at once (raises StorageError
+        subtypes), so that no restart can forget it before the next cleaner pass."""
         state = self._state(node_id)
         if state is None:
             return False
         state.message_log_offset = offset
         self._check_lag(state, durable_end)
+        if self._new:
+            self.save()
         return True
 
     def _check_lag(self, state: SlaveState, durable_end: int) -> None:
@@ -145,16 +160,15 @@ class InSync:
         self.timeout_s = timeout_s
         self.durable_end = durable_end
         self.acked: dict[str, int] = {}
+        self._seen: dict[str, float] = {}  # trio time of each slave's last acknowledgement
         self.closed = True
         self.timeouts = 0
         self._changed = trio.Event()
 
     def acknowledged(self, node_id: str, offset: int) -> None:
-        """A registered slave holds message_log fsynced up to `offset`."""
-        if offset <= self.acked.get(node_id, -1):
-            if offset < self.acked.get(node_id, -1):
-                self.acked[node_id] = offset  # it started over (a resync, a new disk)
-            return
+        """A registered slave holds message_log fsynced up to `offset` (lower than before: it
+        started over, from a snapshot or a new disk)."""
+        self._seen[node_id] = trio.current_time()
         self.acked[node_id] = offset
         if self.closed and self._enough(self.durable_end()):
             self.closed = False
@@ -164,7 +178,10 @@ class InSync:
         self._changed = trio.Event()
 
     def in_sync(self, end: int) -> int:
-        return sum(1 for o in self.acked.values() if o >= end)
+        """Slaves that hold `end` and were heard from lately: an acknowledgement older than a long
+        poll plus the timeout is from a slave gone, or from before this node was last promoted."""
+        recent = trio.current_time() - self.timeout_s - MAX_LONG_POLL_S
+        return sum(1 for node, o in self.acked.items() if o >= end and self._seen[node] >= recent)
 
     def _enough(self, end: int) -> bool:
         return self.in_sync(end) >= self.min_insync_replicas

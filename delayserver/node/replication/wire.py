@@ -6,6 +6,11 @@ Big-endian, carried by SYNC_MESSAGE_LOG and SYNC_DISPATCH_LOG frames::
                        response: start u64, master durable end u64, then whole records
     SYNC_DISPATCH_LOG  request:  node id str16, count u32, then (bucket i64, size u64) * count
                        response: count u32, then (bucket i64, start u64, length u32, bytes) * count
+    SYNC_SNAPSHOT      request:  kind u8, bucket i64, offset u64, limit u64, node id str16
+                       response: kind MANIFEST: a JSON object (the master's replay checkpoint:
+                                 message_log_offset, max_sequence, schedule_sizes, and
+                                 dispatch_sizes); kind SCHEDULE_LOG or DISPATCH_LOG: the whole
+                                 records of that bucket's segment from `offset`, up to `limit`
 
 A SYNC_MESSAGE_LOG request at `offset` also acknowledges that the slave holds message_log up to
 `offset` fsynced (it asks for more only after its fsync): in sync mode that is the slave's ack.
@@ -37,6 +42,35 @@ class MessageLogRequest:
     max_bytes: int
     wait_ms: int
     node_id: str
+
+
+SNAPSHOT_REQ = struct.Struct(">BqQQH")
+MANIFEST, SCHEDULE_LOG, DISPATCH_LOG = 0, 1, 2
+
+
+@attrs.frozen
+class SnapshotRequest:
+    kind: int
+    bucket: int
+    offset: int
+    limit: int
+    node_id: str
+
+
+def encode_snapshot_request(r: SnapshotRequest) -> bytes:
+    node = r.node_id.encode("utf-8")
+    return SNAPSHOT_REQ.pack(r.kind, r.bucket, r.offset, r.limit, len(node)) + node
+
+
+def decode_snapshot_request(payload: bytes) -> SnapshotRequest:
+    try:
+        kind, bucket, offset, limit, _ = SNAPSHOT_REQ.unpack_from(payload, 0)
+        node, end = _node_id(payload, SNAPSHOT_REQ.size - 2, "SYNC_SNAPSHOT")
+    except (struct.error, UnicodeDecodeError):
+        raise p.RemoteProtocolError("malformed SYNC_SNAPSHOT request") from None
+    if end != len(payload) or kind not in (MANIFEST, SCHEDULE_LOG, DISPATCH_LOG) or offset > limit:
+        raise p.RemoteProtocolError("malformed SYNC_SNAPSHOT request")
+    return SnapshotRequest(kind, bucket, offset, limit, node)
 
 
 @attrs.frozen

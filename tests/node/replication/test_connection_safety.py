@@ -17,7 +17,6 @@ from delayserver.node.replication import wire
 
 from tests.node.replication.helpers import cfg, spooled_ids, start, wait_until
 
-NODE = b"probe"
 
 
 def dispatch_request(sizes: dict[int, int]) -> bytes:
@@ -104,8 +103,8 @@ async def test_random_sync_requests_never_stop_the_node(delivered):
     end = master.receiver.durable_offset
     codes = set()
     async with AsyncProducer(f"127.0.0.1:{master.port}") as conn:
-        for i in range(400):
-            kind = rng.randrange(4)
+        for i in range(600):
+            kind = rng.randrange(6)
             if kind == 0:
                 payload = rng.randbytes(rng.randrange(0, 64))
             elif kind == 1:
@@ -113,11 +112,18 @@ async def test_random_sync_requests_never_stop_the_node(delivered):
             elif kind == 2:
                 payload = dispatch_request({rng.choice(buckets + [rng.randrange(-2**63, 2**63)]):
                                             rng.randrange(0, 2**64) if rng.random() < 0.3 else rng.randrange(0, 300)})
-            else:
+            elif kind == 3:
                 payload = bytearray(dispatch_request({buckets[0]: 0}))
                 payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
                 payload = bytes(payload)
-            command = rng.choice([p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG])
+            else:  # snapshot requests: a manifest, or a segment's bytes from anywhere
+                offset = rng.randrange(0, 400)
+                payload = wire.encode_snapshot_request(wire.SnapshotRequest(
+                    rng.randrange(3), rng.choice(buckets + [rng.randrange(-2**63, 2**63)]), offset,
+                    offset + rng.randrange(0, 400), "probe"))
+                if kind == 5:
+                    payload = payload[: rng.randrange(len(payload) + 1)] + rng.randbytes(rng.randrange(3))
+            command = rng.choice([p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG, p.Command.SYNC_SNAPSHOT])
             try:
                 await conn.request(command, payload)
                 codes.add(ResultCode.OK)

@@ -84,3 +84,31 @@ async def test_min_insync_replicas_counts_slaves(tmp_path, nursery):
         await start(nursery, cfg(tmp_path, "s2", replicate_from=f"127.0.0.1:{master.port}", node_id="s2"))
         await wait_until(lambda: not master.master.insync.closed)
         await prod.send("sync.q", b"two are", delay=HOUR)
+
+
+async def test_the_http_api_shows_the_sync_state(tmp_path, nursery):
+    import httpx
+
+    master = await start(nursery, cfg(tmp_path, "m", replication="sync", http_listen="127.0.0.1:0"))
+    await start(nursery, cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}", node_id="s1"))
+    await wait_until(lambda: not master.master.insync.closed)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{master.http_port}", timeout=30) as api:
+        replication = (await api.get("/v1/node")).json()["replication"]
+    assert replication["mode"] == "sync"
+    assert replication["sync"] == {"accepting_writes": True, "in_sync_slaves": 1, "min_insync_replicas": 1,
+                                   "timeouts": 0}
+    assert [(s["node_id"], s["pinning"]) for s in replication["slaves"]] == [("s1", True)]
+
+
+async def test_an_acknowledgement_from_a_slave_long_silent_does_not_count(autojump_clock):
+    from delayserver.node.replication import InSync
+
+    insync = InSync(min_insync_replicas=1, timeout_s=1.0, durable_end=lambda: 100)
+    insync.acknowledged("s1", 100)
+    assert not insync.closed and insync.in_sync(100) == 1
+    await trio.sleep(12)  # past a long poll and the timeout: s1 is gone, or this node was demoted meanwhile
+    assert insync.in_sync(100) == 0
+    assert not await insync.replicated(100)
+    assert insync.closed and insync.timeouts == 1
+    insync.acknowledged("s1", 100)
+    assert not insync.closed
