@@ -187,9 +187,11 @@ class Requests:
     """The request handler of a node's connections: `connection()` gives each its own responder."""
 
     def __init__(self, operations: MessageOperations, master: Master, schedules=None, transactions=None, *,
-                 cluster_secret: str = ""):
+                 cluster_secret: str = "", role=None):
+        """`role`: the node's NodeRole; replication requests are served only while it is master."""
         self.operations = operations
         self.master = master
+        self.role = role
         self.schedules = schedules  # schedules/service.py
         self.transactions = transactions  # a TransactionOperations: half messages
         self.cluster_secret = cluster_secret.encode("utf-8")
@@ -272,6 +274,11 @@ class ConnectionRequests:
                    p.Command.SYNC_EPOCH_END):
             if not self.cluster:
                 raise DelayServerError("replication needs AUTH with the cluster secret", code=ResultCode.UNAUTHORIZED)
+            role = self._requests.role
+            if role is not None and not role.is_master():
+                # A slave's log is a copy that may still be cut back: never a source for another.
+                raise DelayServerError("this node is not a master: replicate from the group's master",
+                                       code=ResultCode.NOT_MASTER)
             if cmd == p.Command.SYNC_MESSAGE_LOG:
                 return await master.message_log(frame.payload)
             if cmd == p.Command.SYNC_SNAPSHOT:

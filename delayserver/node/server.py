@@ -137,7 +137,7 @@ class DelayServer:
                                may_check=self.role.may_deliver)
         self.requests = Requests(self.operations, self.master,
                                  ScheduleService(self.schedules, self.operations, self.clock, c.max_message_bytes),
-                                 self.transactions, cluster_secret=c.cluster_secret)
+                                 self.transactions, cluster_secret=c.cluster_secret, role=self.role)
         self.loop_watch = LoopWatch()
         self.limits = PumpLimits(c.max_frame_bytes, c.idle_timeout_ms / 1000, c.frame_timeout_ms / 1000,
                                  max_in_flight=MAX_REQUESTS_PER_CONNECTION,

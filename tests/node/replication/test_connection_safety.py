@@ -178,3 +178,12 @@ async def test_a_slave_survives_a_master_that_answers_garbage(tmp_path, nursery)
         assert await conn.ping(b"alive") == b"alive"
     assert slave.store.message_log.end_offset == 0
     assert not slave.slave.stopped_reason
+
+
+async def test_a_slave_answers_no_replication_request(tmp_path, nursery, unused_port):
+    # A slave's copy may still be cut back at a divergence: another node must never pull from it.
+    slave = await start(nursery, cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{unused_port}"))
+    async with AsyncProducer(f"127.0.0.1:{slave.port}") as conn:
+        await expect_code(conn, p.Command.SYNC_MESSAGE_LOG, message_log_request(0), ResultCode.NOT_MASTER)
+        await expect_code(conn, p.Command.SYNC_DISPATCH_LOG, dispatch_request({}), ResultCode.NOT_MASTER)
+        assert await conn.ping(b"x") == b"x"
