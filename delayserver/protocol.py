@@ -105,6 +105,7 @@ class Command(enum.IntEnum):
     SYNC_MESSAGE_LOG = 16
     SYNC_DISPATCH_LOG = 17
     SYNC_SNAPSHOT = 18
+    SYNC_DISPATCH_DIGEST = 19
     # epochs and fencing
     SYNC_EPOCH_END = 24
     META = 32

@@ -22,6 +22,10 @@ messages to the current master again. A cut below what the node has replayed rol
 schedule_log back too (records replayed from the cut part), drops those buckets' dispatch_log (the
 master's copy is pulled again) and moves the replay cursor back to the cut.
 
+dispatch_log is compared too, bucket by bucket (SYNC_DISPATCH_DIGEST, a crc32c of the replica's
+bytes): a bucket the replica wrote to as a master differs from the current master's, and is
+copied to ``quarantine/diverged/dispatch/`` and pulled again whole.
+
 Wire payloads (big-endian)::
 
     SYNC_EPOCH_END   request:  epoch u64
@@ -40,7 +44,9 @@ import trio
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
 from delayserver.storage.checkpoint import read_checkpoint
-from delayserver.storage.buckets import parse_bucket_name
+from delayserver.node.replication import wire
+from delayserver.node.replication.master import prefix_crc
+from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.record import (
     OFFSET, RecordType, decode_payload, iter_checked_records,
 )
@@ -121,6 +127,19 @@ def quarantine_suffix(data_dir: Path, message_log, start: int, master: str) -> P
     return listing
 
 
+def quarantine_dispatch(data_dir: Path, dispatch_log, bucket: int) -> Path:
+    """Copy `bucket`'s dispatch_log, byte for byte, to ``quarantine/diverged/dispatch/`` (a
+    segment `delayctl inspect` reads); durable when this returns."""
+    directory = Path(data_dir) / DIRECTORY / "dispatch"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{bucket_name(bucket)}-{time.time_ns() // 1_000_000}.log"
+    path.write_bytes(dispatch_log.read(bucket))
+    fsync_path(path)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
+    return path
+
+
 def list_diverged(data_dir: Path) -> list[dict]:
     """Every quarantined divergent suffix of the data directory, oldest first, with its path."""
     directory = Path(data_dir) / DIRECTORY
@@ -139,7 +158,7 @@ class Realigner:
     """What a slave runs on each connection to its master before pulling: find the divergence
     point, quarantine and cut what lies past it."""
 
-    def __init__(self, data_dir: Path, store, receiver, replayer, ticks, clock, role):
+    def __init__(self, data_dir: Path, store, receiver, replayer, ticks, clock, role, node_id: str = "realign"):
         self.data_dir = Path(data_dir)
         self.role = role
         self.store = store
@@ -147,9 +166,15 @@ class Realigner:
         self.replayer = replayer
         self.ticks = ticks
         self.clock = clock
+        self.node_id = node_id
         self.truncations = 0
+        self.dispatch_truncations = 0
 
     async def __call__(self, conn, master: str) -> None:
+        await self._realign_message_log(conn, master)
+        await self._realign_dispatch_log(conn, master)
+
+    async def _realign_message_log(self, conn, master: str) -> None:
         message_log = self.store.message_log
         point = await find_divergence(conn, message_log)
         if point >= message_log.end_offset or not self.role.is_slave():
@@ -172,6 +197,44 @@ class Realigner:
                      "replaced master; copied to %s (every message id listed), then truncated",
                      master, point, dropped, listing)
         await trio.lowlevel.checkpoint()
+
+    async def _realign_dispatch_log(self, conn, master: str) -> None:
+        """dispatch_log is pulled by size, bucket by bucket: a bucket this node wrote to while it
+        was master (deliveries the new master never heard of) differs from the master's from some
+        record on. Each bucket's digest is compared with the master's; a bucket that differs is
+        copied to the quarantine and cut to nothing here, to be pulled again whole. (What the
+        copy lists was delivered by this node; the new master may deliver it again: a duplicate,
+        never a loss.)"""
+        dispatch_log = self.store.dispatch_log
+        buckets = [b for b in dispatch_log.buckets() if dispatch_log.size(b)]
+        if not buckets:
+            return
+
+        def digests() -> dict[int, tuple[int, int]]:
+            out = {}
+            for bucket in buckets:
+                size = dispatch_log.size(bucket)
+                out[bucket] = (size, prefix_crc(dispatch_log, bucket, size))
+            return out
+
+        mine = await trio.to_thread.run_sync(digests)
+        request = wire.encode_dispatch_digest_request(wire.DispatchDigestRequest(self.node_id, mine))
+        differing = wire.decode_buckets(await conn.request(p.Command.SYNC_DISPATCH_DIGEST, request))
+        if not self.role.is_slave():
+            return  # promoted meanwhile
+        for bucket in differing:
+            if bucket not in mine:
+                continue
+            # Synchronous from the copy to the cut: no delivery interleaves.
+            size = dispatch_log.size(bucket)
+            copy = quarantine_dispatch(self.data_dir, dispatch_log, bucket)
+            dispatch_log.truncate(bucket, 0)
+            self.dispatch_truncations += 1
+            log.critical("dispatch_log bucket %d differs from master %s's: its %d bytes (deliveries by a replaced "
+                         "master) copied to %s, then cut; the master's are pulled again", bucket, master, size, copy)
+        if differing:
+            dispatch_log.sync()
+            self.ticks.reset(self.clock.now_ms())
 
     def _roll_back_schedule(self, point: int) -> None:
         """Drop from schedule_log what was replayed from message_log at or after `point`; move
@@ -198,8 +261,4 @@ class Realigner:
         self.replayer.offset = point
         self.replayer.checkpoint()
         dispatch_log.sync()
-
-
-async def no_realign(conn, master: str) -> None:
-    """What a Slave runs before pulling when the node gives it no Realigner."""
 

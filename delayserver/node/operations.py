@@ -271,7 +271,7 @@ class ConnectionRequests:
         if cmd == p.Command.RESCHEDULE:
             return p.encode_reschedule_response(await ops.reschedule(*p.decode_reschedule_request(frame.payload)))
         if cmd in (p.Command.SYNC_MESSAGE_LOG, p.Command.SYNC_DISPATCH_LOG, p.Command.SYNC_SNAPSHOT,
-                   p.Command.SYNC_EPOCH_END):
+                   p.Command.SYNC_EPOCH_END, p.Command.SYNC_DISPATCH_DIGEST):
             if not self.cluster:
                 raise DelayServerError("replication needs AUTH with the cluster secret", code=ResultCode.UNAUTHORIZED)
             role = self._requests.role
@@ -285,6 +285,8 @@ class ConnectionRequests:
                 return await master.snapshot(frame.payload)
             if cmd == p.Command.SYNC_EPOCH_END:
                 return answer_epoch_end(master.store, master.receiver, frame.payload)
+            if cmd == p.Command.SYNC_DISPATCH_DIGEST:
+                return await master.dispatch_digest(frame.payload)
             return await master.dispatch_log(frame.payload)
         raise DelayServerError(f"command {cmd.name} is not served by a delay server", code=ResultCode.BAD_REQUEST)
 

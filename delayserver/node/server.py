@@ -177,7 +177,7 @@ class DelayServer:
                                        secret=c.cluster_secret or c.auth_secret, tls_ca=c.tls_ca,
                                        on_snapshot=self._restart_for_snapshot)
                     self.slave.realign = Realigner(c.data_dir, self.store, self.receiver, self.replayer, self.ticks,
-                                                   self.clock, self.role)
+                                                   self.clock, self.role, node_id)
                 if c.meta:
                     nursery.start_soon(self._follow_registered, node_id)
                 await self._serve_http(nursery)

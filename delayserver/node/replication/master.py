@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+import crc32c
 import trio
 
 from delayserver.message import DelayServerError, ResultCode
@@ -88,8 +89,10 @@ class Master:
         mine = {bucket: dispatch_log.size(bucket) for bucket in dispatch_log.buckets()}
         for bucket, have in request.sizes.items():
             if have > mine.get(bucket, 0):
+                # The asker wrote dispatch records this master never had (it was a master once):
+                # it compares digests on its next connection (SYNC_DISPATCH_DIGEST) and cuts there.
                 raise DelayServerError(f"dispatch_log bucket {bucket}: size {have} is past this master's "
-                                       f"{mine.get(bucket, 0)}", code=ResultCode.BAD_REQUEST)
+                                       f"{mine.get(bucket, 0)}", code=ResultCode.DIVERGED)
         self.slaves.pulled_dispatch_log(request.node_id, request.sizes)
         chunks, budget = [], MAX_SYNC_BYTES
         for bucket, size in mine.items():
@@ -105,6 +108,21 @@ class Master:
                     budget -= len(data)
         return wire.U32.pack(len(chunks)) + b"".join(chunks)
 
+
+    async def dispatch_digest(self, payload: bytes) -> bytes:
+        """The buckets whose dispatch_log differs here from the asker's first bytes (a digest of
+        each), computed on a worker thread: whole buckets are read."""
+        request = wire.decode_dispatch_digest_request(payload)
+        dispatch_log = self.store.dispatch_log
+
+        def differing() -> list[int]:
+            out = []
+            for bucket, (size, crc) in request.digests.items():
+                if size > dispatch_log.size(bucket) or prefix_crc(dispatch_log, bucket, size) != crc:
+                    out.append(bucket)
+            return out
+
+        return wire.encode_buckets(await trio.to_thread.run_sync(differing))
 
     async def snapshot(self, payload: bytes) -> bytes:
         request = wire.decode_snapshot_request(payload)
@@ -152,3 +170,15 @@ def _whole_records_before(data: bytes, start: int, limit: int, what: str) -> byt
                                code=ResultCode.BAD_REQUEST) from None
     return data[:end]
 
+
+
+def prefix_crc(dispatch_log, bucket: int, size: int, chunk: int = 4 << 20) -> int:
+    """The crc32c of the first `size` bytes of `bucket`'s dispatch_log, read `chunk` at a time."""
+    crc, pos = 0, 0
+    while pos < size:
+        data = dispatch_log.read(bucket, pos, min(size, pos + chunk))
+        if not data:
+            break
+        crc = crc32c.crc32c(data, value=crc)
+        pos += len(data)
+    return crc

@@ -23,7 +23,6 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import DelayServerError, ResultCode
-from delayserver.node.divergence import no_realign
 from delayserver.node.replication import snapshot, wire
 from delayserver.node.replication.master import MAX_SYNC_BYTES
 from delayserver.node.role import NodeRole
@@ -42,6 +41,14 @@ def _check_from_master(data: bytes, what: str, base: int) -> None:
 
     for _ in read_records(data, base=base, sealed=True, report=report):
         pass
+
+
+async def no_realign(conn, master: str) -> None:
+    """What a Slave runs before pulling when the node gives it no Realigner (node/divergence.py)."""
+
+
+#: How long a slave waits before connecting again after its master refused a request.
+REFUSED_RETRY_S = 5
 
 
 class Slave:
@@ -69,6 +76,7 @@ class Slave:
         self._behind_since: float | None = None  # trio time of the first pull that found us behind
         self._forked: set[int] = set()  # buckets whose dispatch_log names other messages than ours
         self._logged_unexpected = False
+        self.last_refusal = ""  # the last BAD_REQUEST the master answered, for operators
         self.realign = no_realign  # run on each connection before pulling (node/divergence.py)
 
     def lag_seconds(self) -> float:
@@ -95,9 +103,17 @@ class Slave:
                 log.warning("replication from %s interrupted: %s", address, e)
                 await trio.sleep(1)
             except DelayServerError as e:
-                if e.code == ResultCode.BAD_REQUEST:
-                    self.stopped_reason = str(e)
-                    log.critical("replication stopped: %s", e)
+                if not (self.role.is_slave() and self.role.master_address() == address):
+                    # An answer to a request sent before this node's role changed: it no longer
+                    # says anything about how to replicate (the next round realigns first).
+                    log.info("replication from %s: %s (answered after this node's role changed)", address, e)
+                elif e.code == ResultCode.BAD_REQUEST:
+                    # Each connection realigns the logs first: a refusal that survives it is a
+                    # fault to report loudly, but the node keeps trying (never stops for good).
+                    self.last_refusal = str(e)
+                    log.critical("replication from %s refused: %s; retrying in %d s", address, e,
+                                 REFUSED_RETRY_S)
+                    await trio.sleep(REFUSED_RETRY_S)
                 elif e.code == ResultCode.NOT_FOUND and self.on_snapshot is not None:
                     await self._resync(address, e)
                 elif e.code == ResultCode.NOT_FOUND:

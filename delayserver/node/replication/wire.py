@@ -11,6 +11,11 @@ Big-endian, carried by SYNC_MESSAGE_LOG and SYNC_DISPATCH_LOG frames::
                                  message_log_offset, max_sequence, schedule_sizes, and
                                  dispatch_sizes); kind SCHEDULE_LOG or DISPATCH_LOG: the whole
                                  records of that bucket's segment from `offset`, up to `limit`
+    SYNC_DISPATCH_DIGEST request: node id str16, count u32, then (bucket i64, size u64, crc32c u32)
+                                  * count: the crc32c of the first `size` bytes of each bucket's
+                                  dispatch_log on the asking node
+                       response:  count u32, then bucket i64 * count: the buckets whose first
+                                  `size` bytes differ on the master (or it has fewer)
 
 A SYNC_MESSAGE_LOG request at `offset` also acknowledges that the slave holds message_log up to
 `offset` fsynced (it asks for more only after its fsync): in sync mode that is the slave's ack.
@@ -31,6 +36,8 @@ ML_RESP = struct.Struct(">QQ")
 U16 = struct.Struct(">H")
 U32 = struct.Struct(">I")
 SIZE = struct.Struct(">qQ")
+DIGEST = struct.Struct(">qQI")
+BUCKET = struct.Struct(">q")
 CHUNK = struct.Struct(">qQI")
 MAX_NODE_ID_BYTES = 255
 MAX_BUCKETS = 1 << 20
@@ -150,3 +157,44 @@ def decode_dispatch_log_response(reply: bytes) -> list[tuple[int, int, bytes]]:
     except struct.error:
         raise p.RemoteProtocolError("malformed SYNC_DISPATCH_LOG answer") from None
     return out
+
+
+@attrs.frozen
+class DispatchDigestRequest:
+    node_id: str
+    digests: dict[int, tuple[int, int]]  # bucket -> (size, crc32c of its first `size` bytes)
+
+
+def encode_dispatch_digest_request(r: DispatchDigestRequest) -> bytes:
+    node = r.node_id.encode("utf-8")
+    return (U16.pack(len(node)) + node + U32.pack(len(r.digests))
+            + b"".join(DIGEST.pack(b, size, crc) for b, (size, crc) in r.digests.items()))
+
+
+def decode_dispatch_digest_request(payload: bytes) -> DispatchDigestRequest:
+    try:
+        node, pos = _node_id(payload, 0, "SYNC_DISPATCH_DIGEST")
+        (count,) = U32.unpack_from(payload, pos)
+        pos += 4
+        if count > MAX_BUCKETS or pos + count * DIGEST.size != len(payload):
+            raise p.RemoteProtocolError(f"malformed SYNC_DISPATCH_DIGEST request: {count} buckets declared, "
+                                        f"{len(payload) - pos} bytes follow")
+        digests = {}
+        for _ in range(count):
+            bucket, size, crc = DIGEST.unpack_from(payload, pos)
+            digests[bucket] = (size, crc)
+            pos += DIGEST.size
+    except (struct.error, UnicodeDecodeError):
+        raise p.RemoteProtocolError("malformed SYNC_DISPATCH_DIGEST request") from None
+    return DispatchDigestRequest(node, digests)
+
+
+def encode_buckets(buckets: list[int]) -> bytes:
+    return U32.pack(len(buckets)) + b"".join(BUCKET.pack(b) for b in buckets)
+
+
+def decode_buckets(reply: bytes) -> list[int]:
+    """The buckets of a SYNC_DISPATCH_DIGEST answer; RemoteProtocolError when it does not add up."""
+    if len(reply) < 4 or 4 + U32.unpack_from(reply, 0)[0] * BUCKET.size != len(reply):
+        raise p.RemoteProtocolError(f"SYNC_DISPATCH_DIGEST answer of {len(reply)} bytes does not add up")
+    return [BUCKET.unpack_from(reply, 4 + i * BUCKET.size)[0] for i in range(U32.unpack_from(reply, 0)[0])]
