@@ -1,5 +1,11 @@
-"""`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]`:
-end-to-end delivery of messages falling due at a steady rate.
+"""`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]
+[--rate R[,R...] [--seconds S]]`: end-to-end delivery of messages falling due at a steady rate.
+
+`--rate` runs the workload at each given rate (messages falling due per second, over a window of
+`--seconds`, default 10; spool only unless --transports says otherwise) and prints, per transport,
+the highest rate that was sustained with lateness P99 <= 10 ms and none early, and the server's
+CPU per delivered message at each rate (user plus system time of the server process, from the
+window's start to the last delivery).
 
 The real server runs as its own process on a temp data directory, delivering, one run each, to
 the spool, to Redis Streams on a redis-server, to a durable RabbitMQ queue (publisher confirms)
@@ -314,6 +320,43 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
     return "\n".join(lines)
 
 
+#: The lateness target a `--rate` run is judged by.
+RATE_TARGET_P99_MS = 10
+
+
+def rate_workload(rate: int, seconds: float) -> Workload:
+    return Workload(n=int(rate * seconds), window_ms=int(seconds * 1000))
+
+
+def meets_rate_target(r: dict) -> bool:
+    """Sustained (every whole second delivered at least 95% of what fell due in it, nothing missing),
+    P99 lateness within RATE_TARGET_P99_MS, none early."""
+    return (r["slowest_second"] >= 0.95 * r["slowest_second_due"] and not r["missing"]
+            and r["dispatch"]["p99"] <= RATE_TARGET_P99_MS and not r["dispatch"]["early"])
+
+
+def rate_sweep(rates: list[int], seconds: float, transports: list[str]) -> None:
+    """One run per (transport, rate); then, per transport, the highest rate that met the target and
+    the server CPU per delivered message at each rate."""
+    for transport in transports:
+        if transport not in TRANSPORTS:
+            raise SystemExit(f"unknown transport {transport!r}")
+        summary = []
+        for rate in rates:
+            w = rate_workload(rate, seconds)
+            r = run_deliver(transport, w)
+            print(report(transport, w, r), flush=True)
+            ok = meets_rate_target(r)
+            summary.append((rate, ok, r["dispatch"]["p99"], r["cpu_seconds"] / max(1, r["delivered"]) * 1e6))
+            print(f"  at {rate:,} msg/s falling due: P99 <= {RATE_TARGET_P99_MS} ms sustained: "
+                  f"{'met' if ok else 'MISSED'}; load average now {environment_note()}", flush=True)
+        met = [rate for rate, ok, _, _ in summary if ok]
+        print(f"deliver {transport} rate sweep over {seconds:g} s windows: "
+              + "; ".join(f"{rate:,}/s P99 {p99} ms, {cpu:.1f} us CPU per message" for rate, _, p99, cpu in summary))
+        print(f"  highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms: "
+              + (f"{max(met):,} msg/s" if met else "none of those measured"), flush=True)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="ops/bench deliver")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK.describe()} instead of {FULL.describe()}")
@@ -323,8 +366,15 @@ def main(argv: list[str]) -> None:
                         help="also measure one trio -> asyncio crossing (the rabbitmq and nats transports' bridge)")
     parser.add_argument("--bucket-load", type=int, default=0, metavar="N",
                         help="deliver (spool only) while a bucket of N messages loads")
+    parser.add_argument("--rate", default="", metavar="R[,R...]",
+                        help="messages falling due per second (one run per rate, each transport); prints the "
+                             f"highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms")
+    parser.add_argument("--seconds", type=float, default=10.0, help="the window's length with --rate (default 10)")
     args = parser.parse_args(argv)
     w = QUICK if args.quick else FULL
+    if args.rate:
+        transports = args.transports.split(",") if args.transports != ",".join(TRANSPORTS) else ["spool"]
+        return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports)
     print(f"deliver benchmark on {environment_note()}; flush=sync", flush=True)
     if args.bucket_load:
         print(report("spool", w, run_deliver("spool", w, args.bucket_load), args.bucket_load), flush=True)

@@ -4,19 +4,26 @@ The server runs as its own process on a temp data directory; the load generator 
 process (`python -m bench.ingest load ...`) with N concurrent producers, each sending
 batches of 1 KiB messages due in an hour (so the figures are ingest alone) and timing each batch
 from send to acknowledgement.
+
+Printed per flush mode: acknowledged msg/s, ack latency per batch, and the CPU per acknowledged
+message of the server (utime + stime from /proc/<pid>/stat over the load, not wall time: the
+figure other work on a shared machine disturbs least) and of the load generator (its rusage).
+`--profile FILE` also samples the server with py-spy during the flush=sync run and writes the
+collapsed stacks to FILE (`--quick`: 3 s runs instead of 10 s).
 """
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import trio
 
+from bench.harness import environment_note, proc_cpu_seconds
 from delayserver.metrics import percentile
 
 
@@ -47,7 +54,7 @@ async def _load(address: str, producers: int, seconds: float, batch: int) -> dic
             "batch_ack_ms_p50": percentile(latencies, 0.5), "batch_ack_ms_p99": percentile(latencies, 0.99)}
 
 
-def bench(flush: str, producers: int, seconds: float, batch: int) -> dict:
+def bench(flush: str, producers: int, seconds: float, batch: int, profile: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         server = subprocess.Popen(
             [sys.executable, "-m", "delayserver", "serve", "--data-dir", str(Path(tmp) / "data"),
@@ -56,29 +63,56 @@ def bench(flush: str, producers: int, seconds: float, batch: int) -> dict:
         try:
             line = server.stdout.readline().decode()
             port = int(line.rsplit(":", 1)[1].split(",")[0])
-            cpu = psutil.Process(server.pid).cpu_times
-            before = sum(cpu()[:2])
-            load = subprocess.run(
+            spy = None
+            if profile:
+                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(server.pid),
+                                        "-r", "200", "-d", str(int(seconds)), "-f", "raw", "-o", profile, "--nonblocking"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            before, children_before = proc_cpu_seconds(server.pid), _children_cpu()
+            load = subprocess.Popen(
                 [sys.executable, "-m", "bench.ingest", "load", f"127.0.0.1:{port}",
-                 str(producers), str(seconds), str(batch)], capture_output=True, check=True)
-            result = json.loads(load.stdout)
-            result["server_cpu_us_per_msg"] = (sum(cpu()[:2]) - before) / max(result["acked"], 1) * 1e6
+                 str(producers), str(seconds), str(batch)], stdout=subprocess.PIPE)
+            out, _ = load.communicate()
+            if spy is not None:
+                spy.wait(60)
+            if load.returncode:
+                raise RuntimeError(f"the load generator failed ({load.returncode})")
+            result = json.loads(out)
+            # The load process has exited, so its CPU is whole; the server's is read as the load ends.
+            result["server_cpu_us_per_msg"] = (proc_cpu_seconds(server.pid) - before) / max(result["acked"], 1) * 1e6
+            # The server is still running, so the children's figure grew by the load process alone.
+            result["load_cpu_us_per_msg"] = (_children_cpu() - children_before) / max(result["acked"], 1) * 1e6
             return result
         finally:
             server.terminate()
             server.wait(30)
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have exited and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: list[str]) -> None:
-    producers, seconds, batch = 32, 10.0, 64
-    if argv and argv[0] == "--quick":
-        seconds = 3.0
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ops/bench ingest")
+    parser.add_argument("--quick", action="store_true", help="3 s runs instead of 10 s")
+    parser.add_argument("--profile", default="", metavar="FILE",
+                        help="sample the server with py-spy in the flush=sync run; collapsed stacks to FILE")
+    args = parser.parse_args(argv)
+    producers, seconds, batch = 32, 3.0 if args.quick else 10.0, 64
+    print(f"ingest on {environment_note()}", flush=True)
     for flush in ("sync", "async"):
-        r = bench(flush, producers, seconds, batch)
+        r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "")
         print(f"ingest flush={flush:5s} producers={producers} batch={batch} body=1KiB: "
               f"{r['msgs_per_s']:,.0f} acknowledged msg/s; ack latency per batch "
               f"P50 {r['batch_ack_ms_p50']:.1f} ms, P99 {r['batch_ack_ms_p99']:.1f} ms; "
-              f"server CPU {r['server_cpu_us_per_msg']:.0f} us per message")
+              f"server CPU {r['server_cpu_us_per_msg']:.1f} us per acknowledged message "
+              f"(/proc/<pid>/stat utime+stime); load generator {r['load_cpu_us_per_msg']:.1f} us",
+              flush=True)
+    print(f"load average after the runs: {environment_note()}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ The load generator runs in its own process (`python -m bench.workload send KIND 
 goes to producer i % producers) in batches of `batch`, one batch in flight at a time. KIND `ours`
 sends through `AsyncProducer` (one SEND frame per batch, acknowledged once stored durably); KIND
 `zset` is the sorted-set delay queue's producer side (one ZADD per batch, the due time as score and
-the message as a JSON member, as Sidekiq's push_bulk does). It prints, as JSON, how many messages
+the message as a JSON member, as Sidekiq's push_bulk does); KIND `rq` schedules one RQ job per
+message with rq-scheduler's `enqueue_at` (see `rq_queue.py`). It prints, as JSON, how many messages
 were acknowledged, which were not, and how long the sends took.
 """
 from __future__ import annotations
@@ -136,6 +137,10 @@ def send(kind: str, address: str, w: Workload, t0_ms: int, zset_key: str = "") -
         import trio
 
         trio.run(_send_ours, address, w, times, unacked)
+    elif kind == "rq":
+        from bench.rq_queue import send as send_rq
+
+        send_rq(address, _shares(w), times, "x" * w.body_bytes, unacked)
     else:
         import asyncio
 

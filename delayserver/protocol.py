@@ -432,8 +432,58 @@ def send_item_size(item: SendItem) -> int:
     return size + 2 * _U16.size * len(item.headers)
 
 
+# The SEND codecs run per message of every batch, on the server and in producers. Each has a fast
+# path written for the valid case and the reference codec, which checks field by field and raises
+# the precise error: the fast path gives up (None) on anything it does not take whole, and the
+# reference codec then decides. The fast path accepts only what the reference accepts, and returns
+# the same value (tests/test_protocol_fast.py checks both on generated and damaged payloads).
+
+_SEND_ITEM_SIZE = _SEND_ITEM.size
+_SEND_RESULT_SIZE = _SEND_RESULT.size
+#: The TimeKind of each u8 value (None: not a time kind), indexed faster than an enum is called.
+_TIME_KIND_BY_VALUE = tuple(TimeKind(v) if v in TimeKind._value2member_map_ else None for v in range(256))
+#: The ResultCode of each u16 value that is one, else the int itself (`_result_code`).
+_RESULT_CODE_BY_VALUE = {c.value: c for c in ResultCode}
+
+
 def encode_send_request(items: Sequence[SendItem]) -> bytes:
     """The SEND request payload for a batch of messages."""
+    payload = _encode_send_request_fast(items)
+    return payload if payload is not None else _encode_send_request_checked(items)
+
+
+def _encode_send_request_fast(items: Sequence[SendItem]) -> bytes | None:
+    try:
+        parts = [_U32.pack(len(items))]
+        append, pack_item, pack_u16 = parts.append, _SEND_ITEM.pack, _U16.pack
+        for item in items:
+            message_id, subject, body, time, headers = item.message_id, item.subject, item.body, item.time, item.headers
+            if (type(message_id) is not str or type(subject) is not str or type(body) is not bytes
+                    or type(time.kind) is not TimeKind):
+                return None
+            raw_id, raw_subject = message_id.encode(), subject.encode()
+            if len(raw_id) > 0xFFFF or len(raw_subject) > 0xFFFF:
+                return None
+            append(pack_item(time.kind, time.value, len(raw_id), len(raw_subject), len(headers), len(body)))
+            append(raw_id)
+            append(raw_subject)
+            for key, value in headers.items():
+                if type(key) is not str or type(value) is not str:
+                    return None
+                raw_key, raw_value = key.encode(), value.encode()
+                if len(raw_key) > 0xFFFF or len(raw_value) > 0xFFFF:
+                    return None
+                append(pack_u16(len(raw_key)))
+                append(raw_key)
+                append(pack_u16(len(raw_value)))
+                append(raw_value)
+            append(body)
+        return b"".join(parts)
+    except Exception:  # anything odd (a lone surrogate, a value out of its field): the reference decides
+        return None
+
+
+def _encode_send_request_checked(items: Sequence[SendItem]) -> bytes:
     parts = [_pack(_U32, len(items))]
     for item in items:
         message_id = _utf8(item.message_id, "message id")
@@ -454,6 +504,65 @@ def encode_send_request(items: Sequence[SendItem]) -> bytes:
 
 def decode_send_request(payload: bytes) -> list[SendItem]:
     """The batch of a SEND request payload; a header key given twice is a RemoteProtocolError."""
+    items = _decode_send_request_fast(payload)
+    return items if items is not None else _decode_send_request_checked(payload)
+
+
+def _decode_send_request_fast(payload: bytes) -> list[SendItem] | None:
+    """One pass over the payload with every bound checked by hand; None on anything else."""
+    buf = payload if type(payload) is bytes else bytes(payload)
+    end = len(buf)
+    if end < 4:
+        return None
+    count = buf[0] << 24 | buf[1] << 16 | buf[2] << 8 | buf[3]
+    if count * _SEND_ITEM_SIZE > end - 4:
+        return None
+    pos, size, unpack, kinds = 4, _SEND_ITEM_SIZE, _SEND_ITEM.unpack_from, _TIME_KIND_BY_VALUE
+    items = []
+    append = items.append
+    # A batch usually shares its time spec (one delay, or one level): each distinct one is made once.
+    specs: dict[tuple[int, int], TimeSpec] = {}
+    try:
+        for _ in range(count):
+            if pos + size > end:
+                return None
+            kind, value, id_len, subject_len, header_count, body_len = unpack(buf, pos)
+            spec = specs.get((kind, value))
+            if spec is None:
+                time_kind = kinds[kind]
+                if time_kind is None:
+                    return None
+                spec = specs[kind, value] = TimeSpec(time_kind, value)
+            id_at = pos + size
+            subject_at = id_at + id_len
+            at = headers_at = subject_at + subject_len
+            headers = {}
+            for _ in range(header_count):
+                key_at = at + 2
+                if key_at > end:
+                    return None
+                value_len_at = key_at + (buf[at] << 8 | buf[at + 1])
+                value_at = value_len_at + 2
+                if value_at > end:
+                    return None
+                at = value_at + (buf[value_len_at] << 8 | buf[value_len_at + 1])
+                if at > end:
+                    return None
+                key = buf[key_at:value_len_at].decode()
+                if key in headers:
+                    return None
+                headers[key] = buf[value_at:at].decode()
+            pos = at + body_len
+            if pos > end:
+                return None
+            append(SendItem(buf[id_at:subject_at].decode(), buf[subject_at:headers_at].decode(),
+                            spec, buf[at:pos], headers))
+    except UnicodeDecodeError:
+        return None
+    return items if pos == end else None
+
+
+def _decode_send_request_checked(payload: bytes) -> list[SendItem]:
     reader = _Reader(payload, "SEND request")
     (count,) = reader.unpack(_U32)
     items = []
@@ -475,6 +584,38 @@ def decode_send_request(payload: bytes) -> list[SendItem]:
 
 def encode_send_response(results: Sequence[SendResult]) -> bytes:
     """The SEND response payload: one result per message, in request order."""
+    payload = _encode_send_response_fast(results)
+    return payload if payload is not None else _encode_send_response_checked(results)
+
+
+def _encode_send_response_fast(results: Sequence[SendResult]) -> bytes | None:
+    try:
+        parts = [_U32.pack(len(results))]
+        append, pack_result, pack_u32 = parts.append, _SEND_RESULT.pack, _U32.pack
+        # The result texts repeat ("stored"): each distinct one is encoded once.
+        texts: dict[str, bytes] = {}
+        for result in results:
+            message_id, message = result.message_id, result.message
+            if type(message_id) is not str or type(message) is not str:
+                return None
+            raw_id = message_id.encode()
+            if len(raw_id) > 0xFFFF:
+                return None
+            text = texts.get(message)
+            if text is None:
+                raw = message.encode()
+                if len(raw) > MAX_U32:
+                    return None
+                text = texts[message] = pack_u32(len(raw)) + raw
+            append(pack_result(result.code, result.schedule_time, len(raw_id)))
+            append(raw_id)
+            append(text)
+        return b"".join(parts)
+    except Exception:  # the reference decides (and raises LocalProtocolError)
+        return None
+
+
+def _encode_send_response_checked(results: Sequence[SendResult]) -> bytes:
     parts = [_pack(_U32, len(results))]
     for result in results:
         message_id = _utf8(result.message_id, "message id")
@@ -487,6 +628,47 @@ def encode_send_response(results: Sequence[SendResult]) -> bytes:
 
 
 def decode_send_response(payload: bytes) -> list[SendResult]:
+    results = _decode_send_response_fast(payload)
+    return results if results is not None else _decode_send_response_checked(payload)
+
+
+def _decode_send_response_fast(payload: bytes) -> list[SendResult] | None:
+    buf = payload if type(payload) is bytes else bytes(payload)
+    end = len(buf)
+    if end < 4:
+        return None
+    count = buf[0] << 24 | buf[1] << 16 | buf[2] << 8 | buf[3]
+    if count * _SEND_RESULT_SIZE > end - 4:
+        return None
+    pos, size, unpack, codes = 4, _SEND_RESULT_SIZE, _SEND_RESULT.unpack_from, _RESULT_CODE_BY_VALUE
+    texts: dict[bytes, str] = {}
+    results = []
+    append = results.append
+    try:
+        for _ in range(count):
+            if pos + size > end:
+                return None
+            code, schedule_time, id_len = unpack(buf, pos)
+            id_at = pos + size
+            length_at = id_at + id_len
+            text_at = length_at + 4
+            if text_at > end:
+                return None
+            pos = text_at + (buf[length_at] << 24 | buf[length_at + 1] << 16 | buf[length_at + 2] << 8
+                             | buf[length_at + 3])
+            if pos > end:
+                return None
+            raw = buf[text_at:pos]
+            text = texts.get(raw)
+            if text is None:
+                text = texts[raw] = raw.decode()
+            append(SendResult(codes.get(code, code), text, schedule_time, buf[id_at:length_at].decode()))
+    except UnicodeDecodeError:
+        return None
+    return results if pos == end else None
+
+
+def _decode_send_response_checked(payload: bytes) -> list[SendResult]:
     reader = _Reader(payload, "SEND response")
     (count,) = reader.unpack(_U32)
     results = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.brokers import nats_executable, rabbitmq_installed
-from bench.compare import compare, ratios, table
+from bench.compare import compare, ratio_table, ratios, table
 from bench.deliver import report, run_deliver
 from bench.workload import Workload
 
@@ -47,3 +47,24 @@ def test_compare_runs_both_systems_and_their_kill_runs():
     assert results["zset_aof_kill"].acked == 300
     assert "| delay server, flush=sync |" in table(results)
     assert "acknowledged msg/s" in ratios(results)
+    # The same durability as ours (appendfsync always), and the real rq-scheduler with its worker.
+    first = results["rounds"][0]
+    assert first["zset_always"].delivered == 300 and first["zset_always"].lateness["early"] == 0
+    rq = first["rq"]
+    assert (rq.acked, rq.delivered, rq.duplicates) == (300, 300, 0)
+    assert "| rq-scheduler, interval 1 s, 1 RQ worker |" in ratio_table(results)
+
+
+def test_proc_cpu_seconds_reads_the_process_own_cpu_time():
+    import os
+    import time
+
+    import psutil
+
+    from bench.harness import proc_cpu_seconds
+
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    t = psutil.Process().cpu_times()
+    assert abs(proc_cpu_seconds(os.getpid()) - (t.user + t.system)) < 0.05

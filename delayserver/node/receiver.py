@@ -235,6 +235,7 @@ class Receiver:
         keys: list[str | None] = [None] * len(items)
         twins: list[tuple[int, int]] = []  # (index, index of the first item with that id)
         waits: list[tuple[int, _Pending, int]] = []  # (index, another request's commit, its time)
+        last_spec, last_when = None, 0
         for i, item in enumerate(items):
             if refused is not None:
                 results[i] = SendResult(refused, self._refusal_text(refused), 0, item.message_id)
@@ -252,7 +253,10 @@ class Receiver:
                     waits.append((i, *self._committing[key]))
                     continue
             try:
-                when = self.schedule_time(item.time, now)
+                # Items of a batch usually share one time spec object (protocol.decode_send_request).
+                if item.time is not last_spec:
+                    last_when, last_spec = self.schedule_time(item.time, now), item.time
+                when = last_when
                 payload = encode_message_fields(item.message_id, item.subject, item.body, when, item.headers,
                                                 now, max_body_bytes=max_bytes)
             except InvalidMessage as e:

@@ -150,6 +150,31 @@ class TickManager:
             return True
         return False
 
+    def on_replayed_many(self, bucket: int, entries: list[tuple[int, int]], now: int) -> None:
+        """`on_replayed` for (offset, schedule_time) records appended to one bucket, in offset
+        order: whether they go into memory is decided once for the bucket where it can be."""
+        loading = self.loading_bucket
+        if loading is None or bucket > loading:
+            return
+        if bucket == loading:
+            end = self.loading_end
+            entries = [entry for entry in entries if entry[0] >= end]
+            if not entries:
+                return
+        ref, wheel, ready = self.ref, self.wheel, self.ready
+        changed = False
+        sleeping_until = self.sleeping_until
+        self.outstanding[bucket] += len(entries)
+        for offset, schedule_time in entries:
+            r = ref(bucket, offset)
+            if not wheel.add(schedule_time, r, now):
+                ready.append(r)
+                changed = True
+            elif sleeping_until is not None and schedule_time < sleeping_until:
+                changed = True
+        if changed:
+            self.changed.set()
+
     def on_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:
         """A SCHEDULED_CANCEL was appended at `offset`: every earlier record of that key is dropped
         at fire. One the loader is still to read is left to it, so that memory holds the cancels

@@ -97,6 +97,33 @@ def test_can_add_before_at_and_after_the_loading_cursor(node):
     assert not node.ticks.can_add(b + SCALE_MS, 0)
 
 
+def test_replayed_records_told_in_bulk_go_where_one_by_one_they_would(tmp_path):
+    """on_replayed_many (the replayer's call) against on_replayed per record, on the same state:
+    before the loading bucket, in it before and after its pinned end, after it, due and not."""
+    b = bucket_of(START_MS)
+    nodes = [Node(tmp_path / str(k), START_MS) for k in range(2)]
+    try:
+        for n in nodes:
+            n.send([("a", b + 5), ("b", b + 6)])
+            n.replay_all()
+            assert n.ticks.load_step(START_MS) is True
+        pinned = nodes[0].ticks.loading_end
+        batches = {b - SCALE_MS: [(0, START_MS - 10), (50, START_MS + 20)],
+                   b: [(0, b + 7), (pinned - 1, b + 8), (pinned, START_MS + 30), (pinned + 60, START_MS - 1)],
+                   b + SCALE_MS: [(0, b + SCALE_MS + 1)]}
+        one, bulk = nodes[0].ticks, nodes[1].ticks
+        for bucket, entries in batches.items():
+            went = [one.on_replayed(bucket, offset, t, START_MS) for offset, t in entries]
+            assert went == [one.can_add(bucket, offset) for offset, _ in entries]
+            bulk.on_replayed_many(bucket, entries, START_MS)
+        assert len(one.wheel) == len(bulk.wheel) == 2
+        assert list(one.ready) == list(bulk.ready) and len(one.ready) == 2
+        assert one.outstanding == bulk.outstanding
+    finally:
+        for n in nodes:
+            n.crash()
+
+
 def test_blocking_exit_moves_both_cursors_onto_an_empty_target_bucket(node):
     later = bucket_of(START_MS) + 10 * SCALE_MS
     node.send([("far", later + 1)])
