@@ -78,15 +78,14 @@ def reconcile(spark: SparkSession, data_dirs: list[str], as_of: int, out: str | 
         damage = [Damage(r.file, r.offset, r.record_type, r.error)
                   for r in damage_rows.orderBy("file", "offset").limit(MAX_DAMAGE).collect()]
         damage_count = damage_rows.count() if len(damage) == MAX_DAMAGE else len(damage)
-        messages = classify(schedule, dispatch, as_of)
-        orphaned = orphans(schedule, dispatch)
-        stats = _stats(spark, messages, orphaned).persist(StorageLevel.MEMORY_AND_DISK)
+        classified = classify(schedule, dispatch, as_of)
+        stats = _stats(spark, classified).persist(StorageLevel.MEMORY_AND_DISK)
         cached.append(stats)
         summary = summarize(stats)
         levels, truncated = _collect(summary, max_rows)
         outputs = {}
         if out:
-            outputs = write_all(out, summary, id_tables(messages, orphaned), damage_rows)
+            outputs = write_all(out, summary, id_tables(classified), damage_rows)
     finally:
         for frame in cached:
             frame.unpersist()
@@ -118,29 +117,31 @@ def _dispatches(dispatch: DataFrame) -> DataFrame:
 
 
 def classify(schedule: DataFrame, dispatch: DataFrame, as_of: int) -> DataFrame:
-    """One row per scheduled message with its `state` (dispatched, cancelled, missing, not_yet_due),
-    its dispatch figures, `broker_group` (of its first dispatch) and `lateness` (first dispatch -
-    schedule time, null if not dispatched)."""
-    scheduled = schedule.filter(F.col("record_type") == "SCHEDULED")
+    """One row per scheduled message, and one per dispatched offset with no scheduled message,
+    with its `state` (dispatched, cancelled, missing, not_yet_due; orphan), its dispatch figures,
+    `broker_group` (of its first dispatch) and `lateness` (first dispatch - schedule time, null if
+    not dispatched).
+
+    One full outer join of the messages with the dispatches per offset finds both the dispatched
+    messages and the orphans (a shuffle of each side, once). The cancels join after it on their own
+    key: they are few next to the messages, so adaptive execution broadcasts them, and the joined
+    rows are not shuffled again (were they many, it is a sort-merge join, as right)."""
+    scheduled = (schedule.filter(F.col("record_type") == "SCHEDULED")
+                 .select(*MESSAGE_COLUMNS, F.lit(True).alias("is_scheduled")))
     # A cancel applies to the earlier records of its key, so the latest cancel of a key decides.
     cancels = (schedule.filter(F.col("record_type") == "SCHEDULED_CANCEL")
                .groupBy("node", "bucket", "schedule_time", "message_id")
                .agg(F.max("offset").alias("last_cancel_offset")))
-    joined = (scheduled.join(cancels, ["node", "bucket", "schedule_time", "message_id"], "left")
-              .join(_dispatches(dispatch), KEY, "left")
-              .fillna(0, ["dispatches"]))
-    state = (F.when(F.col("dispatches") > 0, "dispatched")
+    joined = (scheduled.join(_dispatches(dispatch), KEY, "full_outer")
+              .join(cancels, ["node", "bucket", "schedule_time", "message_id"], "left")
+              .withColumn("dispatches", F.coalesce(F.col("dispatches"), F.lit(0).cast("bigint"))))
+    state = (F.when(F.col("is_scheduled").isNull(), "orphan")
+             .when(F.col("dispatches") > 0, "dispatched")
              .when(F.col("last_cancel_offset") > F.col("offset"), "cancelled")
              .when(F.col("schedule_time") < F.lit(as_of), "missing")
              .otherwise("not_yet_due"))
     return joined.select(*MESSAGE_COLUMNS, *DISPATCH_FIGURES, "broker_group", state.alias("state"),
                          (F.col("first_dispatch_time") - F.col("schedule_time")).alias("lateness"))
-
-
-def orphans(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
-    """Dispatched offsets with no scheduled message, with their dispatch figures."""
-    scheduled = schedule.filter(F.col("record_type") == "SCHEDULED").select(*KEY)
-    return _dispatches(dispatch).join(scheduled, KEY, "left_anti")
 
 
 _GROUPING_SETS = {
@@ -154,21 +155,18 @@ _GROUPING_SETS = {
 assert tuple(_GROUPING_SETS) == LEVELS
 
 
-def _stats(spark: SparkSession, messages: DataFrame, orphaned: DataFrame) -> DataFrame:
-    """Counts per (level, key, state, lateness): one pass over the messages, grouping sets.
+def _stats(spark: SparkSession, classified: DataFrame) -> DataFrame:
+    """Counts per (level, key, state, lateness): one pass over the classified rows, grouping sets.
 
-    The messages are first counted per combination of every dimension (few: the distinct lateness
+    The rows are first counted per combination of every dimension (few: the distinct lateness
     values times buckets, subjects and groups), so that the grouping sets expand those counts
     five-fold rather than every message."""
     dimensions = ["node", "bucket", "subject", "broker_group", "state", "lateness"]
-    facts = (messages.select(*dimensions[:-1], "lateness", F.lit(1).alias("n"),
-                             (F.col("dispatches") > 1).cast("int").alias("duplicated"),
-                             F.lit(0).cast("bigint").alias("orphan_dispatches"))
-             .unionByName(orphaned.select("node", "bucket", F.lit(None).cast("string").alias("subject"),
-                                          "broker_group", F.lit("orphan").alias("state"),
-                                          F.lit(None).cast("bigint").alias("lateness"), F.lit(1).alias("n"),
-                                          F.lit(0).alias("duplicated"),
-                                          F.col("dispatches").alias("orphan_dispatches")))
+    orphan = F.col("state") == "orphan"
+    facts = (classified.select(*dimensions, F.lit(1).alias("n"),
+                               F.when(orphan, 0).otherwise((F.col("dispatches") > 1).cast("int")).alias("duplicated"),
+                               F.when(orphan, F.col("dispatches")).otherwise(0).cast("bigint")
+                               .alias("orphan_dispatches"))
              .groupBy(*dimensions).agg(F.sum("n").alias("n"), F.sum("duplicated").alias("duplicated"),
                                        F.sum("orphan_dispatches").alias("orphan_dispatches")))
     view = f"facts_{uuid.uuid4().hex}"
@@ -257,14 +255,14 @@ def _figures(r) -> Figures:
                    tuple(r.lateness_histogram) if r.lateness_histogram is not None else None)
 
 
-def id_tables(messages: DataFrame, orphaned: DataFrame) -> dict[str, DataFrame]:
+def id_tables(classified: DataFrame) -> dict[str, DataFrame]:
     """The messages (and orphan dispatches) an operator must look at, by kind."""
     state = F.col("state")
     return {
-        "missing": messages.filter(state == "missing"),
-        "duplicated": messages.filter((state == "dispatched") & (F.col("dispatches") > 1)),
-        "early": messages.filter((state == "dispatched") & (F.col("lateness") < 0)),
-        "orphans": orphaned,
+        "missing": classified.filter(state == "missing"),
+        "duplicated": classified.filter((state == "dispatched") & (F.col("dispatches") > 1)),
+        "early": classified.filter((state == "dispatched") & (F.col("lateness") < 0)),
+        "orphans": classified.filter(state == "orphan"),
     }
 
 
