@@ -78,7 +78,10 @@ def reconcile(spark: SparkSession, data_dirs: list[str], as_of: int, out: str | 
         damage = [Damage(r.file, r.offset, r.record_type, r.error)
                   for r in damage_rows.orderBy("file", "offset").limit(MAX_DAMAGE).collect()]
         damage_count = damage_rows.count() if len(damage) == MAX_DAMAGE else len(damage)
-        classified = classify(schedule, dispatch, as_of)
+        cancels = latest_cancels(schedule).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(cancels)
+        cancels.count()
+        classified = classify(schedule, dispatch, as_of, cancels)
         stats = _stats(spark, classified).persist(StorageLevel.MEMORY_AND_DISK)
         cached.append(stats)
         summary = summarize(stats)
@@ -116,22 +119,30 @@ def _dispatches(dispatch: DataFrame) -> DataFrame:
                  F.min_by("broker_group", F.struct("dispatch_time", "broker_group")).alias("broker_group")))
 
 
-def classify(schedule: DataFrame, dispatch: DataFrame, as_of: int) -> DataFrame:
+def latest_cancels(schedule: DataFrame) -> DataFrame:
+    """The offset of the latest cancel per (node, bucket, schedule time, message id): a cancel
+    applies to the earlier records of its key, so the latest one decides."""
+    return (schedule.filter(F.col("record_type") == "SCHEDULED_CANCEL")
+            .groupBy("node", "bucket", "schedule_time", "message_id")
+            .agg(F.max("offset").alias("last_cancel_offset")))
+
+
+def classify(schedule: DataFrame, dispatch: DataFrame, as_of: int, cancels: DataFrame | None = None) -> DataFrame:
     """One row per scheduled message, and one per dispatched offset with no scheduled message,
     with its `state` (dispatched, cancelled, missing, not_yet_due; orphan), its dispatch figures,
     `broker_group` (of its first dispatch) and `lateness` (first dispatch - schedule time, null if
     not dispatched).
 
     One full outer join of the messages with the dispatches per offset finds both the dispatched
-    messages and the orphans (a shuffle of each side, once). The cancels join after it on their own
-    key: they are few next to the messages, so adaptive execution broadcasts them, and the joined
-    rows are not shuffled again (were they many, it is a sort-merge join, as right)."""
+    messages and the orphans (a shuffle of each side, once). The cancels (`latest_cancels`, or
+    those given) join after it on their own key. Given cached and counted, Spark knows their size
+    when it plans: few, as usual, they are broadcast and the joined rows are not shuffled again;
+    many, it is a sort-merge join. (Left to adaptive execution, the joined rows could be shuffled
+    for a sort-merge join before the cancels' size is known.)"""
     scheduled = (schedule.filter(F.col("record_type") == "SCHEDULED")
                  .select(*MESSAGE_COLUMNS, F.lit(True).alias("is_scheduled")))
-    # A cancel applies to the earlier records of its key, so the latest cancel of a key decides.
-    cancels = (schedule.filter(F.col("record_type") == "SCHEDULED_CANCEL")
-               .groupBy("node", "bucket", "schedule_time", "message_id")
-               .agg(F.max("offset").alias("last_cancel_offset")))
+    if cancels is None:
+        cancels = latest_cancels(schedule)
     joined = (scheduled.join(_dispatches(dispatch), KEY, "full_outer")
               .join(cancels, ["node", "bucket", "schedule_time", "message_id"], "left")
               .withColumn("dispatches", F.coalesce(F.col("dispatches"), F.lit(0).cast("bigint"))))
