@@ -38,8 +38,10 @@ COLUMNS = {
         ("error", "STRING"),
     ],
 }
-#: Columns a reader may ask for by giving a schema, beyond the default ones.
-EXTRA_COLUMNS = {SCHEDULE_LOG: [("body", "BINARY")], DISPATCH_LOG: []}
+#: Columns a reader may ask for by giving a schema, beyond the default ones. node_index is the
+#: position of the row's data directory in the list given: a join or aggregation keyed by it does
+#: not carry the directory's name (a path, often long) through every row.
+EXTRA_COLUMNS = {SCHEDULE_LOG: [("node_index", "INT"), ("body", "BINARY")], DISPATCH_LOG: [("node_index", "INT")]}
 
 
 class NotADataDirectory(ValueError):
@@ -85,8 +87,9 @@ def check_data_dir(data_dir: str) -> None:
 
 @attrs.frozen
 class SegmentRange:
-    """Bytes [start, end) of one segment of `log` in the data directory `node`, which was `size`
-    bytes long when the job was planned (what is appended later is not read)."""
+    """Bytes [start, end) of one segment of `log` in the data directory `node` (at `node_index`
+    in the list given), which was `size` bytes long when the job was planned (what is appended
+    later is not read)."""
 
     node: str
     log: str
@@ -95,6 +98,7 @@ class SegmentRange:
     start: int
     end: int
     size: int
+    node_index: int = 0
 
 
 def segment_ranges(data_dirs: list[str], log: str, split_bytes: int = DEFAULT_SPLIT_BYTES) -> list[SegmentRange]:
@@ -106,7 +110,7 @@ def segment_ranges(data_dirs: list[str], log: str, split_bytes: int = DEFAULT_SP
     if split_bytes < 1:
         raise ValueError(f"split_bytes must be at least 1, got {split_bytes}")
     out = []
-    for data_dir in data_dirs:
+    for node_index, data_dir in enumerate(data_dirs):
         check_data_dir(data_dir)
         directory = Path(data_dir) / log
         if not directory.is_dir():
@@ -118,6 +122,6 @@ def segment_ranges(data_dirs: list[str], log: str, split_bytes: int = DEFAULT_SP
             except ValueError:
                 continue
             size = path.stat().st_size
-            out += [SegmentRange(data_dir, log, bucket, str(path), start, min(start + split_bytes, size), size)
-                    for start in range(0, size, split_bytes)]
+            out += [SegmentRange(data_dir, log, bucket, str(path), start, min(start + split_bytes, size), size,
+                                 node_index) for start in range(0, size, split_bytes)]
     return out

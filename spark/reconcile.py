@@ -1,7 +1,7 @@
 """Reconcile schedule_log against dispatch_log on Spark: print the report, exit with its status.
 
     python spark/reconcile.py DATA_DIR [DATA_DIR ...] [--as-of TIME] [--out DIR] [--json]
-        [--master URL] [--driver-memory SIZE] [--shuffle-partitions N] [--split-bytes N]
+        [--master URL] [--driver-memory SIZE] [--shuffle-partitions N] [--split-bytes N] [--conf KEY=VALUE]
     spark-submit [OPTIONS] spark/reconcile.py DATA_DIR [...]
 
 Exit status: 0 nothing missing, nothing early and nothing damaged; 1 messages missing or early, or
@@ -65,9 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_SHUFFLE_PARTITIONS})")
     parser.add_argument("--split-bytes", type=_positive, default=DEFAULT_SPLIT_BYTES, metavar="N",
                         help=f"the most of a segment one task reads (default {DEFAULT_SPLIT_BYTES >> 20} MiB)")
+    parser.add_argument("--conf", action="append", type=_setting, default=[], metavar="KEY=VALUE",
+                        help="a Spark setting for the session the job starts when not run by spark-submit "
+                             "(repeatable; give spark-submit its own --conf)")
     parser.add_argument("--max-rows", type=_positive, default=DEFAULT_MAX_ROWS, metavar="N",
                         help=f"the most buckets, subjects and broker groups the report shows, each "
                              f"(all are in the summary written with --out; default {DEFAULT_MAX_ROWS})")
+
+
+def _setting(value: str) -> tuple[str, str]:
+    key, sep, setting = value.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return key.strip(), setting
 
 
 def _positive(value: str) -> int:
@@ -92,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     spark, owned = get_session(args.master, driver_memory=args.driver_memory,
-                               shuffle_partitions=args.shuffle_partitions)
+                               shuffle_partitions=args.shuffle_partitions, conf=dict(args.conf))
     try:
         report = reconcile(spark, data_dirs, as_of, args.out, split_bytes=args.split_bytes,
                            max_rows=args.max_rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
@@ -21,18 +22,22 @@ from pyspark.sql import functions as F
 
 from spark import source
 from spark.logs import (
-    COLUMNS, DEFAULT_SPLIT_BYTES, DISPATCH_LOG, SCHEDULE_LOG, check_data_dir, normalize_data_dirs,
+    COLUMNS, DEFAULT_SPLIT_BYTES, DISPATCH_LOG, EXTRA_COLUMNS, SCHEDULE_LOG, SUFFIX, check_data_dir,
+    normalize_data_dirs,
 )
 from spark.report import HISTOGRAM_EDGES_MS, LEVELS, PERCENTILES, Damage, Figures, Report
 
-KEY = ["node", "bucket", "offset"]
+#: A scheduled message's key: its data directory's position in the list, its bucket, its offset.
+KEY = ["node_index", "bucket", "offset"]
 #: The rows of each breakdown (bucket, subject, broker group) the driver collects for the report.
 DEFAULT_MAX_ROWS = 1000
 #: Damage rows the driver collects (all are counted, and written with `out`).
 MAX_DAMAGE = 1000
-SCHEDULE_COLUMNS = ["node", "bucket", "file", "offset", "record_type", "message_log_offset", "schedule_time",
+#: What is read (and cached): the node as its index, the file not at all (both are the same for
+#: every row of a segment, and long; damage rows and outputs get them back from the index).
+SCHEDULE_COLUMNS = ["node_index", "bucket", "offset", "record_type", "message_log_offset", "schedule_time",
                     "sequence", "message_id", "subject", "error"]
-DISPATCH_COLUMNS = ["node", "bucket", "file", "offset", "record_type", "schedule_offset", "dispatch_time",
+DISPATCH_COLUMNS = ["node_index", "bucket", "offset", "record_type", "schedule_offset", "dispatch_time",
                     "broker_group", "error"]
 MESSAGE_COLUMNS = ["node", "bucket", "offset", "message_log_offset", "message_id", "subject", "schedule_time",
                    "sequence"]
@@ -50,7 +55,7 @@ def read_log(spark: SparkSession, log: str, data_dirs: list[str], names: list[st
              split_bytes: int = DEFAULT_SPLIT_BYTES) -> DataFrame:
     """The columns `names` of `log` in the data directories, through the data source."""
     source.register(spark)
-    kinds = dict(COLUMNS[log])
+    kinds = dict(COLUMNS[log] + EXTRA_COLUMNS[log])
     return (spark.read.format(f"delayserver.{log}")
             .schema(", ".join(f"{name} {kinds[name]}" for name in names))
             .option("data_dirs", json.dumps(data_dirs)).option("split_bytes", str(split_bytes)).load())
@@ -74,19 +79,21 @@ def reconcile(spark: SparkSession, data_dirs: list[str], as_of: int, out: str | 
         StorageLevel.MEMORY_AND_DISK)
     cached = [schedule, dispatch]
     try:
-        damage_rows = _damage_rows(schedule, dispatch)
+        damage_rows = _damage_rows(schedule, dispatch, data_dirs)
         damage = [Damage(r.file, r.offset, r.record_type, r.error)
                   for r in damage_rows.orderBy("file", "offset").limit(MAX_DAMAGE).collect()]
         damage_count = damage_rows.count() if len(damage) == MAX_DAMAGE else len(damage)
-        messages = classify(schedule, dispatch, as_of)
-        orphaned = orphans(schedule, dispatch)
-        stats = _stats(spark, messages, orphaned).persist(StorageLevel.MEMORY_AND_DISK)
+        cancels = latest_cancels(schedule).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(cancels)
+        cancels.count()
+        classified = classify(schedule, dispatch, as_of, data_dirs, cancels)
+        stats = _stats(spark, classified, data_dirs).persist(StorageLevel.MEMORY_AND_DISK)
         cached.append(stats)
         summary = summarize(stats)
         levels, truncated = _collect(summary, max_rows)
         outputs = {}
         if out:
-            outputs = write_all(out, summary, id_tables(messages, orphaned), damage_rows)
+            outputs = write_all(out, summary, id_tables(classified), damage_rows)
     finally:
         for frame in cached:
             frame.unpersist()
@@ -99,17 +106,30 @@ def reconcile(spark: SparkSession, data_dirs: list[str], as_of: int, out: str | 
                   outputs, truncated, damage_count)
 
 
-def _damage_rows(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
-    columns = ["node", "bucket", "file", "offset", "record_type", "error"]
-    return (schedule.filter(F.col("error").isNotNull()).select(*columns)
-            .unionByName(dispatch.filter(F.col("error").isNotNull()).select(*columns)))
+def _node(data_dirs: list[str]):
+    """The data directory of a row, from its node_index."""
+    return F.element_at(F.array(*[F.lit(d) for d in data_dirs]), F.col("node_index") + 1)
+
+
+def _file(data_dirs: list[str], log: str):
+    """The segment file of a row of `log`, as the data source names it, from node_index and bucket."""
+    directories = F.array(*[F.lit(str(Path(d) / log) + "/") for d in data_dirs])
+    return F.concat(F.element_at(directories, F.col("node_index") + 1), F.col("bucket"), F.lit(SUFFIX))
+
+
+def _damage_rows(schedule: DataFrame, dispatch: DataFrame, data_dirs: list[str]) -> DataFrame:
+    def damaged(frame, log):
+        return frame.filter(F.col("error").isNotNull()).select(
+            _node(data_dirs).alias("node"), "bucket", _file(data_dirs, log).alias("file"), "offset", "record_type",
+            "error")
+    return damaged(schedule, SCHEDULE_LOG).unionByName(damaged(dispatch, DISPATCH_LOG))
 
 
 def _dispatches(dispatch: DataFrame) -> DataFrame:
     """Per dispatched offset: how many records, first and last time, the broker groups, the group
     of the first dispatch."""
     return (dispatch.filter(F.col("record_type") == "DISPATCH")
-            .groupBy("node", "bucket", F.col("schedule_offset").alias("offset"))
+            .groupBy("node_index", "bucket", F.col("schedule_offset").alias("offset"))
             .agg(F.count("*").alias("dispatches"),
                  F.min("dispatch_time").alias("first_dispatch_time"),
                  F.max("dispatch_time").alias("last_dispatch_time"),
@@ -117,30 +137,43 @@ def _dispatches(dispatch: DataFrame) -> DataFrame:
                  F.min_by("broker_group", F.struct("dispatch_time", "broker_group")).alias("broker_group")))
 
 
-def classify(schedule: DataFrame, dispatch: DataFrame, as_of: int) -> DataFrame:
-    """One row per scheduled message with its `state` (dispatched, cancelled, missing, not_yet_due),
-    its dispatch figures, `broker_group` (of its first dispatch) and `lateness` (first dispatch -
-    schedule time, null if not dispatched)."""
-    scheduled = schedule.filter(F.col("record_type") == "SCHEDULED")
-    # A cancel applies to the earlier records of its key, so the latest cancel of a key decides.
-    cancels = (schedule.filter(F.col("record_type") == "SCHEDULED_CANCEL")
-               .groupBy("node", "bucket", "schedule_time", "message_id")
-               .agg(F.max("offset").alias("last_cancel_offset")))
-    joined = (scheduled.join(cancels, ["node", "bucket", "schedule_time", "message_id"], "left")
-              .join(_dispatches(dispatch), KEY, "left")
-              .fillna(0, ["dispatches"]))
-    state = (F.when(F.col("dispatches") > 0, "dispatched")
+def latest_cancels(schedule: DataFrame) -> DataFrame:
+    """The offset of the latest cancel per (node_index, bucket, schedule time, message id): a
+    cancel applies to the earlier records of its key, so the latest one decides."""
+    return (schedule.filter(F.col("record_type") == "SCHEDULED_CANCEL")
+            .groupBy("node_index", "bucket", "schedule_time", "message_id")
+            .agg(F.max("offset").alias("last_cancel_offset")))
+
+
+def classify(schedule: DataFrame, dispatch: DataFrame, as_of: int, data_dirs: list[str],
+             cancels: DataFrame | None = None) -> DataFrame:
+    """One row per scheduled message, and one per dispatched offset with no scheduled message,
+    with its node (its data directory, one of `data_dirs`; and node_index), its `state` (dispatched, cancelled, missing, not_yet_due; orphan), its dispatch figures,
+    `broker_group` (of its first dispatch) and `lateness` (first dispatch - schedule time, null if
+    not dispatched).
+
+    One full outer join of the messages with the dispatches per offset finds both the dispatched
+    messages and the orphans (a shuffle of each side, once). The cancels (`latest_cancels`, or
+    those given) join after it on their own key. Given cached and counted, Spark knows their size
+    when it plans: few, as usual, they are broadcast and the joined rows are not shuffled again;
+    many, it is a sort-merge join. (Left to adaptive execution, the joined rows could be shuffled
+    for a sort-merge join before the cancels' size is known.)"""
+    scheduled = (schedule.filter(F.col("record_type") == "SCHEDULED")
+                 .select("node_index", *MESSAGE_COLUMNS[1:], F.lit(True).alias("is_scheduled")))
+    if cancels is None:
+        cancels = latest_cancels(schedule)
+    joined = (scheduled.join(_dispatches(dispatch), KEY, "full_outer")
+              .join(cancels, ["node_index", "bucket", "schedule_time", "message_id"], "left")
+              .withColumn("dispatches", F.coalesce(F.col("dispatches"), F.lit(0).cast("bigint"))))
+    state = (F.when(F.col("is_scheduled").isNull(), "orphan")
+             .when(F.col("dispatches") > 0, "dispatched")
              .when(F.col("last_cancel_offset") > F.col("offset"), "cancelled")
              .when(F.col("schedule_time") < F.lit(as_of), "missing")
              .otherwise("not_yet_due"))
-    return joined.select(*MESSAGE_COLUMNS, *DISPATCH_FIGURES, "broker_group", state.alias("state"),
+    assert MESSAGE_COLUMNS[0] == "node"
+    return joined.select("node_index", _node(data_dirs).alias("node"), *MESSAGE_COLUMNS[1:], *DISPATCH_FIGURES,
+                         "broker_group", state.alias("state"),
                          (F.col("first_dispatch_time") - F.col("schedule_time")).alias("lateness"))
-
-
-def orphans(schedule: DataFrame, dispatch: DataFrame) -> DataFrame:
-    """Dispatched offsets with no scheduled message, with their dispatch figures."""
-    scheduled = schedule.filter(F.col("record_type") == "SCHEDULED").select(*KEY)
-    return _dispatches(dispatch).join(scheduled, KEY, "left_anti")
 
 
 _GROUPING_SETS = {
@@ -154,23 +187,21 @@ _GROUPING_SETS = {
 assert tuple(_GROUPING_SETS) == LEVELS
 
 
-def _stats(spark: SparkSession, messages: DataFrame, orphaned: DataFrame) -> DataFrame:
-    """Counts per (level, key, state, lateness): one pass over the messages, grouping sets.
+def _stats(spark: SparkSession, classified: DataFrame, data_dirs: list[str]) -> DataFrame:
+    """Counts per (level, key, state, lateness): one pass over the classified rows, grouping sets.
 
-    The messages are first counted per combination of every dimension (few: the distinct lateness
+    The rows are first counted per combination of every dimension (few: the distinct lateness
     values times buckets, subjects and groups), so that the grouping sets expand those counts
-    five-fold rather than every message."""
-    dimensions = ["node", "bucket", "subject", "broker_group", "state", "lateness"]
-    facts = (messages.select(*dimensions[:-1], "lateness", F.lit(1).alias("n"),
-                             (F.col("dispatches") > 1).cast("int").alias("duplicated"),
-                             F.lit(0).cast("bigint").alias("orphan_dispatches"))
-             .unionByName(orphaned.select("node", "bucket", F.lit(None).cast("string").alias("subject"),
-                                          "broker_group", F.lit("orphan").alias("state"),
-                                          F.lit(None).cast("bigint").alias("lateness"), F.lit(1).alias("n"),
-                                          F.lit(0).alias("duplicated"),
-                                          F.col("dispatches").alias("orphan_dispatches")))
+    five-fold rather than every message. They are counted by node_index, named after."""
+    dimensions = ["node_index", "bucket", "subject", "broker_group", "state", "lateness"]
+    orphan = F.col("state") == "orphan"
+    facts = (classified.select(*dimensions, F.lit(1).alias("n"),
+                               F.when(orphan, 0).otherwise((F.col("dispatches") > 1).cast("int")).alias("duplicated"),
+                               F.when(orphan, F.col("dispatches")).otherwise(0).cast("bigint")
+                               .alias("orphan_dispatches"))
              .groupBy(*dimensions).agg(F.sum("n").alias("n"), F.sum("duplicated").alias("duplicated"),
-                                       F.sum("orphan_dispatches").alias("orphan_dispatches")))
+                                       F.sum("orphan_dispatches").alias("orphan_dispatches"))
+             .withColumn("node", _node(data_dirs)).drop("node_index"))
     view = f"facts_{uuid.uuid4().hex}"
     facts.createOrReplaceTempView(view)
     sets = ", ".join("(" + ", ".join(cols + ["state", "lateness"]) + ")" for cols in _GROUPING_SETS.values())
@@ -257,14 +288,14 @@ def _figures(r) -> Figures:
                    tuple(r.lateness_histogram) if r.lateness_histogram is not None else None)
 
 
-def id_tables(messages: DataFrame, orphaned: DataFrame) -> dict[str, DataFrame]:
+def id_tables(classified: DataFrame) -> dict[str, DataFrame]:
     """The messages (and orphan dispatches) an operator must look at, by kind."""
     state = F.col("state")
     return {
-        "missing": messages.filter(state == "missing"),
-        "duplicated": messages.filter((state == "dispatched") & (F.col("dispatches") > 1)),
-        "early": messages.filter((state == "dispatched") & (F.col("lateness") < 0)),
-        "orphans": orphaned,
+        "missing": classified.filter(state == "missing"),
+        "duplicated": classified.filter((state == "dispatched") & (F.col("dispatches") > 1)),
+        "early": classified.filter((state == "dispatched") & (F.col("lateness") < 0)),
+        "orphans": classified.filter(state == "orphan"),
     }
 
 
@@ -280,8 +311,8 @@ def write_all(out: str, summary: DataFrame, ids: dict[str, DataFrame], damage: D
         problems = rows if problems is None else problems.unionByName(rows, allowMissingColumns=True)
     problems = problems.persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        written = {kind: _write(problems.filter(F.col("kind") == kind).select(*ID_TABLES[kind]), out, kind, KEY)
-                   for kind in ids}
+        written = {kind: _write(problems.filter(F.col("kind") == kind).select(*ID_TABLES[kind]), out, kind,
+                                ["node", "bucket", "offset"]) for kind in ids}
         flat = summary.withColumn("lateness_histogram", F.to_json("lateness_histogram"))
         written["summary"] = _write(flat, out, "summary", ["level", "key", "sub_key"])
         written["damage"] = _write(damage, out, "damage", ["file", "offset"])

@@ -9,7 +9,8 @@ or the path(s) given to `load()`; `split_bytes`, the most of a segment one task 
 64 MiB). The directories must be readable by every executor (a shared file system on a cluster).
 
 The columns are `logs.COLUMNS[log]`; a schema given with `.schema()` picks any of them (and `body`
-for schedule_log), and only those are decoded: a job that does not ask for bodies never copies one.
+for schedule_log, and `node_index` for both), and only those are decoded: a job that does not ask
+for bodies never copies one.
 Every row carries the node (its data directory as given), the bucket name, the segment file and
 the record's offset in it. Damage is reported in rows, never skipped: record_type CORRUPT,
 TORN_TAIL or AMBIGUOUS_SPLIT with an `error` naming file and offset (see
@@ -132,7 +133,9 @@ def _batch(schema: pa.Schema, segment: SegmentRange, record_type: str, n: int, c
                  "record_type": record_type, "error": error}
     arrays = []
     for field in schema:
-        if field.name in constants:
+        if field.name == "node_index":
+            arrays.append(pa.array(np.full(n, segment.node_index, dtype=np.int32)))
+        elif field.name in constants:
             arrays.append(_constant(constants[field.name], n, field.type))
         elif field.name in columns:
             arrays.append(columns[field.name])

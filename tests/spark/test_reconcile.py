@@ -221,6 +221,9 @@ def test_the_data_sources_read_every_record_with_its_node_bucket_and_offset(sess
     bodies = (session.read.format("delayserver.schedule_log").schema("message_id STRING, body BINARY")
               .load(nodes["b"]).filter("message_id = 'with-headers'").collect())
     assert [bytes(r.body) for r in bodies] == [b"body"]
+    indexed = (session.read.format("delayserver.dispatch_log").schema("node STRING, node_index INT")
+               .load([nodes["b"], nodes["a"]]).distinct().collect())
+    assert sorted((r.node_index, r.node) for r in indexed) == [(0, nodes["b"]), (1, nodes["a"])]
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +242,19 @@ def test_counts_per_bucket_per_node_and_in_total_are_exact(reconciled, nodes):
     assert plain(_rename_all(nodes, report.nodes)) == {"a": A_TOTAL, "b": B_TOTAL, "empty": Figures()}
     assert attrs.evolve(report.total, lateness_histogram=None) == TOTAL
     assert report.damage == () and report.torn_tails == () and report.exit_status == 1
+
+
+def test_the_figures_are_the_same_when_the_cancels_are_joined_without_a_broadcast(session, nodes, reconciled):
+    report, _ = reconciled
+    session.conf.set("spark.sql.autoBroadcastJoinThreshold", "-1")
+    try:
+        unbroadcast = reconcile(session, [nodes["a"], nodes["b"], nodes["empty"]], AS_OF)
+    finally:
+        session.conf.unset("spark.sql.autoBroadcastJoinThreshold")
+    assert (unbroadcast.total, unbroadcast.nodes, unbroadcast.buckets, unbroadcast.subjects,
+            unbroadcast.broker_groups) == (report.total, report.nodes, report.buckets, report.subjects,
+                                           report.broker_groups)
+    assert unbroadcast.total.cancelled > 0
 
 
 def test_counts_per_subject_and_per_broker_group_and_the_lateness_histogram(reconciled):
