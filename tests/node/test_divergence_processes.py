@@ -107,8 +107,13 @@ def check_realigned(old, new, lost, shorter: bool) -> list:
 
 
 def test_a_returning_old_master_with_a_longer_log_quarantines_its_suffix_and_replicates(tmp_path, meta, nodes):
-    old, new, common, lost, _ = fork(tmp_path, meta, nodes, new_master_messages=1)
-    check_realigned(old, new, lost, shorter=False)
+    old, new, common, lost, after = fork(tmp_path, meta, nodes, new_master_messages=1)
+    lost = check_realigned(old, new, lost, shorter=False)
+    # The common history and the new master's message are kept on both; the lost ones are on neither.
+    for node in (new, old):
+        with Producer(node.address) as producer:
+            assert all(producer.status(h).state is MessageState.PENDING for h in common + after)
+            assert not any(producer.status(h).state is MessageState.PENDING for h in lost)
 
 
 def test_a_returning_old_master_with_a_shorter_forked_log_truncates_it_and_replicates(tmp_path, meta, nodes):

@@ -110,28 +110,38 @@ def decode_message_log_request(payload: bytes) -> MessageLogRequest:
     return MessageLogRequest(offset, max_bytes, wait_ms, node)
 
 
+def _encode_per_bucket(node_id: str, layout: struct.Struct, rows: list[tuple]) -> bytes:
+    """node id str16, count u32, then one `layout` row (starting with the bucket) per bucket."""
+    node = node_id.encode("utf-8")
+    return U16.pack(len(node)) + node + U32.pack(len(rows)) + b"".join(layout.pack(*row) for row in rows)
+
+
+def _decode_per_bucket(payload: bytes, layout: struct.Struct, what: str) -> tuple[str, dict[int, tuple]]:
+    """The node id and {bucket: rest of its row} of a request `_encode_per_bucket` wrote."""
+    try:
+        node, pos = _node_id(payload, 0, what)
+        (count,) = U32.unpack_from(payload, pos)
+        pos += 4
+        if count > MAX_BUCKETS or pos + count * layout.size != len(payload):
+            raise p.RemoteProtocolError(f"malformed {what} request: {count} buckets declared, "
+                                        f"{len(payload) - pos} bytes follow")
+        rows = {}
+        for _ in range(count):
+            bucket, *rest = layout.unpack_from(payload, pos)
+            rows[bucket] = tuple(rest)
+            pos += layout.size
+    except (struct.error, UnicodeDecodeError):
+        raise p.RemoteProtocolError(f"malformed {what} request") from None
+    return node, rows
+
+
 def encode_dispatch_log_request(r: DispatchLogRequest) -> bytes:
-    node = r.node_id.encode("utf-8")
-    return (U16.pack(len(node)) + node + U32.pack(len(r.sizes))
-            + b"".join(SIZE.pack(b, s) for b, s in r.sizes.items()))
+    return _encode_per_bucket(r.node_id, SIZE, list(r.sizes.items()))
 
 
 def decode_dispatch_log_request(payload: bytes) -> DispatchLogRequest:
-    try:
-        node, pos = _node_id(payload, 0, "SYNC_DISPATCH_LOG")
-        (count,) = U32.unpack_from(payload, pos)
-        pos += 4
-        if count > MAX_BUCKETS or pos + count * SIZE.size != len(payload):
-            raise p.RemoteProtocolError(f"malformed SYNC_DISPATCH_LOG request: {count} buckets declared, "
-                                        f"{len(payload) - pos} bytes follow")
-        sizes = {}
-        for _ in range(count):
-            bucket, size = SIZE.unpack_from(payload, pos)
-            sizes[bucket] = size
-            pos += SIZE.size
-    except (struct.error, UnicodeDecodeError):
-        raise p.RemoteProtocolError("malformed SYNC_DISPATCH_LOG request") from None
-    return DispatchLogRequest(node, sizes)
+    node, rows = _decode_per_bucket(payload, SIZE, "SYNC_DISPATCH_LOG")
+    return DispatchLogRequest(node, {bucket: size for bucket, (size,) in rows.items()})
 
 
 def decode_message_log_response(reply: bytes) -> tuple[int, int, bytes]:
@@ -166,27 +176,11 @@ class DispatchDigestRequest:
 
 
 def encode_dispatch_digest_request(r: DispatchDigestRequest) -> bytes:
-    node = r.node_id.encode("utf-8")
-    return (U16.pack(len(node)) + node + U32.pack(len(r.digests))
-            + b"".join(DIGEST.pack(b, size, crc) for b, (size, crc) in r.digests.items()))
+    return _encode_per_bucket(r.node_id, DIGEST, [(b, size, crc) for b, (size, crc) in r.digests.items()])
 
 
 def decode_dispatch_digest_request(payload: bytes) -> DispatchDigestRequest:
-    try:
-        node, pos = _node_id(payload, 0, "SYNC_DISPATCH_DIGEST")
-        (count,) = U32.unpack_from(payload, pos)
-        pos += 4
-        if count > MAX_BUCKETS or pos + count * DIGEST.size != len(payload):
-            raise p.RemoteProtocolError(f"malformed SYNC_DISPATCH_DIGEST request: {count} buckets declared, "
-                                        f"{len(payload) - pos} bytes follow")
-        digests = {}
-        for _ in range(count):
-            bucket, size, crc = DIGEST.unpack_from(payload, pos)
-            digests[bucket] = (size, crc)
-            pos += DIGEST.size
-    except (struct.error, UnicodeDecodeError):
-        raise p.RemoteProtocolError("malformed SYNC_DISPATCH_DIGEST request") from None
-    return DispatchDigestRequest(node, digests)
+    return DispatchDigestRequest(*_decode_per_bucket(payload, DIGEST, "SYNC_DISPATCH_DIGEST"))
 
 
 def encode_buckets(buckets: list[int]) -> bytes:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import trio
 
+import pytest
+
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
 from delayserver.message import DelayServerError, ResultCode
@@ -89,3 +91,15 @@ async def test_a_longer_dispatch_log_is_answered_diverged_and_the_slave_realigns
         async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
             await prod.send_many([Message("div.q", b"after", delay=0)])
     await wait_until(lambda: dispatch_bytes(slave) == dispatch_bytes(master))
+
+
+def test_the_digest_request_round_trips_and_refuses_what_does_not_add_up():
+    request = wire.DispatchDigestRequest("s1", {1_800_000: (90, 7), -5: (0, 0)})
+    payload = wire.encode_dispatch_digest_request(request)
+    assert wire.decode_dispatch_digest_request(payload) == request
+    for bad in (payload[:-1], payload + b"x", payload[:2]):
+        with pytest.raises(p.RemoteProtocolError):
+            wire.decode_dispatch_digest_request(bad)
+    assert wire.decode_buckets(wire.encode_buckets([3, -4])) == [3, -4]
+    with pytest.raises(p.RemoteProtocolError):
+        wire.decode_buckets(wire.encode_buckets([3]) + b"x")
