@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import attrs
+import pytest
 
 from delayserver.sender.spool import iter_spool, list_spool_subjects
 
@@ -81,3 +82,14 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+@pytest.fixture
+def nodes():
+    """ServerProcesses a test starts (append them): resumed if paused, then killed at the end."""
+    started: list[ServerProcess] = []
+    yield started
+    for node in started:
+        if node.process is not None and node.process.poll() is None:
+            node.process.send_signal(signal.SIGCONT)
+        node.kill()

@@ -7,25 +7,8 @@ import time
 import pytest
 
 from delayserver.client import Producer
-from tests.ctl.test_meta_commands import MetaProcess, request
-from tests.procs import ServerProcess, spooled, wait_for
-
-
-@pytest.fixture
-def meta(tmp_path):
-    proc = MetaProcess(tmp_path / "meta", ["--heartbeat-interval-ms", "100", "--missed-heartbeats", "3"]).start()
-    yield proc
-    proc.kill()
-
-
-@pytest.fixture
-def nodes():
-    started: list[ServerProcess] = []
-    yield started
-    for node in started:
-        if node.process is not None and node.process.poll() is None:
-            node.process.send_signal(signal.SIGCONT)
-        node.kill()
+from tests.ctl.test_meta_commands import request, meta  # noqa: F401 (a fixture)
+from tests.procs import ServerProcess, spooled, wait_for, nodes  # noqa: F401 (a fixture)
 
 
 def start_node(nodes, tmp_path, meta, name: str, group: str) -> ServerProcess:

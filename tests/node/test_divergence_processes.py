@@ -14,30 +14,12 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from delayserver.client import Producer
 from delayserver.message import DelayServerError, MessageState, ResultCode
 from delayserver.node.divergence import list_diverged
-from tests.ctl.test_meta_commands import MetaProcess, request
-from tests.procs import ServerProcess, wait_for
-
-
-@pytest.fixture
-def meta(tmp_path):
-    proc = MetaProcess(tmp_path / "meta", ["--heartbeat-interval-ms", "100", "--missed-heartbeats", "3"]).start()
-    yield proc
-    proc.kill()
-
-
-@pytest.fixture
-def nodes():
-    started: list[ServerProcess] = []
-    yield started
-    for node in started:
-        if node.process is not None and node.process.poll() is None:
-            node.process.send_signal(signal.SIGCONT)
-        node.kill()
+from tests.ctl.test_meta_commands import request, meta  # noqa: F401 (a fixture)
+from tests.procs import ServerProcess, wait_for, nodes  # noqa: F401 (a fixture)
 
 
 def start_node(nodes, tmp_path, meta, name: str) -> ServerProcess:

@@ -4,23 +4,15 @@ with `deliver_through_meta_outage = false`, delivers nothing; the slave is promo
 """
 from __future__ import annotations
 
-import signal
 import time
 
 import pytest
 
 from delayserver.client import Producer
 from delayserver.message import DelayServerError, ResultCode
-from tests.ctl.test_meta_commands import MetaProcess, request
+from tests.ctl.test_meta_commands import request, meta  # noqa: F401 (a fixture)
 from tests.meta.procs import ProxyProcess
-from tests.procs import ServerProcess, spooled, wait_for
-
-
-@pytest.fixture
-def meta(tmp_path):
-    proc = MetaProcess(tmp_path / "meta", ["--heartbeat-interval-ms", "100", "--missed-heartbeats", "3"]).start()
-    yield proc
-    proc.kill()
+from tests.procs import ServerProcess, spooled, wait_for, nodes  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
@@ -28,16 +20,6 @@ def proxy(meta):
     proc = ProxyProcess(meta.address).start()
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-def nodes():
-    started: list[ServerProcess] = []
-    yield started
-    for node in started:
-        if node.process is not None and node.process.poll() is None:
-            node.process.send_signal(signal.SIGCONT)
-        node.kill()
 
 
 def start_node(nodes, tmp_path, meta_address: str, name: str, config: str = "") -> ServerProcess:
