@@ -19,10 +19,8 @@ buckets written in that pass are truncated back and the pass is retried later fr
 from __future__ import annotations
 
 import logging
-import struct
 from typing import Callable
 
-import crc32c as _crc32c
 import trio
 
 from delayserver import failpoints
@@ -30,8 +28,8 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    HEADER, HEADER_SIZE, MESSAGE_HEAD, OFFSET, TRANSACTION_TYPES, RecordError, RecordType, checksum,
-    iter_checked_records, message_log_head, schedule_change_sequence, scheduled_record_head,
+    TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
+    scheduled_record_head,
 )
 from delayserver.storage.store import Store
 from delayserver.transactions.state import HalfMessages
@@ -142,55 +140,36 @@ class Replayer:
         on_record = self.on_record
         own = recent is not None
         followed = 0
-        # MessageLog.read checked every record it returned: walk the headers only. MESSAGE records
-        # (nearly all of them) take the inlined path: their head read, and their schedule record's
-        # head and crc built here, with no call per record; every other type the general one.
-        message, message_head = RecordType.MESSAGE, MESSAGE_HEAD.unpack_from
-        scheduled, pack_header, pack_offset = RecordType.SCHEDULED, HEADER.pack, OFFSET.pack
-        crc32c, scheduled_seed, head_size = _crc32c.crc32c, checksum(RecordType.SCHEDULED, b""), HEADER_SIZE + OFFSET.size
+        # MessageLog.read checked every record it returned: walk the headers only.
         sizes_of, max_sequence = self.store.schedule_log.size, self.max_sequence
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
                 break
-            if rtype == message:
-                try:
-                    _, sched, seq, *_ = message_head(data, s)
-                except struct.error as err:
-                    raise CorruptSegment(self.store.message_log.directory, off,
-                                         f"undecodable message_log_head payload: {err}") from None
-                mid = None
-                bucket = sched - sched % scale
-                payload = view[s:e]
-                offset = pack_offset(off)
-                length = e - s + OFFSET.size
-                size = HEADER_SIZE + length
-                head = pack_header(crc32c(payload, value=crc32c(offset, value=scheduled_seed)), length, scheduled) + offset
-            else:
-                if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_record), not scheduled
-                    max_sequence = max(max_sequence, schedule_change_sequence(data, s))
-                    if on_record is not None:
-                        on_record(rtype, data, s, e, own)
-                    end = base + e
-                    followed += 1
-                    continue
-                if rtype == RecordType.EPOCH:  # a batch's frame: nothing to schedule
+            if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_record), not scheduled
+                max_sequence = max(max_sequence, schedule_change_sequence(data, s))
+                if on_record is not None:
+                    on_record(rtype, data, s, e, own)
+                end = base + e
+                followed += 1
+                continue
+            if rtype == RecordType.EPOCH:  # a batch's frame: nothing to schedule
+                end = base + e
+                continue
+            try:
+                sched, seq, mid = message_log_head(data, s, rtype)
+            except RecordError as err:
+                raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
+            if rtype in TRANSACTION_TYPES:
+                txn_notes.append((off, rtype, s, e))
+                if rtype != RecordType.COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
+                    max_sequence = max(max_sequence, seq)
                     end = base + e
                     continue
-                try:
-                    sched, seq, mid = message_log_head(data, s, rtype)
-                except RecordError as err:
-                    raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
-                if rtype in TRANSACTION_TYPES:
-                    txn_notes.append((off, rtype, s, e))
-                    if rtype != RecordType.COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
-                        max_sequence = max(max_sequence, seq)
-                        end = base + e
-                        continue
-                bucket = sched - sched % scale
-                # The schedule record is a head then the message_log payload as it is: no copy.
-                payload = view[s:e]
-                size, head = scheduled_record_head(off, rtype, payload)
+            bucket = sched - sched % scale
+            # The schedule record is a head then the message_log payload as it is: no copy.
+            payload = view[s:e]
+            size, head = scheduled_record_head(off, rtype, payload)
             recs = per_bucket.get(bucket)
             if recs is None:
                 recs = per_bucket[bucket] = []
