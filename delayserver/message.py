@@ -162,6 +162,8 @@ def error_for(code: int, message: str) -> DelayServerError:
 
 def check_schedule_time(schedule_time: int) -> None:
     """Raise BadScheduleTime unless `schedule_time` is an int within MIN_TIME_MS..MAX_TIME_MS."""
+    if type(schedule_time) is int and MIN_TIME_MS <= schedule_time <= MAX_TIME_MS:
+        return  # the usual case, once per message on the hot path: no further checks
     if (
         isinstance(schedule_time, bool)
         or not isinstance(schedule_time, int)
@@ -184,6 +186,8 @@ def _utf8(value) -> bytes | None:
 
 def encode_id(message_id: str) -> bytes:
     """The id as UTF-8; raises BadMessageId unless it is 1 to MAX_ID_BYTES bytes of UTF-8."""
+    if type(message_id) is str and message_id.isascii() and 1 <= len(message_id) <= MAX_ID_BYTES:
+        return message_id.encode()  # the usual id, once per message on the hot path
     raw = _utf8(message_id)
     if raw is None or not 1 <= len(raw) <= MAX_ID_BYTES:
         got = "not a string of UTF-8" if raw is None else f"{len(raw)} bytes"

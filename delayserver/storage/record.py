@@ -59,7 +59,7 @@ import attrs
 import crc32c as _crc32c
 
 from delayserver.message import (
-    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS, BadHeaders, BadSubject, MessageTooLarge, _utf8, check_body_size,
+    DEFAULT_MAX_BODY_BYTES, MAX_HEADERS_BYTES, BadHeaders, BadSubject, MessageTooLarge, _utf8, check_body_size,
     check_schedule_time, encode_id, encode_subject,
 )
 
@@ -306,10 +306,7 @@ def encode_message_fields(message_id: str, subject: str, body: bytes, schedule_t
                           headers: Mapping[str, str], store_time: int = 0, sequence: int = 0,
                           flags: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
     """`encode_message` without building a Message first (the receiver's hot path)."""
-    # The usual id (a str of ASCII within the limit) is taken without the general checks.
-    mid = message_id.encode() if type(message_id) is str and message_id.isascii() else None
-    if mid is None or not 1 <= len(mid) <= MAX_ID_BYTES:
-        mid = encode_id(message_id)
+    mid = encode_id(message_id)
     # Subjects repeat: remember the ones already checked (bounded, so no input can grow it forever).
     raw_subject = _subject_cache.get(subject)
     if raw_subject is None:
@@ -317,8 +314,7 @@ def encode_message_fields(message_id: str, subject: str, body: bytes, schedule_t
         if len(_subject_cache) < 4096:
             _subject_cache[subject] = raw_subject
     raw_headers = b"" if type(headers) is dict and not headers else encode_headers(headers)
-    if type(schedule_time) is not int or not MIN_TIME_MS <= schedule_time <= MAX_TIME_MS:
-        check_schedule_time(schedule_time)  # raises BadScheduleTime (or accepts an int subclass)
+    check_schedule_time(schedule_time)
     if type(body) is not bytes:
         body = bytes(body)
     check_body_size(len(body), max_body_bytes)
