@@ -6,7 +6,11 @@ a step at or over `threshold_s` is counted (`delayserver_event_loop_slow_steps_t
 longest step in `delayserver_event_loop_longest_step_seconds`) and logged as a warning naming the
 task (at most one line per `log_every_s`, with how many more were seen meanwhile).
 
-Its cost is two clock reads per task step.
+Garbage collection is timed too (`on_gc`, for `gc.callbacks`): a step's warning says how much of
+it the collector took, and the total is `delayserver_gc_pause_seconds_total`. A pause no task
+step explains otherwise is usually a full collection walking everything the node holds.
+
+Its cost is two clock reads per task step and per collection.
 """
 from __future__ import annotations
 
@@ -31,9 +35,29 @@ class LoopWatch(trio.abc.Instrument):
         self._began: float | None = None  # None: installed mid-step, that step is not timed
         self._logged_at: float | None = None
         self._unlogged = 0
+        self.gc_seconds = 0.0
+        self.gc_longest_s = 0.0
+        self._gc_began: float | None = None
+        self._step_gc_s = 0.0
+        self._step_gc_generation = -1
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        """A `gc.callbacks` entry: time each collection, and charge it to the running step."""
+        if phase == "start":
+            self._gc_began = self.clock()
+            return
+        if self._gc_began is None:
+            return
+        took = self.clock() - self._gc_began
+        self._gc_began = None
+        self.gc_seconds += took
+        self.gc_longest_s = max(self.gc_longest_s, took)
+        self._step_gc_s += took
+        self._step_gc_generation = max(self._step_gc_generation, info.get("generation", -1))
 
     def before_task_step(self, task) -> None:
         self._began = self.clock()
+        self._step_gc_s, self._step_gc_generation = 0.0, -1
 
     def after_task_step(self, task) -> None:
         if self._began is None:
@@ -49,5 +73,9 @@ class LoopWatch(trio.abc.Instrument):
             self._unlogged += 1
             return
         more = f" ({self._unlogged} more slow steps since the last warning)" if self._unlogged else ""
-        log.warning("event loop blocked for %.0f ms by task %s%s", took * 1000, task.name, more)
+        gc_part = ""
+        if self._step_gc_s >= 0.001:
+            gc_part = (f", {self._step_gc_s * 1000:.0f} ms of it in garbage collection "
+                       f"(generation {self._step_gc_generation})")
+        log.warning("event loop blocked for %.0f ms by task %s%s%s", took * 1000, task.name, gc_part, more)
         self._logged_at, self._unlogged = now, 0

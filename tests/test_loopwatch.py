@@ -73,3 +73,37 @@ def test_the_step_that_installs_the_watch_is_not_timed():
 
     trio.run(main)
     assert watch.slow_steps == 1 and round(watch.longest_s, 6) == 0.2
+
+
+def test_a_slow_step_says_how_much_of_it_the_garbage_collector_took(caplog):
+    caplog.set_level(logging.WARNING, logger="delayserver.loop")
+    clock = StepClock()
+    watch = LoopWatch(threshold_s=0.1, log_every_s=0.0, clock=clock)
+
+    async def main():
+        clock.now += 0.03
+        watch.on_gc("start", {"generation": 2})
+        clock.now += 0.12  # a full collection inside this step
+        watch.on_gc("stop", {"generation": 2, "collected": 0})
+        await trio.lowlevel.checkpoint()
+        clock.now += 0.2  # a slow step with no collection in it
+        await trio.lowlevel.checkpoint()
+
+    trio.run(main, instruments=[watch])
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("event loop blocked for 150 ms by task ")
+    assert lines[0].endswith(", 120 ms of it in garbage collection (generation 2)")
+    assert "garbage collection" not in lines[1]
+    assert round(watch.gc_seconds, 6) == 0.12 and round(watch.gc_longest_s, 6) == 0.12
+
+
+def test_the_node_times_real_collections():
+    import gc
+
+    watch = LoopWatch()
+    gc.callbacks.append(watch.on_gc)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(watch.on_gc)
+    assert watch.gc_seconds > 0 and watch.gc_longest_s > 0

@@ -9,6 +9,7 @@ SIGTERM path: stop accepting, finish the batch, flush, replay, checkpoint.
 from __future__ import annotations
 
 import functools
+import gc
 import hmac
 import logging
 import ssl
@@ -149,6 +150,7 @@ class DelayServer:
         self._open()  # Replayer.open has replayed all of message_log before anything loads
         c = self.config
         trio.lowlevel.add_instrument(self.loop_watch)
+        gc.callbacks.append(self.loop_watch.on_gc)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -191,6 +193,7 @@ class DelayServer:
                 task_status.started(self.port)
         finally:
             trio.lowlevel.remove_instrument(self.loop_watch)
+            gc.callbacks.remove(self.loop_watch.on_gc)
             await self.sender.aclose()
             self.parked.close()
             self.store.close()

@@ -59,6 +59,8 @@ async def test_a_scrape_parses_and_its_figures_match_the_node(tmp_path, nursery)
     assert value(families, "delayserver_wheel_entries") == len(node.ticks.wheel)
     assert value(families, "delayserver_event_loop_slow_steps", "_total") == node.loop_watch.slow_steps
     assert value(families, "delayserver_event_loop_longest_step_seconds") == node.loop_watch.longest_s
+    assert value(families, "delayserver_gc_pause_seconds", "_total") == node.loop_watch.gc_seconds
+    assert node.loop_watch.on_gc in __import__("gc").callbacks  # the serving node times collections
 
     # The metrics port serves the same registry, open as before.
     async with httpx.AsyncClient() as client:
