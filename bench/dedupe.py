@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
     try:
         path = root / "dedupe.bin"
         t0 = time.perf_counter()
-        DedupeTable.write(path, table.snapshot(), 0)
+        table.save_to(path, 0)
         saved = time.perf_counter() - t0
         t0 = time.perf_counter()
         DedupeTable(table.window_ms).load(path)

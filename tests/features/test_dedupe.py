@@ -86,7 +86,7 @@ def test_a_saved_table_reads_back_and_a_damaged_one_is_ignored(tmp_path):
     table.remember("order-42", T0 + 5, T0)
     table.remember("ünïcode/id", T0 + 6, T0 + 1)
     path = tmp_path / FILE_NAME
-    DedupeTable.write(path, table.snapshot(), 1234)
+    table.save_to(path, 1234)
     again = DedupeTable(window_ms=HOUR)
     assert again.load(path) == 1234
     assert again.find("ünïcode/id", T0 + 2) == T0 + 6 and again.find("order-42", T0 + 2) == T0 + 5
@@ -95,6 +95,92 @@ def test_a_saved_table_reads_back_and_a_damaged_one_is_ignored(tmp_path):
     path.write_bytes(bytes(raw))
     damaged = DedupeTable(window_ms=HOUR)
     assert damaged.load(path) is None and len(damaged) == 0
+
+
+def test_an_id_accepted_again_after_its_window_gets_a_window_of_its_own(tmp_path):
+    table = DedupeTable(window_ms=HOUR)
+    table.remember("a", T0 + 5000, T0)
+    table.remember("b", T0 + 5000, T0 + 10)
+    table.remember("a", T0 + HOUR + 9000, T0 + HOUR)  # after the window, not yet expired
+    assert table.find("a", T0 + HOUR + 1) == T0 + HOUR + 9000
+    # Expiry passes the first acceptance of "a" (and "b") without forgetting the second.
+    assert table.expire(T0 + HOUR + 100) == 2
+    assert len(table) == 1 and table.find("a", T0 + 2 * HOUR - 1) == T0 + HOUR + 9000
+    # Saved with both of its positions before expiry, it reads back at the later one.
+    again = DedupeTable(window_ms=HOUR)
+    fresh = DedupeTable(window_ms=HOUR)
+    fresh.remember("a", T0 + 5000, T0)
+    fresh.remember("a", T0 + HOUR + 9000, T0 + HOUR)
+    fresh.save_to(tmp_path / FILE_NAME, 7)
+    assert again.load(tmp_path / FILE_NAME) == 7
+    assert len(again) == 1 and again.find("a", T0 + HOUR + 1) == T0 + HOUR + 9000
+    assert again.expire(T0 + HOUR + 100) == 1 and again.find("a", T0 + HOUR + 1) == T0 + HOUR + 9000
+
+
+def test_expiry_looks_at_no_more_than_its_limit_and_then_goes_on_where_it_stopped():
+    table = DedupeTable(window_ms=HOUR)
+    for i in range(100_000):
+        table.remember(f"m{i}", T0, T0 + i)
+    now = T0 + HOUR + 60_000  # the first 60,001 are out of the window
+    looked = [table.expire(now, 25_000) for _ in range(4)]
+    assert looked == [25_000, 25_000, 10_001, 0]
+    assert len(table) == 39_999 and table.find("m60000", now) is None and table.find("m60001", now) == T0
+    # The expired front is given back once it is half of what is kept (here after the second
+    # call), and the positions still point at the right entries.
+    assert len(table._keys) == 50_000
+    table.remember("late", T0 + 1, now)
+    assert table.find("late", now) == T0 + 1 and table.find("m99999", now) == T0
+
+
+async def test_a_save_goes_in_slices_with_the_event_loop_free_between_them(tmp_path):
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, tmp_path)
+    for i in range(10_000):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    others_ran = 0
+    saving = True
+
+    async def other_task():
+        nonlocal others_ran
+        while saving:
+            others_ran += 1
+            await trio.lowlevel.checkpoint()
+
+    class Steps(trio.abc.Instrument):
+        """Counts the save's task steps."""
+
+        def __init__(self):
+            self.steps = 0
+
+        def before_task_step(self, task):
+            if task.name.endswith("save"):
+                self.steps += 1
+
+    steps = Steps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+
+            async def save():
+                nonlocal saving
+                # Entries come in while the save encodes: each is in the file or fed again at start.
+                await dedupe.save(T0 + 5000 + HOUR, 1234, slice_entries=1000)
+                saving = False
+            nursery.start_soon(save, name="save")
+            for i in range(10_000, 10_100):
+                dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+                await trio.lowlevel.checkpoint()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    # 5,001 expired in 1,000-entry slices, 4,999 (and some of those remembered meanwhile) encoded in
+    # 1,000-entry slices: at least 11 steps, with the other task running between them.
+    assert steps.steps >= 11 and others_ran >= 10
+    again = DedupeTable(HOUR)
+    assert again.load(tmp_path / FILE_NAME) == 1234
+    assert again.find("m5000", T0 + 5000 + HOUR) is None and again.find("m5001", T0 + 5001) == T0 + 5001
+    assert again.find("m9999", T0 + 9999) == T0 + 9999
 
 
 def test_consumer_retries_and_redrives_are_new_attempts_of_their_id():
