@@ -1,8 +1,9 @@
 """The trio task around the tick manager: load ahead, advance the wheel, wake the sender.
 
 Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
-sender is woken. While deliveries are under way and the bucket does not start soon, the loader is
-paced to its deadline: it pauses between slices so that it takes only the share of the event loop
+sender is woken. While deliveries are under way (something ready or in flight, or due within a
+second) and the bucket does not start soon, the loader is paced to its deadline, in slices of half
+a millisecond: it pauses between slices so that it takes only the share of the event loop
 it needs to finish in three quarters of the time left before the load turns urgent (a quarter of
 `load_ahead` before the bucket starts), and delivery keeps the rest. A big bucket loading during a
 busy delivery window would otherwise take half the loop and let delivery fall behind.
@@ -19,7 +20,7 @@ import time
 import trio
 
 from delayserver.wakeup import Wakeup
-from delayserver.wheel.tick_manager import TickManager
+from delayserver.wheel.tick_manager import LOAD_SLICE_S, TickManager
 
 log = logging.getLogger("delayserver.wheel")
 
@@ -27,6 +28,12 @@ log = logging.getLogger("delayserver.wheel")
 MIN_LOAD_SHARE = 0.02
 #: The longest pause between two load slices.
 MAX_LOAD_PAUSE_S = 0.05
+#: A load is paced while something is ready or in flight, or falls due within this time: between
+#: two deliveries the ready queue is empty most of the time, and an unpaced load would then take the
+#: loop back in full slices, each one delaying every step of the next delivery.
+DELIVERING_HORIZON_MS = 1000
+#: The longest load slice while paced: a delivery that finds a slice running waits at most this long.
+PACED_SLICE_S = 0.0005
 
 
 def load_pause_s(slice_s: float, bytes_per_s: float, bytes_left: int, seconds_left: float) -> float:
@@ -42,6 +49,14 @@ def load_pause_s(slice_s: float, bytes_per_s: float, bytes_left: int, seconds_le
 
 def _urgent_at(ticks: TickManager) -> int:
     return ticks.loading_bucket - ticks.load_ahead_ms // 4
+
+
+def _delivering(ticks: TickManager, now: int) -> bool:
+    """Whether deliveries are under way: something ready or in flight, or due within the horizon."""
+    if ticks.ready or ticks.inflight:
+        return True
+    due = ticks.wheel.next_due()
+    return due is not None and due - now <= DELIVERING_HORIZON_MS
 
 
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
@@ -74,9 +89,10 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
             continue
         ticks.advance(now)
         bytes_per_s = 0.0
+        paced = False
         while True:
             began, offset_before = time.perf_counter(), ticks.loaded_offset
-            if not ticks.load_step(now):
+            if not ticks.load_step(now, max_s=PACED_SLICE_S if paced else LOAD_SLICE_S):
                 break
             # Loading goes in slices of a millisecond or so: between two, what fell due goes out.
             # A load has until its bucket starts: while deliveries are under way and the bucket is
@@ -86,7 +102,8 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
                 rate = (ticks.loaded_offset - offset_before) / slice_s
                 bytes_per_s = rate if not bytes_per_s else 0.8 * bytes_per_s + 0.2 * rate
             pause = 0.0
-            if (ticks.ready or ticks.inflight) and not _load_is_urgent(ticks, now):
+            paced = _delivering(ticks, now) and not _load_is_urgent(ticks, now)
+            if paced:
                 pause = load_pause_s(slice_s, bytes_per_s, ticks.loading_end - ticks.loaded_offset,
                                      (_urgent_at(ticks) - now) / 1000)
             if pause:

@@ -52,6 +52,7 @@ OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 READ_GUESS_BYTES = 4096
 LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
+MIN_READ_BYTES = 16 << 10  # the least a time-bounded slice reads
 #: How long one load step may hold the event loop (it stops after the record that passes it).
 LOAD_SLICE_S = 0.001
 _CLOCK_EVERY = 32  # records between two looks at the clock in a load step
@@ -77,6 +78,9 @@ class TickManager:
         # (schedule_time, ref) of the loading bucket's messages that are due but not released yet.
         self._held: list[tuple[int, int]] = []
         self._settled_elsewhere = settled_elsewhere
+        # Bytes the last time-bounded slice consumed: the next reads about twice that, not a whole
+        # chunk it would mostly throw away.
+        self._last_slice_bytes: int | None = None
         # Per bucket: messages in the wheel, ready or in flight; and (sched, id) -> cancel offset.
         self.outstanding: collections.Counter[int] = collections.Counter()
         self.cancels: dict[int, dict[tuple[int, str], int]] = {}
@@ -258,6 +262,8 @@ class TickManager:
     def _load_chunk(self, now: int, max_bytes: int, max_s: float | None = None) -> None:
         bucket, start = self.loading_bucket, self.loaded_offset
         log_ = self.store.schedule_log
+        if max_s is not None and self._last_slice_bytes is not None:
+            max_bytes = min(max_bytes, max(MIN_READ_BYTES, 2 * self._last_slice_bytes))
         data = log_.read(bucket, start, min(self.loading_end, start + max(max_bytes, HEADER_SIZE)))
         if len(data) >= HEADER_SIZE:
             need = record_size(data, 0)
@@ -294,6 +300,7 @@ class TickManager:
             # The pinned end cuts a record: only possible if the segment was damaged under us.
             raise CorruptSegment(log_.path(bucket), start, "record cut short before the pinned end")
         self.loaded_offset = start + consumed
+        self._last_slice_bytes = consumed if max_s is not None else None
         if self.loaded_offset >= self.loading_end:
             self._skip_in_load = set()
             self._release_held()

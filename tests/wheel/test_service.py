@@ -108,3 +108,24 @@ def test_a_paced_load_takes_the_share_of_the_loop_its_deadline_needs():
     # Almost nothing left: the least share, never a pause longer than MAX_LOAD_PAUSE_S.
     assert abs(load_pause_s(0.001, 10e6, 1000, 40.0) - 0.001 * (1 / MIN_LOAD_SHARE - 1)) < 1e-9
     assert load_pause_s(0.01, 10e6, 1000, 40.0) == MAX_LOAD_PAUSE_S
+
+
+def test_a_load_is_paced_while_a_delivery_is_due_soon_though_nothing_is_ready_yet(tmp_path):
+    """Between two deliveries the ready queue is empty most of the time: pacing only on it let the
+    loader take the loop back in whole slices just before each delivery (P99 13 ms against 6 ms)."""
+    from delayserver.wheel.service import DELIVERING_HORIZON_MS, _delivering
+
+    node = Node(tmp_path, START_MS, scale_ms=HOUR_MS, tick_ms=TICK_MS, slots=4096)
+    ticks = node.ticks
+    assert not _delivering(ticks, START_MS)  # nothing at all
+    node.send([("later", START_MS + 10 * DELIVERING_HORIZON_MS)])
+    node.replay_all()
+    while ticks.load_step(START_MS):
+        pass
+    assert len(ticks.wheel) == 1 and not ticks.ready and not _delivering(ticks, START_MS)
+    node.send([("soon", START_MS + DELIVERING_HORIZON_MS // 2)])
+    node.replay_all()
+    assert not ticks.ready and _delivering(ticks, START_MS)
+    ticks.advance(START_MS + DELIVERING_HORIZON_MS // 2)
+    assert ticks.ready and _delivering(ticks, START_MS + DELIVERING_HORIZON_MS // 2)
+    node.crash()
