@@ -59,6 +59,19 @@ def _delivering(ticks: TickManager, now: int) -> bool:
     return due is not None and due - now <= DELIVERING_HORIZON_MS
 
 
+async def _pause(ticks: TickManager, now: int, pause_s: float) -> None:
+    """A paced load's pause between two slices, ended early when an entry falls due (the wheel is
+    advanced only between slices) or the replayer adds one due sooner than the pause's end."""
+    wake_at = now + pause_s * 1000
+    due = ticks.wheel.next_due()
+    if due is not None:
+        wake_at = min(wake_at, due)
+    ticks.sleeping_until = int(wake_at)
+    with trio.move_on_after(max(0.0, wake_at - now) / 1000):
+        await ticks.changed.wait()
+    ticks.sleeping_until = None
+
+
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
     """Whether the bucket being loaded starts within a quarter of `load_ahead`: load at full speed."""
     return ticks.loading_bucket is None or now >= _urgent_at(ticks)
@@ -107,7 +120,7 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
                 pause = load_pause_s(slice_s, bytes_per_s, ticks.loading_end - ticks.loaded_offset,
                                      (_urgent_at(ticks) - now) / 1000)
             if pause:
-                await trio.sleep(pause)
+                await _pause(ticks, now, pause)
             else:
                 await trio.lowlevel.checkpoint()
             now = clock.now_ms()
