@@ -5,7 +5,8 @@ sender is woken. While deliveries are under way (something ready or in flight, o
 second) and the bucket does not start soon, the loader is paced to its deadline, in slices of half
 a millisecond: it pauses between slices so that it takes only the share of the event loop
 it needs to finish in three quarters of the time left before the load turns urgent (a quarter of
-`load_ahead` before the bucket starts), and delivery keeps the rest. A big bucket loading during a
+`load_ahead` before the bucket starts), and delivery keeps the rest. The wheel goes on advancing
+through a pause, as entries fall due. A big bucket loading during a
 busy delivery window would otherwise take half the loop and let delivery fall behind.
 
 It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
@@ -59,17 +60,24 @@ def _delivering(ticks: TickManager, now: int) -> bool:
     return due is not None and due - now <= DELIVERING_HORIZON_MS
 
 
-async def _pause(ticks: TickManager, now: int, pause_s: float) -> None:
-    """A paced load's pause between two slices, ended early when an entry falls due (the wheel is
-    advanced only between slices) or the replayer adds one due sooner than the pause's end."""
-    wake_at = now + pause_s * 1000
-    due = ticks.wheel.next_due()
-    if due is not None:
-        wake_at = min(wake_at, due)
-    ticks.sleeping_until = int(wake_at)
-    with trio.move_on_after(max(0.0, wake_at - now) / 1000):
-        await ticks.changed.wait()
-    ticks.sleeping_until = None
+async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float) -> None:
+    """A paced load's pause between two slices: no loading for `pause_s`, but the wheel advances
+    as entries fall due (at 10,000 msg/s one falls due every 0.1 ms: ending the pause for it would
+    end every pause at once, and the load would take half the loop again)."""
+    end = trio.current_time() + pause_s
+    while True:
+        now = clock.now_ms()
+        if ticks.advance(now) or ticks.ready:
+            ready.set()
+        left = end - trio.current_time()
+        if left <= 0:
+            return
+        due = ticks.wheel.next_due()
+        wait = left if due is None else min(left, max(0, due - now) / 1000 + 0.0005)
+        ticks.sleeping_until = now + int(wait * 1000)
+        with trio.move_on_after(wait):
+            await ticks.changed.wait()
+        ticks.sleeping_until = None
 
 
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
@@ -120,7 +128,7 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
                 pause = load_pause_s(slice_s, bytes_per_s, ticks.loading_end - ticks.loaded_offset,
                                      (_urgent_at(ticks) - now) / 1000)
             if pause:
-                await _pause(ticks, now, pause)
+                await _pause(ticks, clock, ready, pause)
             else:
                 await trio.lowlevel.checkpoint()
             now = clock.now_ms()
