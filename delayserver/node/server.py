@@ -189,6 +189,10 @@ class DelayServer:
                 if self.slave is not None:
                     await nursery.start(self.slave.run)
                 nursery.start_soon(self._clean_periodically)
+                # What recovery built lives as long as the node (the dedupe table's list of ids,
+                # the schedules, the replayer's state): kept out of the collector's generations,
+                # a full collection no longer walks millions of entries on the event loop.
+                gc.freeze()
                 log.info("serving on %s:%d, data in %s", c.listen[0], self.port, c.data_dir)
                 task_status.started(self.port)
         finally:

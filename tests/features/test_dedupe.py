@@ -319,3 +319,22 @@ async def test_a_consumer_retry_keeps_its_id_and_is_stored_each_time(tmp_path):
 
     await run_node(root, body)
     assert len(stored_messages(root)) == 3
+
+
+async def test_what_recovery_built_is_kept_out_of_the_collectors_generations(tmp_path):
+    """A full collection walks every tracked container: the dedupe table's list of ids, millions
+    long, cost 50 ms and more of the event loop per collection until the node froze it."""
+    import gc
+
+    async def sends(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+            await producer.send_many([Message("orders", b"x", delay=HOUR, message_id=f"m{i}") for i in range(10)])
+
+    await run_node(tmp_path, sends)
+
+    async def look(server):
+        keys = server.dedupe.table._keys
+        assert len(keys) == 10
+        assert not any(o is keys for o in gc.get_objects())  # frozen: in no generation
+
+    await run_node(tmp_path, look)
