@@ -23,6 +23,7 @@ from delayserver.config import Config
 from delayserver.dedupe import Dedupe
 from delayserver.lookup import Lookup
 from delayserver.loopwatch import LoopWatch
+from delayserver.wheel.prefetch import prefetch_due
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
 from delayserver.node.browse import Browser
@@ -162,6 +163,7 @@ class DelayServer:
                                                       checkpoint_interval_ms=c.checkpoint_interval_ms))
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self.role.is_master))
+                await nursery.start(prefetch_due, self.ticks, self.clock)
                 await nursery.start(self.sender.serve)
                 nursery.start_soon(self._save_followers_periodically)
                 await nursery.start(functools.partial(serve_schedules, self.schedules, self.operations, self.clock,

@@ -165,6 +165,26 @@ class TimingWheel:
         self._len -= len(fired)
         return fired
 
+    def refs_due_between(self, start_ms: int, end_ms: int) -> list[int]:
+        """The refs of the entries due in [start_ms, end_ms), slot by slot (not in due order); the
+        wheel is unchanged. Costs one bisection per slot the span covers (at most `slots`)."""
+        out: list[int] = []
+        if end_ms <= start_ms:
+            return out
+        slot_entries, mask = self._slot_entries, self._mask
+        first = (start_ms - self.start_ms) // self.tick_ms
+        last = (end_ms - 1 - self.start_ms) // self.tick_ms
+        for tick in range(first, min(last, first + self.slots - 1) + 1):
+            entries = slot_entries[tick & mask]
+            if entries is None:
+                continue
+            k = len(entries) >> 1
+            i = bisect_left(entries, start_ms, 0, k)
+            j = bisect_left(entries, end_ms, i, k)
+            if i < j:
+                out.extend(entries[k + i : k + j])
+        return out
+
     def next_due(self) -> int | None:
         """The due time of the earliest stored entry (exact), or None when the wheel is empty.
 

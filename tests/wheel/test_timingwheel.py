@@ -284,3 +284,16 @@ def test_bench_wheel_reports_its_figures():
     # Each entry takes its 16 bytes at least; the 120-byte bound is for a full load (1,000,000
     # entries): with a few entries per 65536 slots the per-slot cost dominates.
     assert figures["bytes_per_entry_traced"] >= 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 1000)), max_size=60),
+       start=st.integers(0, 220), length=st.integers(0, 120), slots=st.sampled_from([4, 8, 64]),
+       tick_ms=st.sampled_from([1, 3, 10]))
+def test_refs_due_between_are_exactly_the_entries_due_in_the_span(entries, start, length, slots, tick_ms):
+    wheel = tiny(slots=slots, tick_ms=tick_ms)
+    for due, ref in entries:
+        wheel.add(due, ref, 0)
+    got = wheel.refs_due_between(start, start + length)
+    assert sorted(got) == sorted(ref for due, ref in entries if start <= due < start + length)
+    assert len(wheel) == len(entries)  # nothing taken out
