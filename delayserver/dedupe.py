@@ -44,6 +44,8 @@ log = logging.getLogger("delayserver.dedupe")
 FILE_NAME = "dedupe.bin"
 _HEAD = struct.Struct(">8sQQI")  # magic, message_log offset, entry count, crc32c of the entries
 _MAGIC = b"DSDEDUP2"
+_OFFSET = struct.Struct(">Q")
+_OFFSET_AT = 8  # after the magic
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 
@@ -84,6 +86,8 @@ class DedupeTable:
         self._head = 0  # the position of the first entry not expired
         self._encoding = 0  # saves encoding slices: the front is not dropped meanwhile
         self.duplicates = 0
+        #: Bumped by every change (a save that finds it as it left it rewrites only the offset).
+        self.changes = 0
 
     def __len__(self) -> int:
         return len(self._positions)
@@ -111,11 +115,13 @@ class DedupeTable:
             i = position - self._base
             if store_time - self._stores[i] < self.window_ms:
                 self._scheds[i] = schedule_time
+                self.changes += 1
                 return
         self._positions[message_id] = self._base + len(self._keys)
         self._keys.append(message_id)
         self._stores.append(store_time)
         self._scheds.append(schedule_time)
+        self.changes += 1
 
     def expire(self, now_ms: int, limit: int | None = None) -> int:
         """Forget the ids accepted more than the window ago (at most `limit` entries looked at, None:
@@ -131,6 +137,8 @@ class DedupeTable:
                 del positions[key]
             keys[i] = None
             i += 1
+        if i > first:
+            self.changes += 1
         self._head = i + base
         self._drop_front()
         return i - first
@@ -198,6 +206,18 @@ class DedupeTable:
         os.replace(tmp, path)
         fd = os.open(path.parent, os.O_RDONLY)
         try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def write_offset(path: Path, offset: int) -> None:
+        """Make a saved table cover message_log up to `offset` (nothing in it changed since it was
+        written): the head's offset, 8 bytes in one sector, rewritten in place, then fsync.
+        Raises OSError (the file is as it was, or names the new offset)."""
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, _OFFSET.pack(offset), _OFFSET_AT)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -279,6 +299,7 @@ class Dedupe:
         #: message_log is needed from here on to rebuild the table (the cleaner keeps it).
         self.saved_offset = 0
         self._saving = trio.Lock()
+        self._saved_changes = -1  # the table's `changes` when it was last saved whole
 
     def recover(self, message_log, now_ms: int, chunk_bytes: int = 8 << 20) -> None:
         """Load the saved table, then feed message_log from the offset it covers to the end."""
@@ -299,6 +320,18 @@ class Dedupe:
         async with self._saving:  # one writer of the file at a time
             while self.table.expire(now_ms, slice_entries) >= slice_entries:
                 await trio.lowlevel.checkpoint()
+            if self._saved_changes == self.table.changes and self.saved_offset and self.path.exists():
+                # Nothing changed since the last save: the records replayed since had no part in
+                # the table, so the file covers them too. Rewriting it whole (100 MB and more for
+                # millions of ids) would only hold the disk, and the fsyncs of deliveries with it.
+                try:
+                    await trio.to_thread.run_sync(DedupeTable.write_offset, self.path, replay_offset)
+                except OSError as e:
+                    log.warning("%s: offset not saved (%s); will try again", self.path, e)
+                    return
+                self.saved_offset = replay_offset
+                return
+            changes = self.table.changes
             slices = []
             for part in self.table.encode_slices(slice_entries):
                 slices.append(part)
@@ -309,3 +342,4 @@ class Dedupe:
                 log.warning("%s: not saved (%s); will try again", self.path, e)
                 return
             self.saved_offset = replay_offset
+            self._saved_changes = changes

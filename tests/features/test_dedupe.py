@@ -338,3 +338,25 @@ async def test_what_recovery_built_is_kept_out_of_the_collectors_generations(tmp
         assert not any(o is keys for o in gc.get_objects())  # frozen: in no generation
 
     await run_node(tmp_path, look)
+
+
+async def test_a_save_of_an_unchanged_table_rewrites_only_the_offset_it_covers(tmp_path):
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, tmp_path)
+    for i in range(1000):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    await dedupe.save(T0 + 1000, 100)
+    path = tmp_path / FILE_NAME
+    whole = path.read_bytes()
+    inode = path.stat().st_ino
+    await dedupe.save(T0 + 1000, 250)  # replay went on, the table did not change
+    assert path.stat().st_ino == inode, "rewritten in place, not replaced"
+    assert path.read_bytes()[16:] == whole[16:] and dedupe.saved_offset == 250
+    again = DedupeTable(HOUR)
+    assert again.load(path) == 250 and len(again) == 1000
+    dedupe.table.remember("new", T0 + 5, T0 + 1001)
+    await dedupe.save(T0 + 1001, 300)  # changed: written whole, the new id in it
+    assert path.stat().st_ino != inode
+    fresh = DedupeTable(HOUR)
+    assert fresh.load(path) == 300 and fresh.find("new", T0 + 1001) == T0 + 5
