@@ -9,9 +9,7 @@ steps of 40 to 60 ms, with no garbage collection in them, when the next bucket's
 `prefetch_due` runs beside the tick task: every `step_ms` it asks the kernel to read ahead
 (`posix_fadvise(POSIX_FADV_WILLNEED)`, which starts the reads and does not wait for them) the
 records of the entries falling due within the next `horizon_ms`, each range of nearby records as
-one request, from a worker thread. By the time they fall due their pages are in memory. The same
-goes for the next `LOAD_AHEAD_BYTES` of a segment being loaded: the loader reads it on the event
-loop too, in slices bounded in time, which a read waiting for the disk is not.
+one request, from a worker thread. By the time they fall due their pages are in memory.
 """
 from __future__ import annotations
 
@@ -30,8 +28,6 @@ HORIZON_MS = 1000
 STEP_MS = 100
 #: Records closer than this are read ahead as one range.
 GAP_BYTES = 64 << 10
-#: How far past the loader's position the segment being loaded is read ahead.
-LOAD_AHEAD_BYTES = 16 << 20
 
 
 def ranges(offsets: list[int], record_bytes: int = READ_GUESS_BYTES, gap: int = GAP_BYTES) -> list[tuple[int, int]]:
@@ -67,19 +63,13 @@ def advise(paths_and_ranges: list[tuple[str, list[tuple[int, int]]]]) -> int:
     return count
 
 
-def plan(ticks: TickManager, start_ms: int, end_ms: int,
-         load_ahead_bytes: int = LOAD_AHEAD_BYTES) -> list[tuple[str, list[tuple[int, int]]]]:
-    """The segment ranges holding the entries due in [start_ms, end_ms), per segment file, and
-    the next `load_ahead_bytes` of the segment being loaded."""
+def plan(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The segment ranges holding the entries due in [start_ms, end_ms), per segment file."""
     by_bucket: dict[int, list[int]] = {}
     for ref in ticks.wheel.refs_due_between(start_ms, end_ms):
         bucket, offset = ticks.split(ref)
         by_bucket.setdefault(bucket, []).append(offset)
-    out = [(str(ticks.store.schedule_log.path(bucket)), ranges(offsets)) for bucket, offsets in by_bucket.items()]
-    if ticks.loading_bucket is not None and ticks.loaded_offset < ticks.loading_end:
-        length = min(load_ahead_bytes, ticks.loading_end - ticks.loaded_offset)
-        out.append((str(ticks.store.schedule_log.path(ticks.loading_bucket)), [(ticks.loaded_offset, length)]))
-    return out
+    return [(str(ticks.store.schedule_log.path(bucket)), ranges(offsets)) for bucket, offsets in by_bucket.items()]
 
 
 async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_MS, step_ms: int = STEP_MS,
@@ -95,7 +85,7 @@ async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_M
         if done_until is None or done_until < now or done_until > now + horizon_ms:
             done_until = now  # first round, fell behind, or the clock stepped back
         end = now + horizon_ms
-        wanted = plan(ticks, done_until, end)
+        wanted = plan(ticks, done_until, end) if end > done_until else []
         done_until = end
         if wanted:
             try:

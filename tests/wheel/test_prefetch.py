@@ -54,23 +54,3 @@ async def test_every_record_is_read_ahead_before_it_falls_due(tmp_path, autojump
         # Asked for within the horizon before it falls due (the first ones: at the start).
         assert any(max(START_MS, at - 500) <= t < at for t in covering), (mid, at, covering)
     node.crash()
-
-
-def test_the_segment_being_loaded_is_read_ahead_of_the_loader(tmp_path):
-    from delayserver.wheel.prefetch import plan
-
-    node = Node(tmp_path, START_MS, scale_ms=HOUR_MS, tick_ms=10, slots=4096, load_ahead_ms=HOUR_MS)
-    later = START_MS - START_MS % HOUR_MS + HOUR_MS  # the next bucket, loaded from now on
-    node.send([(f"m{i}", later + i) for i in range(2000)])
-    node.replay_all()
-    ticks = node.ticks
-    while ticks.loading_bucket != later:
-        assert ticks.load_step(START_MS)
-    assert ticks.load_step(START_MS, max_bytes=4096)  # one slice of it
-    assert 0 < ticks.loaded_offset < ticks.loading_end
-    path = str(node.store.schedule_log.path(later))
-    assert plan(ticks, START_MS, START_MS + 1000, load_ahead_bytes=10_000) == [
-        (path, [(ticks.loaded_offset, 10_000)])]
-    node.load_all()
-    assert plan(ticks, START_MS, START_MS + 1000) == []  # loaded: nothing of it to read ahead
-    node.crash()
