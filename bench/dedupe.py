@@ -5,6 +5,8 @@ ingest rate with dedupe on and off.
   traced memory (tracemalloc) before and after, divided by N.
 - Save: the table written to its file (what a node does every minute and at shutdown), and read
   back (what a restart does before it feeds message_log from the saved offset).
+- The event loop during a node's save (`Dedupe.save`, in slices, the writing in a thread): the
+  longest a task sleeping 1 ms at a time waited; and expiry of a twentieth of the table at once.
 - Ingest: `bench.ingest load` (8 producers, batches of 64 x 1 KiB) for S seconds against a real
   server on a fresh data directory, with dedupe_window = 24h (the default) and with 0 (off),
   alternating, --rounds times each (the first run of a process is slower on a cold machine): every
@@ -41,6 +43,53 @@ def memory_per_id(n: int) -> tuple[float, "DedupeTable"]:  # noqa: F821
     # The ids themselves are counted too: a node holds them only in the table.
     id_bytes = sum(sys.getsizeof(x) for x in ids)
     return (after - before + id_bytes) / n, table
+
+
+def loop_during_save(table, root: Path) -> tuple[float, float]:
+    """(seconds the save took, the longest a 1 ms ticker beside it waited) for a node's save."""
+    import trio
+
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(table.window_ms, root)
+    dedupe.table = table
+    result = {}
+
+    async def main():
+        done, worst = False, 0.0
+
+        async def ticker():
+            nonlocal worst
+            last = time.perf_counter()
+            while not done:
+                await trio.sleep(0.001)
+                now = time.perf_counter()
+                worst, last = max(worst, now - last), now
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0.05)
+            began = time.perf_counter()
+            await dedupe.save(time.time_ns() // 1_000_000, 0)
+            result["save"] = time.perf_counter() - began
+            done = True
+        result["worst"] = worst
+
+    trio.run(main)
+    return result["save"], result["worst"]
+
+
+def expiry_seconds(n: int) -> float:
+    """Seconds to expire a twentieth of a table of n ids at once."""
+    from delayserver.dedupe import DedupeTable
+
+    table = DedupeTable(3_600_000)
+    t0 = 1_795_000_000_000
+    for i in range(n):
+        table.remember(f"{i:028x}", t0, t0 + i)
+    began = time.perf_counter()
+    table.expire(t0 + 3_600_000 + n // 20 - 1)
+    return time.perf_counter() - began
 
 
 def ingest(root: Path, seconds: float, window: str) -> float:
@@ -84,6 +133,10 @@ def main(argv: list[str]) -> None:
         DedupeTable(table.window_ms).load(path)
         loaded = time.perf_counter() - t0
         print(f"  save {saved:.2f} s, load {loaded:.2f} s ({path.stat().st_size / args.ids:.0f} bytes per id on disk)",
+              flush=True)
+        took, worst = loop_during_save(table, root)
+        print(f"  a node's save: {took:.2f} s; the event loop waited at most {worst * 1000:.0f} ms meanwhile", flush=True)
+        print(f"  expiry of {args.ids // 20:,} of {args.ids:,} ids at once: {expiry_seconds(args.ids) * 1000:.0f} ms",
               flush=True)
         runs = {"0": [], "24h": []}
         for r in range(args.rounds):
