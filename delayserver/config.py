@@ -40,6 +40,8 @@ def parse_duration(value: Any, option: str = "duration") -> int:
         m = re.fullmatch(r"\s*(\d+)\s*(ms|s|m|h|d|y)\s*", value)
         if m:
             return int(m.group(1)) * _UNITS_MS[m.group(2)]
+        if value.strip() == "0":  # zero needs no unit ("0" turns dedupe_window off, as 0 does)
+            return 0
     raise ConfigError(f"{option}: expected a duration such as 500ms, 30s, 5m, 1h, 2y; got {value!r}")
 
 

@@ -19,9 +19,15 @@ def test_defaults_are_the_documented_ones():
 
 
 @pytest.mark.parametrize("text,ms", [("250ms", 250), ("30s", 30_000), ("5m", 300_000), ("2h", 7_200_000),
-                                     ("1d", 86_400_000), ("2y", 2 * 365 * 86_400_000), (15, 15)])
+                                     ("1d", 86_400_000), ("2y", 2 * 365 * 86_400_000), (15, 15), ("0", 0), (0, 0)])
 def test_durations(text, ms):
     assert parse_duration(text) == ms
+
+
+def test_a_dedupe_window_of_zero_turns_dedupe_off_as_a_string_too():
+    assert Config.from_dict({"dedupe_window": "0"}).dedupe_window_ms == 0
+    with pytest.raises(ConfigError, match="expected a duration"):
+        parse_duration("5")  # any other number needs its unit
 
 
 @pytest.mark.parametrize("text,size", [("4KiB", 4096), ("64MiB", 64 << 20), (512, 512), ("1GB", 10**9)])
