@@ -200,6 +200,7 @@ class DelayServer:
         finally:
             trio.lowlevel.remove_instrument(self.loop_watch)
             gc.callbacks.remove(self.loop_watch.on_gc)
+            gc.unfreeze()  # what was frozen is collectable again once the node stops
             await self.sender.aclose()
             self.parked.close()
             self.store.close()
