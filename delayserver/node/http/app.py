@@ -145,7 +145,8 @@ def _int(value, name: str) -> int:
 
 
 def _time_spec(obj: dict) -> TimeSpec:
-    given = [k for k in ("delay_ms", "deliver_at", "delay_level") if obj.get(k) is not None]
+    # A field given as null is given (and refused as the wrong type): the schema allows no null.
+    given = [k for k in ("delay_ms", "deliver_at", "delay_level") if k in obj]
     if len(given) > 1:
         raise ApiError(ResultCode.BAD_REQUEST, f"give one of delay_ms, deliver_at, delay_level, not {given}")
     if not given:
@@ -199,11 +200,11 @@ def send_item(obj) -> SendItem:
             raise ApiError(ResultCode.BAD_REQUEST, "body: expected a string (or use body_base64)")
         body = text.encode("utf-8", "surrogatepass")
     message_id = obj.get("id")
-    if message_id is None:
+    if "id" not in obj:
         message_id = new_message_id()
     elif not isinstance(message_id, str):
         raise ApiError(ResultCode.BAD_REQUEST, "id: expected a string")
-    headers = obj.get("headers") or {}
+    headers = obj.get("headers", {})
     if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
         raise ApiError(ResultCode.BAD_REQUEST, "headers: expected an object of strings")
     return SendItem(message_id, subject, _time_spec(obj), body, headers)
