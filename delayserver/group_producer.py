@@ -28,6 +28,9 @@ from delayserver.trio_util import BackgroundTasks
 COOL_DOWN_S = 5.0
 REFRESH_S = 10.0
 #: Codes that say "not this group now": try another.
+#: Answers of a node whose role is changing: the group is asked again after ROLE_CHANGE_WAIT_S.
+_ROLE_CHANGING = {ResultCode.NOT_MASTER, ResultCode.FENCED}
+ROLE_CHANGE_WAIT_S = 1.0
 _GROUP_FAILURES = {ResultCode.NOT_MASTER, ResultCode.FENCED, ResultCode.READ_ONLY, ResultCode.DISK_FULL,
                    ResultCode.BUSY, ResultCode.NOT_ENOUGH_REPLICAS}
 
@@ -91,6 +94,7 @@ class AsyncGroupProducer(BackgroundTasks):
         await self._refresh()
         last: Exception | None = None
         for attempt in range(2):
+            changing = False
             for address in self._candidates():
                 try:
                     return await call(await self._member(address))
@@ -100,8 +104,15 @@ class AsyncGroupProducer(BackgroundTasks):
                     if e.code not in _GROUP_FAILURES:
                         raise
                     last = e
+                    if e.code in _ROLE_CHANGING:
+                        # Reachable, its role changing (a lease being renewed, a master being
+                        # chosen): asked again after a short wait, not set aside.
+                        changing = True
+                        continue
                 self._mark_down(address)
             await self._refresh(force=True)
+            if changing and attempt == 0:
+                await trio.sleep(ROLE_CHANGE_WAIT_S)
         raise NoDelayGroup(f"no delay group took the request (last error: {last})")
 
     async def send(self, subject: str, body: bytes, **kw) -> Handle:
