@@ -27,10 +27,10 @@ from delayserver.trio_util import BackgroundTasks
 
 COOL_DOWN_S = 5.0
 REFRESH_S = 10.0
-#: Codes that say "not this group now": try another.
 #: Answers of a node whose role is changing: the group is asked again after ROLE_CHANGE_WAIT_S.
 _ROLE_CHANGING = {ResultCode.NOT_MASTER, ResultCode.FENCED}
 ROLE_CHANGE_WAIT_S = 1.0
+#: Codes that say "not this group now": try another.
 _GROUP_FAILURES = {ResultCode.NOT_MASTER, ResultCode.FENCED, ResultCode.READ_ONLY, ResultCode.DISK_FULL,
                    ResultCode.BUSY, ResultCode.NOT_ENOUGH_REPLICAS}
 
