@@ -60,6 +60,20 @@ def _delivering(ticks: TickManager, now: int) -> bool:
     return due is not None and due - now <= DELIVERING_HORIZON_MS
 
 
+async def _sleep_until(ticks: TickManager, now: int, limit_ms: int) -> None:
+    """Sleep until `limit_ms` or the next due entry, whichever comes first (wall ms, half a
+    millisecond past it so that the clock has reached it), or until the replayer adds an entry due
+    sooner."""
+    wake_at = limit_ms
+    due = ticks.wheel.next_due()
+    if due is not None:
+        wake_at = min(wake_at, due)
+    ticks.sleeping_until = wake_at
+    with trio.move_on_after(max(0, wake_at - now) / 1000 + 0.0005):
+        await ticks.changed.wait()
+    ticks.sleeping_until = None
+
+
 async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float) -> None:
     """A paced load's pause between two slices: no loading for `pause_s`, but the wheel advances
     as entries fall due (at 10,000 msg/s one falls due every 0.1 ms: ending the pause for it would
@@ -72,12 +86,7 @@ async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float) -> No
         left = end - trio.current_time()
         if left <= 0:
             return
-        due = ticks.wheel.next_due()
-        wait = left if due is None else min(left, max(0, due - now) / 1000 + 0.0005)
-        ticks.sleeping_until = now + int(wait * 1000)
-        with trio.move_on_after(wait):
-            await ticks.changed.wait()
-        ticks.sleeping_until = None
+        await _sleep_until(ticks, now, now + int(left * 1000))
 
 
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
@@ -137,12 +146,4 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
         ticks.advance(now)
         if ticks.ready:
             ready.set()
-        wake_at = now + max_sleep_ms
-        due = ticks.wheel.next_due()
-        if due is not None:
-            wake_at = min(wake_at, due)
-        wake_at = min(wake_at, ticks.next_load_time())
-        ticks.sleeping_until = wake_at
-        with trio.move_on_after(max(0, wake_at - now) / 1000 + 0.0005):
-            await ticks.changed.wait()
-        ticks.sleeping_until = None
+        await _sleep_until(ticks, now, min(now + max_sleep_ms, ticks.next_load_time()))
