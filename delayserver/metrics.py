@@ -163,8 +163,8 @@ class _NodeCollector(Collector):
         yield _gauge("delayserver_event_loop_longest_step_seconds", "The longest task step since the node started.",
                      watch.longest_s)
         yield _counter("delayserver_gc_pause_seconds_total",
-                       "Time the garbage collector held the event loop since the node started.", watch.gc_seconds)
-        yield _gauge("delayserver_gc_longest_pause_seconds", "The longest garbage collection since the node started.",
+                       "CPU time of the event loop's thread in garbage collection since the node started.", watch.gc_seconds)
+        yield _gauge("delayserver_gc_longest_pause_seconds", "The longest garbage collection (CPU time) since the node started.",
                      watch.gc_longest_s)
         yield from self._groups(sender)
         yield from self._replication(s)

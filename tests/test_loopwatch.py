@@ -78,7 +78,7 @@ def test_the_step_that_installs_the_watch_is_not_timed():
 def test_a_slow_step_says_how_much_of_it_the_garbage_collector_took(caplog):
     caplog.set_level(logging.WARNING, logger="delayserver.loop")
     clock = StepClock()
-    watch = LoopWatch(threshold_s=0.1, log_every_s=0.0, clock=clock)
+    watch = LoopWatch(threshold_s=0.1, log_every_s=0.0, clock=clock, gc_clock=clock)
 
     async def main():
         clock.now += 0.03
