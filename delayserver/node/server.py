@@ -23,7 +23,6 @@ from delayserver.config import Config
 from delayserver.dedupe import Dedupe
 from delayserver.lookup import Lookup
 from delayserver.loopwatch import LoopWatch
-from delayserver.wheel.prefetch import prefetch_due
 from delayserver.message import ResultCode
 from delayserver.metrics import NodeMetrics
 from delayserver.node.browse import Browser
@@ -51,6 +50,7 @@ from delayserver.transactions.operations import TransactionOperations
 from delayserver.transactions.sessions import ProducerSessions
 from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
+from delayserver.wheel.prefetch import prefetch_due
 from delayserver.wheel.service import serve_ticks
 from delayserver.wheel.tick_manager import TickManager
 

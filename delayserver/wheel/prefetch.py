@@ -85,7 +85,7 @@ async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_M
         if done_until is None or done_until < now or done_until > now + horizon_ms:
             done_until = now  # first round, fell behind, or the clock stepped back
         end = now + horizon_ms
-        wanted = plan(ticks, done_until, end) if end > done_until else []
+        wanted = plan(ticks, done_until, end)  # nothing when the clock has not moved
         done_until = end
         if wanted:
             try:
