@@ -4,7 +4,7 @@ The wheel holds refs only: a message's record is read from its schedule_log segm
 taken for delivery, on the event loop. A segment written an hour ago may no longer be in the page
 cache (memory pressure, or proactive reclaim of pages not touched for a while), and then each such
 read waits for the disk with the whole loop: `ops/bench deliver --bucket-load 3000000` saw sender
-steps of 40 to 60 ms, with no garbage collection in them, when the next bucket's load began.
+steps of 47 and 61 ms, with no garbage collection in them, when the next bucket's load began.
 
 `prefetch_due` runs beside the tick task: every `step_ms` it asks the kernel to read ahead
 (`posix_fadvise(POSIX_FADV_WILLNEED)`, which starts the reads and does not wait for them) the
