@@ -10,7 +10,12 @@ generation.
   leaves), so healthy groups deliver at full rate beside a dead one.
 - Each group task sends batches of up to `send_batch_size`, waiting up to `send_wait_ms` for one to
   fill, so that a slow or dead group never holds back another.
-- Per-message results: ACKED -> a dispatch_log record (then the message is settled); RETRY -> back
+- Per-message results: ACKED -> a dispatch_log record, appended at once; the message is settled
+  once an fsync covers it. The fsyncs run in one task of their own, each covering every record
+  appended while the one before ran (group commit across batches and groups): a group task hands
+  over its records and sends its next batch, so a slow fsync of our disk never holds back the
+  messages falling due behind it. The records not yet fsynced belong to unsettled deliveries, at
+  most `max_inflight` per group (the bound `DISPATCH_POWER_LOSS_WINDOW` relies on). RETRY -> back
   to routing after a back-off, possibly to another group, without any retry limit; REJECTED ->
   parked (see `parked.py`), never blocking the others.
 - Poison isolation: a batch the broker refuses whole (every message REJECTED, as an HTTP 4xx
@@ -66,7 +71,7 @@ class BrokerGroup:
     split_batches: int = 0
     retried: int = 0
     parked: int = 0
-    sending: int = 0  # messages handed to the transport, not settled yet
+    sending: int = 0  # messages handed to the transport, not answered yet
     scope: trio.CancelScope | None = None
     spec: object = None  # what the group was built from (a meta server's broker group), if anything
 
@@ -109,6 +114,11 @@ class Sender:
         self.no_route = 0
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
+        # Batches whose dispatch records are appended and await the fsync that settles them:
+        # (acknowledged deliveries, their group, dispatch time).
+        self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
+        self._unsynced_wakeup = Wakeup()
+        self.dispatch_fsyncs = 0
         # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
         self.on_delivered = lambda group, lateness_ms: None
 
@@ -197,6 +207,7 @@ class Sender:
             for group in self.groups.values():
                 self._start_group(group)
             nursery.start_soon(self._retry_task)
+            nursery.start_soon(self._sync_task)
             task_status.started()
             await self._dispatch_task()
 
@@ -205,8 +216,8 @@ class Sender:
         self._nursery.start_soon(self._run_group, group)
 
     async def _run_group(self, group: BrokerGroup) -> None:
-        # Several batches in flight per group, so that one batch's round trip and dispatch_log
-        # fsync do not cap the group's rate.
+        # Several batches in flight per group, so that one batch's round trip does not cap the
+        # group's rate (the dispatch_log fsync is the fsync task's: see the module docstring).
         with group.scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._backlog_task, group)
@@ -417,31 +428,64 @@ class Sender:
         group.wakeup.set()
 
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
+        """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
         per_bucket: dict[int, list[bytes]] = {}
         for d in acked:
             dispatch = Dispatch(d.schedule_offset, now, group.name, d.message_log_offset)
             rec = encode_record(RecordType.DISPATCH, encode_dispatch(dispatch))
             per_bucket.setdefault(d.bucket, []).append(rec)
         dispatch_log = self.store.dispatch_log
-        while True:
+        while per_bucket:
+            bucket = next(iter(per_bucket))
             try:
-                for bucket, recs in per_bucket.items():
-                    dispatch_log.append(bucket, b"".join(recs))
-                paths, new_files = dispatch_log.take_dirty()
-                await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
-                break
-            except FsyncFailed as e:
-                # Never retried (fsyncgate): the records are not durable, so these messages go out
-                # again after a restart; settle them in memory rather than deliver again now.
-                log.error("dispatch_log not durable, a restart delivers these %d again: %s", len(acked), e)
-                break
+                dispatch_log.append(bucket, b"".join(per_bucket[bucket]))
             except StorageError as e:
                 # The broker has them: a lost dispatch record only means a redelivery after a
-                # restart, so keep trying rather than give up or deliver again now.
+                # restart, so keep trying rather than give up or deliver again now. A failed
+                # append leaves the segment as it was: only this bucket's records are written again.
                 log.error("dispatch_log write failed, retrying: %s", e)
                 if isinstance(e, DiskFull):
                     self.on_disk_full()  # releases the reserve: the retry finds room
                 await trio.sleep(0.5)
+                continue
+            del per_bucket[bucket]
+        self._unsynced.append((acked, group, now))
+        self._unsynced_wakeup.set()
+
+    async def _sync_task(self) -> None:
+        """fsync dispatch_log for every batch appended since the last round, then settle them."""
+        while True:
+            if not self._unsynced:
+                await self._unsynced_wakeup.wait()
+                continue
+            # Shielded: a round that began settles what it covers, even when the sender stops.
+            with trio.CancelScope(shield=True):
+                await self._sync_round()
+
+    async def _sync_round(self) -> None:
+        # Taken together, with no checkpoint between: the fsync covers every record of `taken`.
+        taken, self._unsynced = self._unsynced, []
+        dispatch_log = self.store.dispatch_log
+        while True:
+            paths, new_files = dispatch_log.take_dirty()
+            try:
+                await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+                self.dispatch_fsyncs += 1
+                break
+            except FsyncFailed as e:
+                # Never retried (fsyncgate): the records are not durable, so these messages go out
+                # again after a restart; settle them in memory rather than deliver again now.
+                n = sum(len(acked) for acked, _, _ in taken)
+                log.error("dispatch_log not durable, a restart delivers these %d again: %s", n, e)
+                break
+            except StorageError as e:
+                log.error("dispatch_log fsync failed, retrying: %s", e)
+                dispatch_log.mark_dirty(paths)
+                await trio.sleep(0.5)
+        for acked, group, now in taken:
+            self._settle(acked, group, now)
+
+    def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         lateness = [now - d.message.schedule_time for d in acked]
         for d in acked:
             self.due.settle(d)
@@ -462,6 +506,13 @@ class Sender:
         self._assign(d, None)
 
     async def aclose(self) -> None:
+        if self._unsynced:  # appended after the fsync task stopped: make them durable too
+            try:
+                self.store.dispatch_log.sync()
+            except StorageError as e:
+                log.error("dispatch_log not durable at stop, a restart delivers %d again: %s",
+                          sum(len(acked) for acked, _, _ in self._unsynced), e)
+            self._unsynced = []
         for group in self.groups.values():
             await group.transport.aclose()
 
