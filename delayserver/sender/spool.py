@@ -3,9 +3,12 @@
 Each subject's messages go to `<data_dir>/spool/<subject>.log`, one DELIVERED record each (the
 record format of `storage.record`). The writer promises:
 
-- one write and one fsync per subject per batch, and ACKED only after the fsync returned;
-- a failed write or fsync (ENOSPC, EIO, any OSError) gives RETRY for that subject's part of the
-  batch and truncates the file back to where it ended, so a later append never lands after garbage;
+- ACKED only after an fsync that covers the message returned; appends to one subject are
+  group-committed: while one write and fsync run, the batches that arrive wait, and then go in one
+  write and one fsync together (a broker's group commit: a slow disk makes the groups bigger, not
+  the queue longer);
+- a failed write or fsync (ENOSPC, EIO, any OSError) gives RETRY for that subject's part of every
+  batch it covered and truncates the file back to where it ended, so a later append never lands after garbage;
   after a failed fsync no later append to that file counts as delivered either (RETRY until the
   node restarts: a later fsync that succeeds proves nothing about the pages the kernel dropped);
 - every append holds an exclusive flock on the file, so several spool transports (two broker groups
@@ -238,6 +241,14 @@ def _encode(m: OutboundMessage) -> bytes:
 
 
 @attrs.define(eq=False)
+class _Append:
+    """One batch's records for a subject, waiting for the write and fsync that cover them."""
+    data: bytes
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: DeliveryResult | None = None
+
+
+@attrs.define(eq=False)
 class SpoolTransport(Transport):
     """Delivers into the spool of `data_dir`."""
 
@@ -245,8 +256,13 @@ class SpoolTransport(Transport):
     # Subjects whose file this transport found free of a torn tail. Files are opened per append,
     # so any number of subjects costs no open file descriptors between batches.
     _checked: set[str] = attrs.field(factory=set, init=False)
-    # One append at a time per subject within this transport; the flock covers other writers.
-    _locks: defaultdict[str, trio.Lock] = attrs.field(factory=lambda: defaultdict(trio.Lock), init=False)
+    # Per subject, the appends waiting for the one in progress (see `_append`); the flock covers
+    # other writers.
+    _waiting: dict[str, list[_Append]] = attrs.field(factory=dict, init=False)
+    #: Over all subjects: appends asked for (a batch's share of one subject counts once), and the
+    #: writes (each one write and one fsync) that covered them.
+    appends: int = attrs.field(default=0, init=False)
+    writes: int = attrs.field(default=0, init=False)
 
     @classmethod
     def from_config(cls, address: str, options: Mapping[str, Any], data_dir: Path) -> SpoolTransport:
@@ -296,24 +312,51 @@ class SpoolTransport(Transport):
         return results
 
     async def _append(self, subject: str, path: Path, data: bytes) -> DeliveryResult | None:
-        """Append and fsync; None when durable, else the RETRY result for the whole append."""
-        async with self._locks[subject]:
-            check_tail = subject not in self._checked
-            try:
-                await trio.to_thread.run_sync(partial(_append_durably, path, data, check_tail=check_tail))
-            except OSError as e:
-                # A failed truncation may have left a torn tail: check it again before the next append.
-                self._checked.discard(subject)
-                log.warning("%s: append failed, will retry: %s", path, e)
-                return DeliveryResult(Outcome.RETRY, f"{path}: {e.strerror or e}")
-            except StorageError as e:  # a failed fsync: nothing of this append counts as delivered
-                self._checked.discard(subject)
-                log.error("%s: append not durable, will retry: %s", path, e)
-                return DeliveryResult(Outcome.RETRY, str(e))
-            except SpoolCorrupt as e:
-                log.error("%s", e)
-                return DeliveryResult(Outcome.RETRY, str(e))
-            self._checked.add(subject)
+        """Append and fsync; None when durable, else the RETRY result for the whole append.
+
+        Group commit: the first append to a subject writes; those that arrive meanwhile queue, and
+        it writes them all in one write and one fsync when its own is done, until none is left."""
+        pending = _Append(data)
+        self.appends += 1
+        waiting = self._waiting.get(subject)
+        if waiting is not None:  # a writer is at work on this subject: it takes this one too
+            waiting.append(pending)
+            await pending.done.wait()
+            return pending.result
+        waiting = self._waiting[subject] = [pending]
+        try:
+            # Shielded: the appends queued behind this one are written even if its caller is cancelled.
+            with trio.CancelScope(shield=True):
+                while waiting:
+                    group = waiting[:]
+                    waiting.clear()
+                    result = await self._write(subject, path, b"".join(p.data for p in group))
+                    for p in group:
+                        p.result = result
+                        p.done.set()
+        finally:
+            del self._waiting[subject]
+        return pending.result
+
+    async def _write(self, subject: str, path: Path, data: bytes) -> DeliveryResult | None:
+        check_tail = subject not in self._checked
+        try:
+            await trio.to_thread.run_sync(partial(_append_durably, path, data, check_tail=check_tail))
+        except OSError as e:
+            # A failed truncation may have left a torn tail: check it again before the next append.
+            self._checked.discard(subject)
+            log.warning("%s: append failed, will retry: %s", path, e)
+            return DeliveryResult(Outcome.RETRY, f"{path}: {e.strerror or e}")
+        except StorageError as e:  # a failed fsync: nothing of this append counts as delivered
+            self._checked.discard(subject)
+            log.error("%s: append not durable, will retry: %s", path, e)
+            return DeliveryResult(Outcome.RETRY, str(e))
+        except SpoolCorrupt as e:
+            log.error("%s", e)
+            return DeliveryResult(Outcome.RETRY, str(e))
+        finally:
+            self.writes += 1
+        self._checked.add(subject)
         return None
 
     async def aclose(self) -> None:

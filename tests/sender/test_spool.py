@@ -1,8 +1,10 @@
 import errno
 import os
+import threading
 
 import pytest
 import trio
+import trio.testing
 
 from delayserver.sender.spool import SpoolCorrupt, SpoolTransport, iter_spool, list_spool_subjects, spool_path
 from delayserver.sender.transport import OutboundMessage, Outcome, make_transport
@@ -73,6 +75,74 @@ async def test_each_subject_gets_one_write_and_one_fsync_per_batch(tmp_path, mon
 
     assert all(r.outcome is Outcome.ACKED for r in results)
     assert calls == {"pwrite": 3, "fsync": 3}
+
+
+class HeldFsync:
+    """os.fsync on a slow disk: every call waits until `released` is set (from a worker thread)."""
+
+    def __init__(self):
+        self.real = os.fsync
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self.calls = 0
+
+    def __call__(self, fd):
+        self.calls += 1
+        self.entered.set()
+        self.released.wait(60)
+        return self.real(fd)
+
+
+async def send_while_an_fsync_waits(spool, held, batches):
+    """Send `batches` concurrently, in order: the first one's fsync waits (`held`) until every
+    other has been sent and waits too. Their results, in order."""
+    results = [None] * len(batches)
+
+    async def one(i):
+        results[i] = await spool.send_batch(batches[i])
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0)
+            await trio.to_thread.run_sync(held.entered.wait, 30)
+            for i in range(1, len(batches)):
+                nursery.start_soon(one, i)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+            held.released.set()
+    finally:
+        held.released.set()
+    return results
+
+
+async def test_batches_arriving_while_an_fsync_runs_go_in_one_write_and_one_fsync(tmp_path, monkeypatch):
+    batches = [[outbound(1)]] + [[outbound(i), outbound(i + 100)] for i in range(2, 7)]
+    async with SpoolTransport(tmp_path) as spool:
+        await spool.send_batch([outbound(0)])  # creates and scans the file
+        held = HeldFsync()
+        monkeypatch.setattr(os, "fsync", held)
+        results = await send_while_an_fsync_waits(spool, held, batches)
+    assert all(r.outcome is Outcome.ACKED for batch in results for r in batch)
+    assert held.calls == 2  # the first batch's, and one for the five that waited for it
+    assert (spool.appends, spool.writes) == (7, 3)
+    assert read_back(tmp_path, "orders") == expected([outbound(0)] + [m for b in batches for m in b])
+
+
+async def test_a_failed_fsync_gives_retry_to_every_batch_it_covered_and_truncates_back(tmp_path, monkeypatch):
+    path = spool_path(tmp_path, "orders")
+    held = HeldFsync()
+
+    def failing_fsync(fd):
+        held(fd)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    async with SpoolTransport(tmp_path) as spool:
+        await spool.send_batch([outbound(0)])
+        before = path.read_bytes()
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        results = await send_while_an_fsync_waits(spool, held, [[outbound(1)], [outbound(2)], [outbound(3), outbound(4)]])
+    assert [r.outcome for batch in results for r in batch] == [Outcome.RETRY] * 4
+    assert all("Input/output error" in r.detail for batch in results for r in batch)
+    assert path.read_bytes() == before
 
 
 async def test_new_file_is_created_with_its_directories(tmp_path):
