@@ -149,6 +149,9 @@ class _NodeCollector(Collector):
         yield _gauge("delayserver_connections", "Open producer connections.", s.connections())
         yield _counter("delayserver_delivered_total", "Messages delivered (acknowledged by a broker).",
                        sender.delivered)
+        yield _counter("delayserver_dispatch_log_fsyncs_total",
+                       "fsyncs of dispatch_log, each covering every batch acknowledged while the one before ran.",
+                       sender.dispatch_fsyncs)
         yield _counter("delayserver_retries_total", "Delivery attempts that will be retried.", sender.retried)
         yield _counter("delayserver_parked_total", "Messages a broker rejected for good (parked).",
                        sender.parked_count)

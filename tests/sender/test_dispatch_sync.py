@@ -74,6 +74,7 @@ async def test_a_slow_dispatch_fsync_holds_back_no_delivery_and_one_fsync_covers
         assert group.inflight == 0
         # The held round and one more that covered the five batches appended meanwhile.
         assert held.calls == 2
+        assert server.sender.dispatch_fsyncs == 2
         dispatched = [off for b in dispatch_log.sizes.keys() for off in server.store.dispatched(b)]
         assert len(dispatched) == 6
     finally:
