@@ -288,7 +288,7 @@ class Sender:
                 await (self._room if due.waiting else due.ready).wait(timeout)
                 continue
             now = monotonic_ms()
-            for d in due.take(min(room, self.batch_size)):
+            for d in await due.take(min(room, self.batch_size)):
                 self.route(d, now)
             await trio.lowlevel.checkpoint()
 

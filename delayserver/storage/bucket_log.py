@@ -10,6 +10,7 @@ only hidden from readers, and left for the node to truncate at its next start.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 from pathlib import Path
@@ -25,6 +26,28 @@ log = logging.getLogger("delayserver.storage")
 
 SUFFIX = ".log"
 MAX_OPEN_FDS = 128
+
+
+def _record_at(read, path: Path, offset: int, guess: int):
+    """The whole, checked record at `offset` through `read(start, end)` (None: not in memory)."""
+    data = read(offset, offset + guess)
+    if data is None:
+        return None
+    if len(data) < HEADER_SIZE:
+        raise CorruptSegment(path, offset, "no record here")
+    need = record_size(data, 0)
+    if need > len(data):
+        data = read(offset, offset + need)
+        if data is None:
+            return None
+    try:
+        parsed = parse_record(data, 0, min(need, len(data)))
+    except RecordError as e:
+        raise CorruptSegment(path, offset, e.reason) from None
+    if parsed is None:
+        raise CorruptSegment(path, offset, "record cut short")
+    rtype, start, end = parsed
+    return rtype, data, start, end
 
 
 class BucketLog:
@@ -45,6 +68,8 @@ class BucketLog:
         # Indexes following the log: `appended(bucket, pos, data)`, `truncated(bucket, size)`,
         # `removed(bucket)` (storage/id_index.py).
         self.listeners: list = []
+        # Whether reads that never wait for the disk (RWF_NOWAIT) work here (see `read_cached`).
+        self._nowait_reads = hasattr(os, "RWF_NOWAIT")
 
     @classmethod
     def open(cls, directory: Path, **kw) -> "BucketLog":
@@ -140,25 +165,62 @@ class BucketLog:
             return b""
         return os.pread(self._fd(bucket), end - start, start)
 
-    def read_record(self, bucket: int, offset: int, guess: int = 512) -> tuple[int, bytes, int, int]:
+    def read_cached(self, bucket: int, start: int = 0, end: int | None = None) -> bytes | None:
+        """As `read`, from the page cache only: None when some of the range is not in memory, so
+        that reading it would wait for the disk (a non-blocking read, RWF_NOWAIT). Where the file
+        system or kernel cannot read without blocking, a plain read."""
+        size = self.size(bucket)
+        end = size if end is None else min(end, size)
+        if end <= start:
+            return b""
+        if not self._nowait_reads:
+            return self.read(bucket, start, end)
+        buf = bytearray(end - start)
+        try:
+            n = os.preadv(self._fd(bucket), [buf], start, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait_reads = False
+            return self.read(bucket, start, end)
+        return bytes(buf) if n == len(buf) else None
+
+    def read_record(self, bucket: int, offset: int, guess: int = 512, *,
+                    cached_only: bool = False) -> tuple[int, bytes, int, int] | None:
         """(rtype, data, payload start, payload end) of the whole, checked record at `offset`.
 
         One read of `guess` bytes covers most records whole; a bigger one takes a second read.
+        With `cached_only`, None when the record is not all in the page cache (`read_cached`).
         Raises CorruptSegment when there is no whole valid record there."""
-        data = self.read(bucket, offset, offset + guess)
-        if len(data) < HEADER_SIZE:
-            raise CorruptSegment(self.path(bucket), offset, "no record here")
-        need = record_size(data, 0)
-        if need > len(data):
-            data = self.read(bucket, offset, offset + need)
-        try:
-            parsed = parse_record(data, 0, min(need, len(data)))
-        except RecordError as e:
-            raise CorruptSegment(self.path(bucket), offset, e.reason) from None
-        if parsed is None:
-            raise CorruptSegment(self.path(bucket), offset, "record cut short")
-        rtype, start, end = parsed
-        return rtype, data, start, end
+        read = self.read_cached if cached_only else self.read
+        return _record_at(lambda start, end: read(bucket, start, end), self.path(bucket), offset, guess)
+
+    def records_reader(self, bucket: int):
+        """A function `read(offsets, guess)` for a worker thread: per offset, the record there as
+        `read_record` gives it, or the CorruptSegment. It opens the segment itself (the descriptor
+        cache is the event loop's) and reads up to the size the segment has now."""
+        path, size = self.path(bucket), self.size(bucket)
+
+        def read(offsets: list[int], guess: int) -> list:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                def pread(start: int, end: int) -> bytes:
+                    end = min(end, size)
+                    return os.pread(fd, end - start, start) if end > start else b""
+
+                out = []
+                for offset in offsets:
+                    try:
+                        out.append(_record_at(pread, path, offset, guess))
+                    except CorruptSegment as e:
+                        out.append(e)
+                return out
+            finally:
+                os.close(fd)
+
+        return read
 
     def _check_writable(self) -> None:
         if self.readonly:

@@ -26,6 +26,9 @@ from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.wheel")
 
+#: `_read`'s answer for a record not in the page cache.
+_NOT_CACHED = object()
+
 
 @attrs.define(eq=False)
 class Due:
@@ -53,6 +56,7 @@ class DueQueue:
         self._retries: list = []
         self._seq = itertools.count()
         self.cancelled = 0
+        self.disk_reads = 0  # due records read in a worker thread: not in the page cache
 
     @property
     def generation(self) -> int:
@@ -72,15 +76,39 @@ class DueQueue:
     def retrying(self) -> int:
         return len(self._retries)
 
-    def take(self, limit: int) -> list[Due]:
+    async def take(self, limit: int) -> list[Due]:
         """Up to `limit` due messages, read from schedule_log; cancelled ones are dropped here.
 
+        The records in the page cache are read here, on the event loop; the others (a segment
+        evicted since it was written) in a worker thread, so that the loop never waits for the
+        disk: a read that waits would hold every delivery, acknowledgement and answer.
         A record that cannot be read goes to `on_corrupt` and is skipped (raised without it)."""
         ticks = self._ticks
-        out = []
         generation = ticks.generation
-        for ref in ticks.take(limit):
-            read = self._read(ref)
+        refs = ticks.take(limit)
+        reads = {}
+        misses = []
+        for ref in refs:
+            read = self._read(ref, cached_only=True)
+            if read is _NOT_CACHED:
+                misses.append(ref)
+            else:
+                reads[ref] = read
+        if misses:
+            self.disk_reads += len(misses)
+            got = await trio.to_thread.run_sync(ticks.disk_reader(misses))
+            if ticks.generation != generation:
+                return []  # reset meanwhile (a change of role): the reload owns them now
+            for ref in misses:
+                read = got.get(ref)
+                if isinstance(read, CorruptSegment):
+                    read = self._corrupt(ref, read)
+                elif read is None:  # its segment could not be opened there: read it here
+                    read = self._read(ref)
+                reads[ref] = read
+        out = []
+        for ref in refs:
+            read = reads[ref]
             if read is None:
                 continue
             bucket, offset, mlo, message = read
@@ -100,17 +128,21 @@ class DueQueue:
         due.message = read[3] if read is not None else None
         return due.message
 
-    def _read(self, ref: int):
+    def _read(self, ref: int, cached_only: bool = False):
         try:
-            return self._ticks.read_message(ref)
+            read = self._ticks.read_message(ref, cached_only=cached_only)
         except CorruptSegment as e:
-            if self._on_corrupt is None:
-                log.exception("cannot read a due message: it stays undelivered until repaired")
-                raise
-            # Quarantine its bucket, settle it in memory and go on.
-            self._on_corrupt(self._ticks.split(ref)[0], e)
-            self._ticks.on_dispatched(ref)
-            return None
+            return self._corrupt(ref, e)
+        return _NOT_CACHED if read is None else read
+
+    def _corrupt(self, ref: int, error: CorruptSegment) -> None:
+        if self._on_corrupt is None:
+            log.error("cannot read a due message: it stays undelivered until repaired")
+            raise error
+        # Quarantine its bucket, settle it in memory and go on.
+        self._on_corrupt(self._ticks.split(ref)[0], error)
+        self._ticks.on_dispatched(ref)
+        return None
 
     def is_current(self, due: Due) -> bool:
         return due.generation == self._ticks.generation

@@ -385,16 +385,49 @@ class TickManager:
             if self.loading_bucket is not None and bucket < self.loading_bucket:
                 self.cancels.pop(bucket, None)
 
-    def read_message(self, ref: int):
+    def read_message(self, ref: int, *, cached_only: bool = False):
         """(bucket, offset, message_log_offset, Message) for a ref, from schedule_log.
 
         One read of READ_GUESS_BYTES covers most records whole; a bigger one takes a second read.
-        Raises CorruptSegment if the record there is damaged or cut short.
+        With `cached_only`, None when the record is not in the page cache (reading it would wait
+        for the disk: see `disk_reader`). Raises CorruptSegment if the record there is damaged or
+        cut short.
         """
         bucket, offset = self.split(ref)
-        _, data, s, e = self.store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
+        read = self.store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES, cached_only=cached_only)
+        if read is None:
+            return None
+        _, data, s, e = read
         mlo, message = decode_scheduled(data, s, e)
         return bucket, offset, mlo, message
+
+    def disk_reader(self, refs: list[int]):
+        """A function for a worker thread that reads the messages of `refs` as `read_message` does,
+        from descriptors of its own: {ref: (bucket, offset, message_log_offset, Message) or the
+        CorruptSegment}; a ref whose segment it cannot open is left out."""
+        by_bucket: dict[int, list[tuple[int, int]]] = {}
+        for ref in refs:
+            bucket, offset = self.split(ref)
+            by_bucket.setdefault(bucket, []).append((ref, offset))
+        readers = [(bucket, self.store.schedule_log.records_reader(bucket), items)
+                   for bucket, items in by_bucket.items()]
+
+        def read() -> dict:
+            out = {}
+            for bucket, reader, items in readers:
+                try:
+                    records = reader([offset for _, offset in items], READ_GUESS_BYTES)
+                except OSError:
+                    continue
+                for (ref, offset), record in zip(items, records):
+                    if isinstance(record, CorruptSegment):
+                        out[ref] = record
+                    else:
+                        _, data, s, e = record
+                        out[ref] = (bucket, offset, *decode_scheduled(data, s, e))
+            return out
+
+        return read
 
     @property
     def loaded(self) -> int:

@@ -1,6 +1,11 @@
-"""A due record damaged after it was loaded: the due queue hands it to `on_corrupt` (the node
-quarantines its bucket), settles it and gives out the others, instead of stopping delivery."""
+"""The due queue's reads: records in the page cache are read on the event loop, the others in a
+worker thread (the loop never waits for the disk); a due record damaged after it was loaded is
+handed to `on_corrupt` (the node quarantines its bucket), settled and skipped, instead of stopping
+delivery, whichever way it was read."""
 from __future__ import annotations
+
+import os
+import threading
 
 import pytest
 
@@ -10,35 +15,127 @@ from delayserver.wheel.due_queue import DueQueue
 from tests.pipeline_node import START_MS, Node
 
 
-def _damaged_node(tmp_path):
+def _node(tmp_path, n=5):
     node = Node(tmp_path, START_MS)
     due_at = START_MS + 500
-    node.send([(f"m-{i}", due_at) for i in range(5)])
+    node.send([(f"m-{i}", due_at) for i in range(n)])
     node.replay_all()
     node.load_all()
     [bucket] = node.store.schedule_log.buckets()
-    path = node.store.schedule_log.path(bucket)
-    raw = bytearray(path.read_bytes())
-    offsets = [pos for pos, *_ in iter_records(bytes(raw))]
-    raw[offsets[2] + 30] ^= 0xFF  # inside the third record, after the loader read it
-    path.write_bytes(bytes(raw))
     node.now = due_at + 10
     node.ticks.advance(node.now)
     return node, bucket
 
 
-def test_an_unreadable_due_record_is_quarantined_settled_and_skipped(tmp_path):
-    node, bucket = _damaged_node(tmp_path)
+def _damage(node, bucket):
+    path = node.store.schedule_log.path(bucket)
+    raw = bytearray(path.read_bytes())
+    offsets = [pos for pos, *_ in iter_records(bytes(raw))]
+    raw[offsets[2] + 30] ^= 0xFF  # inside the third record, after the loader read it
+    path.write_bytes(bytes(raw))
+
+
+def _evict(node, bucket):
+    """Drop the segment from the page cache; skip where this file system keeps pages anyway.
+
+    Whether it does is tried on a scratch file beside it: a read that misses the cache starts
+    reading ahead, so the segment itself is not probed."""
+    path = node.store.schedule_log.path(bucket)
+    scratch = path.with_name("scratch")
+    scratch.write_bytes(b"x" * 4096)
+    fd = os.open(scratch, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(64)], 0, os.RWF_NOWAIT)
+            pytest.skip("this file system keeps pages in memory (or reads without RWF_NOWAIT)")
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(fd)
+        scratch.unlink()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class ThreadSpy:
+    """Wraps `ticks.disk_reader`: records the thread each disk read ran in."""
+
+    def __init__(self, ticks):
+        self.threads = []
+        disk_reader = ticks.disk_reader
+
+        def spy(refs):
+            read = disk_reader(refs)
+
+            def run():
+                self.threads.append(threading.current_thread())
+                return read()
+            return run
+        ticks.disk_reader = spy
+
+
+async def test_records_in_the_page_cache_are_read_on_the_loop(tmp_path):
+    node, _ = _node(tmp_path)
+    spy = ThreadSpy(node.ticks)
+    due = DueQueue(node.ticks)
+    taken = await due.take(100)
+    assert sorted(d.message.message_id for d in taken) == [f"m-{i}" for i in range(5)]
+    assert due.disk_reads == 0 and spy.threads == []
+
+
+async def test_records_not_in_the_page_cache_are_read_in_a_worker_thread(tmp_path):
+    node, bucket = _node(tmp_path)
+    _evict(node, bucket)
+    spy = ThreadSpy(node.ticks)
+    due = DueQueue(node.ticks)
+    taken = await due.take(100)
+    assert sorted(d.message.message_id for d in taken) == [f"m-{i}" for i in range(5)]
+    assert [d.message.body for d in taken] == [b"b"] * 5
+    # A read that misses the cache starts the kernel reading ahead: the records after the first
+    # miss may be in memory by the time they are read.
+    assert due.disk_reads >= 1
+    assert spy.threads and threading.main_thread() not in spy.threads
+
+
+async def test_a_reset_while_the_disk_is_read_hands_out_nothing(tmp_path):
+    node, bucket = _node(tmp_path)
+    _evict(node, bucket)
+    disk_reader = node.ticks.disk_reader
+
+    def reset_meanwhile(refs):
+        read = disk_reader(refs)
+        node.ticks.reset(node.now)  # as a change of role does, while the thread reads
+        return read
+    node.ticks.disk_reader = reset_meanwhile
+    assert await DueQueue(node.ticks).take(100) == []
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["cached", "read-from-disk"])
+async def test_an_unreadable_due_record_is_quarantined_settled_and_skipped(tmp_path, evicted):
+    node, bucket = _node(tmp_path)
+    _damage(node, bucket)
+    if evicted:
+        # Every record misses the cache (the kernel's readahead after a real miss would bring the
+        # damaged one back in memory before it is read, at random): all are read in the thread.
+        node.store.schedule_log.read_cached = lambda bucket, start=0, end=None: None
     quarantined = []
     due = DueQueue(node.ticks, on_corrupt=lambda b, e: quarantined.append((b, e)))
-    taken = due.take(100)
+    taken = await due.take(100)
     assert sorted(d.message.message_id for d in taken) == ["m-0", "m-1", "m-3", "m-4"]
     [(b, error)] = quarantined
     assert b == bucket and isinstance(error, CorruptSegment)
     assert len(node.ticks.inflight) == 4  # the damaged one is settled in memory, not owed
+    assert due.disk_reads == (5 if evicted else 0)
 
 
-def test_without_on_corrupt_the_error_is_raised(tmp_path):
-    node, _ = _damaged_node(tmp_path)
+async def test_without_on_corrupt_the_error_is_raised(tmp_path):
+    node, bucket = _node(tmp_path)
+    _damage(node, bucket)
     with pytest.raises(CorruptSegment):
-        DueQueue(node.ticks).take(100)
+        await DueQueue(node.ticks).take(100)
