@@ -28,13 +28,14 @@ SUFFIX = ".log"
 MAX_OPEN_FDS = 128
 
 
-def _record_at(read, path: Path, offset: int, guess: int):
-    """The whole, checked record at `offset` through `read(start, end)` (None: not in memory)."""
+def _record_at(read, path_of, offset: int, guess: int):
+    """The whole, checked record at `offset` through `read(start, end)` (None: not in memory);
+    `path_of()` names the file in an error only (a path costs more than the read)."""
     data = read(offset, offset + guess)
     if data is None:
         return None
     if len(data) < HEADER_SIZE:
-        raise CorruptSegment(path, offset, "no record here")
+        raise CorruptSegment(path_of(), offset, "no record here")
     need = record_size(data, 0)
     if need > len(data):
         data = read(offset, offset + need)
@@ -43,9 +44,9 @@ def _record_at(read, path: Path, offset: int, guess: int):
     try:
         parsed = parse_record(data, 0, min(need, len(data)))
     except RecordError as e:
-        raise CorruptSegment(path, offset, e.reason) from None
+        raise CorruptSegment(path_of(), offset, e.reason) from None
     if parsed is None:
-        raise CorruptSegment(path, offset, "record cut short")
+        raise CorruptSegment(path_of(), offset, "record cut short")
     rtype, start, end = parsed
     return rtype, data, start, end
 
@@ -195,7 +196,7 @@ class BucketLog:
         With `cached_only`, None when the record is not all in the page cache (`read_cached`).
         Raises CorruptSegment when there is no whole valid record there."""
         read = self.read_cached if cached_only else self.read
-        return _record_at(lambda start, end: read(bucket, start, end), self.path(bucket), offset, guess)
+        return _record_at(lambda start, end: read(bucket, start, end), lambda: self.path(bucket), offset, guess)
 
     def records_reader(self, bucket: int):
         """A function `read(offsets, guess)` for a worker thread: per offset, the record there as
@@ -213,7 +214,7 @@ class BucketLog:
                 out = []
                 for offset in offsets:
                     try:
-                        out.append(_record_at(pread, path, offset, guess))
+                        out.append(_record_at(pread, lambda: path, offset, guess))
                     except CorruptSegment as e:
                         out.append(e)
                 return out
