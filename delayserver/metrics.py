@@ -149,6 +149,9 @@ class _NodeCollector(Collector):
         yield _gauge("delayserver_connections", "Open producer connections.", s.connections())
         yield _counter("delayserver_delivered_total", "Messages delivered (acknowledged by a broker).",
                        sender.delivered)
+        yield _counter("delayserver_load_disk_reads_total",
+                       "Load slices whose segment range was not in the page cache (read in a worker thread).",
+                       ticks.load_disk_reads)
         yield _counter("delayserver_due_disk_reads_total",
                        "Due records read from disk in a worker thread (not in the page cache).",
                        sender.due.disk_reads)

@@ -198,6 +198,22 @@ class BucketLog:
         read = self.read_cached if cached_only else self.read
         return _record_at(lambda start, end: read(bucket, start, end), lambda: self.path(bucket), offset, guess)
 
+    def range_reader(self, bucket: int, start: int, end: int):
+        """A function for a worker thread returning `read(bucket, start, end)`, from a descriptor of
+        its own (the descriptor cache is the event loop's)."""
+        path, end = self.path(bucket), min(end, self.size(bucket))
+
+        def read() -> bytes:
+            if end <= start:
+                return b""
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return os.pread(fd, end - start, start)
+            finally:
+                os.close(fd)
+
+        return read
+
     def records_reader(self, bucket: int):
         """A function `read(offsets, guess)` for a worker thread: per offset, the record there as
         `read_record` gives it, or the CorruptSegment. It opens the segment itself (the descriptor

@@ -9,6 +9,10 @@ it needs to finish in three quarters of the time left before the load turns urge
 through a pause, as entries fall due. A big bucket loading during a
 busy delivery window would otherwise take half the loop and let delivery fall behind.
 
+A slice reads its part of the segment on the loop only when it is in the page cache (a read that
+cannot wait); otherwise the tick task reads it in a worker thread and advances the wheel meanwhile,
+so that a segment evicted since it was written does not make the loop wait for the disk.
+
 It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
 the replayer (an entry earlier than the current sleep), or at most `max_sleep_ms` (so that a
 wall-clock step is noticed within that time). It never spins through empty ticks.
@@ -89,6 +93,37 @@ async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float) -> No
         await _sleep_until(ticks, now, now + int(left * 1000))
 
 
+async def _read_off_loop_unless_cached(ticks: TickManager, clock, ready: Wakeup, max_s: float) -> bytes | None:
+    """What the next load slice reads: from the page cache here, or, when some of it is not
+    there, in a worker thread, so that the loop does not wait for the disk; the wheel goes on
+    advancing meanwhile, as entries fall due. None when the slice reads nothing, or when the load
+    moved on while the thread read (the slice then reads for itself)."""
+    pending = ticks.pending_read(max_s=max_s)
+    if pending is None:
+        return None
+    log_ = ticks.store.schedule_log
+    data = log_.read_cached(*pending)
+    if data is not None:
+        return data
+    ticks.load_disk_reads += 1
+    read = log_.range_reader(*pending)
+    got = []
+    async with trio.open_nursery() as nursery:
+        async def run() -> None:
+            got.append(await trio.to_thread.run_sync(read))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run)
+        while True:
+            now = clock.now_ms()
+            if ticks.advance(now) or ticks.ready:
+                ready.set()
+            await _sleep_until(ticks, now, now + 1000)
+    if not got or ticks.pending_read(max_s=max_s) != pending:
+        return None
+    return got[0]
+
+
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
     """Whether the bucket being loaded starts within a quarter of `load_ahead`: load at full speed."""
     return ticks.loading_bucket is None or now >= _urgent_at(ticks)
@@ -121,8 +156,10 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
         bytes_per_s = 0.0
         paced = False
         while True:
+            max_s = PACED_SLICE_S if paced else LOAD_SLICE_S
+            data = await _read_off_loop_unless_cached(ticks, clock, ready, max_s)
             began, offset_before = time.perf_counter(), ticks.loaded_offset
-            if not ticks.load_step(now, max_s=PACED_SLICE_S if paced else LOAD_SLICE_S):
+            if not ticks.load_step(now, max_s=max_s, data=data):
                 break
             # Loading goes in slices of a millisecond or so: between two, what fell due goes out.
             # A load has until its bucket starts: while deliveries are under way and the bucket is

@@ -81,6 +81,9 @@ class TickManager:
         # Bytes the last time-bounded slice consumed: the next reads about twice that, not a whole
         # chunk it would mostly throw away.
         self._last_slice_bytes: int | None = None
+        # Load slices whose segment range was not in the page cache (the tick task read them in a
+        # worker thread).
+        self.load_disk_reads = 0
         # Per bucket: messages in the wheel, ready or in flight; and (sched, id) -> cancel offset.
         self.outstanding: collections.Counter[int] = collections.Counter()
         self.cancels: dict[int, dict[tuple[int, str], int]] = {}
@@ -205,18 +208,31 @@ class TickManager:
         t = now + self.load_ahead_ms
         return t - t % self.scale
 
-    def load_step(self, now: int, max_bytes: int = LOAD_CHUNK_BYTES, max_s: float | None = LOAD_SLICE_S) -> bool:
+    def pending_read(self, max_bytes: int = LOAD_CHUNK_BYTES, max_s: float | None = LOAD_SLICE_S):
+        """(bucket, start, end): the segment range the next load slice reads, or None when the next
+        step reads nothing (it begins a bucket, or there is nothing to load)."""
+        if self.loading_bucket is None or self.loaded_offset >= self.loading_end:
+            return None
+        start = self.loaded_offset
+        if max_s is not None and self._last_slice_bytes is not None:
+            max_bytes = min(max_bytes, max(MIN_READ_BYTES, 2 * self._last_slice_bytes))
+        return self.loading_bucket, start, min(self.loading_end, start + max(max_bytes, HEADER_SIZE))
+
+    def load_step(self, now: int, max_bytes: int = LOAD_CHUNK_BYTES, max_s: float | None = LOAD_SLICE_S,
+                  data: bytes | None = None) -> bool:
         """Load one slice toward the target bucket; True while there is more to do now.
 
         A slice is at most `max_bytes` of segment and stops once it has taken `max_s` seconds
         (None: no time bound), so that the caller can let other work run between slices.
+        `data`, when given, is what `pending_read(max_bytes, max_s)` names, read by the caller (in
+        a worker thread when it was not in the page cache); otherwise the slice reads it.
 
         A damaged record quarantines its bucket (nothing past it is loaded) and the load goes on.
         """
         target = self.load_target(now)
         try:
             if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
-                self._load_chunk(now, max_bytes, max_s)
+                self._load_chunk(now, max_bytes, max_s, data)
                 return True
             nxt = self._next_bucket()
             if nxt is not None and nxt <= target:
@@ -259,12 +275,11 @@ class TickManager:
         for passed in [b for b in self.cancels if b < bucket and not self.outstanding[b]]:
             del self.cancels[passed]
 
-    def _load_chunk(self, now: int, max_bytes: int, max_s: float | None = None) -> None:
-        bucket, start = self.loading_bucket, self.loaded_offset
+    def _load_chunk(self, now: int, max_bytes: int, max_s: float | None = None, data: bytes | None = None) -> None:
+        bucket, start, end = self.pending_read(max_bytes, max_s)
         log_ = self.store.schedule_log
-        if max_s is not None and self._last_slice_bytes is not None:
-            max_bytes = min(max_bytes, max(MIN_READ_BYTES, 2 * self._last_slice_bytes))
-        data = log_.read(bucket, start, min(self.loading_end, start + max(max_bytes, HEADER_SIZE)))
+        if data is None:
+            data = log_.read(bucket, start, end)
         if len(data) >= HEADER_SIZE:
             need = record_size(data, 0)
             if need > len(data):  # one record bigger than the chunk

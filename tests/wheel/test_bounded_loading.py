@@ -1,7 +1,9 @@
 """Loading a big bucket goes in slices of about a millisecond; what falls due meanwhile goes out."""
 from __future__ import annotations
 
+import pytest
 import trio
+import trio.testing
 
 from delayserver.wakeup import Wakeup
 from delayserver.wheel import tick_manager
@@ -11,6 +13,13 @@ from tests.pipeline_node import START_MS, Node
 SCALE_MS = 60_000
 B1 = START_MS - START_MS % SCALE_MS + SCALE_MS  # the next bucket
 LOAD_AHEAD_MS = 30_000
+
+
+@pytest.fixture
+def threads_clock():
+    """A mock clock that jumps only once every task has waited 20 ms of real time: a worker
+    thread's read takes far less, so virtual time does not run on while one reads."""
+    return trio.testing.MockClock(autojump_threshold=0.02)
 
 
 def test_a_load_step_stops_after_its_time_budget_and_resumes_where_it_stopped(tmp_path):
@@ -66,4 +75,84 @@ async def test_a_message_due_while_the_next_bucket_loads_goes_out_before_the_loa
     at, bucket, loaded, end = seen[0]
     assert at >= B1 - LOAD_AHEAD_MS + 20  # never early
     assert bucket == B1 and loaded < end, "the due message waited for the whole next bucket to load"
+    node.crash()
+
+
+async def test_a_slice_whose_segment_is_not_in_the_page_cache_is_read_in_a_worker_thread(tmp_path, threads_clock):
+    import threading
+
+    start = B1 - LOAD_AHEAD_MS - 50
+    node = Node(tmp_path, start, load_ahead_ms=LOAD_AHEAD_MS)
+    node.send([(f"big{i}", B1 + i % SCALE_MS) for i in range(20_000)])
+    node.replay_all()
+    log_ = node.store.schedule_log
+    # As if the segment had left the page cache since it was written: every cached read misses.
+    log_.read_cached = lambda bucket, start=0, end=None: None
+    threads = []
+    range_reader = log_.range_reader
+
+    def spy(bucket, begin, end):
+        read = range_reader(bucket, begin, end)
+
+        def run():
+            threads.append(threading.current_thread())
+            return read()
+        return run
+    log_.range_reader = spy
+    clock = DriftingClock(start)
+    ticks = node.ticks
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_ticks, ticks, clock, Wakeup())
+            while not (ticks.loading_bucket == B1 and ticks.loaded_offset == ticks.loading_end):
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert len(ticks.wheel) == 20_000  # every record once
+    assert ticks.load_disk_reads == len(threads) > 1
+    assert threading.main_thread() not in threads
+    node.crash()
+
+
+async def test_the_wheel_advances_while_a_slice_waits_for_the_disk(tmp_path, threads_clock):
+    import threading
+
+    start = B1 - LOAD_AHEAD_MS - 50
+    node = Node(tmp_path, start, load_ahead_ms=LOAD_AHEAD_MS)
+    node.send([(f"big{i}", B1 + i % SCALE_MS) for i in range(5000)])
+    due_at = B1 - LOAD_AHEAD_MS + 500  # in the current bucket, due while the next one loads
+    node.send([("due-now", due_at)])
+    node.replay_all()
+    log_ = node.store.schedule_log
+    log_.read_cached = lambda bucket, start=0, end=None: None
+    entered, released = threading.Event(), threading.Event()
+    range_reader = log_.range_reader
+
+    def held(bucket, begin, end):
+        read = range_reader(bucket, begin, end)
+
+        def run():
+            entered.set()
+            released.wait(60)  # a disk that takes its time
+            return read()
+        return run
+    log_.range_reader = held
+    clock = DriftingClock(start)
+    ticks = node.ticks
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(serve_ticks, ticks, clock, Wakeup())
+                await trio.to_thread.run_sync(entered.wait, 60)
+                assert ticks.loading_bucket == B1 and ticks.loaded_offset == 0
+                await trio.sleep((due_at - start) / 1000 + 0.05)  # virtual time: past due-now
+                node.now = clock.now_ms()
+                assert [f.message.message_id for f in node.take()] == ["due-now"], \
+                    "nothing advanced the wheel while the slice's read waited"
+                assert ticks.loaded_offset == 0  # the read is still waiting
+            finally:
+                released.set()
+            while ticks.loaded_offset < ticks.loading_end:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert len(ticks.wheel) == 5000
     node.crash()
