@@ -330,7 +330,13 @@ class SpoolTransport(Transport):
                 while waiting:
                     group = waiting[:]
                     waiting.clear()
-                    result = await self._write(subject, path, b"".join(p.data for p in group))
+                    try:
+                        result = await self._write(subject, path, b"".join(p.data for p in group))
+                    except BaseException as e:  # none of them is durable; the others must not wait forever
+                        for p in group + waiting:
+                            p.result = DeliveryResult(Outcome.RETRY, f"{path}: append failed: {e!r}")
+                            p.done.set()
+                        raise
                     for p in group:
                         p.result = result
                         p.done.set()

@@ -353,3 +353,40 @@ async def test_bad_crc_in_the_last_record_is_a_torn_tail(tmp_path):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     assert [m.message_id for _, _, _, m in iter_spool(tmp_path, "orders")] == ["m1"]
+
+
+async def test_an_unexpected_error_in_a_group_commit_gives_retry_to_the_batches_waiting_for_it(tmp_path, monkeypatch):
+    held = HeldFsync()
+
+    def crashing_fsync(fd):
+        held(fd)
+        raise MemoryError("out of memory in the middle of an fsync")
+
+    async with SpoolTransport(tmp_path) as spool:
+        await spool.send_batch([outbound(0)])
+        monkeypatch.setattr(os, "fsync", crashing_fsync)
+        results = [None, None]
+
+        errors = []
+
+        async def first():
+            try:
+                await spool.send_batch([outbound(1)])
+            except BaseException as e:  # noqa: B036 (what the writer's own caller sees)
+                errors.append(e)
+
+        async def second():
+            results[1] = await spool.send_batch([outbound(2)])
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                await trio.to_thread.run_sync(held.entered.wait, 30)
+                nursery.start_soon(second)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                held.released.set()
+        finally:
+            held.released.set()
+    assert errors and "out of memory" in repr(errors[0])
+    assert [r.outcome for r in results[1]] == [Outcome.RETRY]
+    assert "append failed" in results[1][0].detail
