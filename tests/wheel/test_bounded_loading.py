@@ -1,6 +1,8 @@
 """Loading a big bucket goes in slices of about a millisecond; what falls due meanwhile goes out."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 import trio.testing
@@ -78,27 +80,30 @@ async def test_a_message_due_while_the_next_bucket_loads_goes_out_before_the_loa
     node.crash()
 
 
-async def test_a_slice_whose_segment_is_not_in_the_page_cache_is_read_in_a_worker_thread(tmp_path, threads_clock):
-    import threading
+def evict_every_segment(node, in_thread) -> None:
+    """As if schedule_log had left the page cache since it was written: every cached read misses,
+    and each read the loader then makes in a worker thread first calls `in_thread()` there."""
+    log_ = node.store.schedule_log
+    log_.read_cached = lambda bucket, start=0, end=None: None
+    range_reader = log_.range_reader
 
+    def reader(bucket, begin, end):
+        read = range_reader(bucket, begin, end)
+
+        def run():
+            in_thread()
+            return read()
+        return run
+    log_.range_reader = reader
+
+
+async def test_a_slice_whose_segment_is_not_in_the_page_cache_is_read_in_a_worker_thread(tmp_path, threads_clock):
     start = B1 - LOAD_AHEAD_MS - 50
     node = Node(tmp_path, start, load_ahead_ms=LOAD_AHEAD_MS)
     node.send([(f"big{i}", B1 + i % SCALE_MS) for i in range(20_000)])
     node.replay_all()
-    log_ = node.store.schedule_log
-    # As if the segment had left the page cache since it was written: every cached read misses.
-    log_.read_cached = lambda bucket, start=0, end=None: None
     threads = []
-    range_reader = log_.range_reader
-
-    def spy(bucket, begin, end):
-        read = range_reader(bucket, begin, end)
-
-        def run():
-            threads.append(threading.current_thread())
-            return read()
-        return run
-    log_.range_reader = spy
+    evict_every_segment(node, lambda: threads.append(threading.current_thread()))
     clock = DriftingClock(start)
     ticks = node.ticks
     with trio.fail_after(600):
@@ -114,28 +119,18 @@ async def test_a_slice_whose_segment_is_not_in_the_page_cache_is_read_in_a_worke
 
 
 async def test_the_wheel_advances_while_a_slice_waits_for_the_disk(tmp_path, threads_clock):
-    import threading
-
     start = B1 - LOAD_AHEAD_MS - 50
     node = Node(tmp_path, start, load_ahead_ms=LOAD_AHEAD_MS)
     node.send([(f"big{i}", B1 + i % SCALE_MS) for i in range(5000)])
     due_at = B1 - LOAD_AHEAD_MS + 500  # in the current bucket, due while the next one loads
     node.send([("due-now", due_at)])
     node.replay_all()
-    log_ = node.store.schedule_log
-    log_.read_cached = lambda bucket, start=0, end=None: None
     entered, released = threading.Event(), threading.Event()
-    range_reader = log_.range_reader
 
-    def held(bucket, begin, end):
-        read = range_reader(bucket, begin, end)
-
-        def run():
-            entered.set()
-            released.wait(60)  # a disk that takes its time
-            return read()
-        return run
-    log_.range_reader = held
+    def a_slow_disk():
+        entered.set()
+        released.wait(60)
+    evict_every_segment(node, a_slow_disk)
     clock = DriftingClock(start)
     ticks = node.ticks
     with trio.fail_after(600):
