@@ -10,6 +10,7 @@ only hidden from readers, and left for the node to truncate at its next start.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -28,27 +29,41 @@ SUFFIX = ".log"
 MAX_OPEN_FDS = 128
 
 
-def _record_at(read, path_of, offset: int, guess: int):
-    """The whole, checked record at `offset` through `read(start, end)` (None: not in memory);
-    `path_of()` names the file in an error only (a path costs more than the read)."""
-    data = read(offset, offset + guess)
+def _record_at(read, path_of, bucket: int, offset: int, guess: int):
+    """The whole, checked record at `offset` of `bucket` through `read(bucket, start, end)` (None:
+    not in memory); `path_of(bucket)` names the file in an error only (a path costs more than the
+    read)."""
+    data = read(bucket, offset, offset + guess)
     if data is None:
         return None
     if len(data) < HEADER_SIZE:
-        raise CorruptSegment(path_of(), offset, "no record here")
+        raise CorruptSegment(path_of(bucket), offset, "no record here")
     need = record_size(data, 0)
     if need > len(data):
-        data = read(offset, offset + need)
+        data = read(bucket, offset, offset + need)
         if data is None:
             return None
     try:
         parsed = parse_record(data, 0, min(need, len(data)))
     except RecordError as e:
-        raise CorruptSegment(path_of(), offset, e.reason) from None
+        raise CorruptSegment(path_of(bucket), offset, e.reason) from None
     if parsed is None:
-        raise CorruptSegment(path_of(), offset, "record cut short")
+        raise CorruptSegment(path_of(bucket), offset, "record cut short")
     rtype, start, end = parsed
     return rtype, data, start, end
+
+
+@contextlib.contextmanager
+def _own_descriptor(path: Path, size: int):
+    """`read(bucket, start, end)` over a descriptor of its own, up to `size` (for worker threads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read(_bucket: int, start: int, end: int) -> bytes:
+            end = min(end, size)
+            return os.pread(fd, end - start, start) if end > start else b""
+        yield read
+    finally:
+        os.close(fd)
 
 
 class BucketLog:
@@ -71,6 +86,7 @@ class BucketLog:
         self.listeners: list = []
         # Whether reads that never wait for the disk (RWF_NOWAIT) work here (see `read_cached`).
         self._nowait_reads = hasattr(os, "RWF_NOWAIT")
+        self._read_buf = bytearray(4096)  # `read_cached`'s buffer (the event loop's thread only)
 
     @classmethod
     def open(cls, directory: Path, **kw) -> "BucketLog":
@@ -176,7 +192,9 @@ class BucketLog:
             return b""
         if not self._nowait_reads:
             return self.read(bucket, start, end)
-        buf = bytearray(end - start)
+        if len(self._read_buf) < end - start:
+            self._read_buf = bytearray(end - start)
+        buf = memoryview(self._read_buf)[: end - start]
         try:
             n = os.preadv(self._fd(bucket), [buf], start, os.RWF_NOWAIT)
         except BlockingIOError:
@@ -186,7 +204,7 @@ class BucketLog:
                 raise
             self._nowait_reads = False
             return self.read(bucket, start, end)
-        return bytes(buf) if n == len(buf) else None
+        return bytes(buf) if n == len(buf) else None  # one copy, as os.pread makes
 
     def read_record(self, bucket: int, offset: int, guess: int = 512, *,
                     cached_only: bool = False) -> tuple[int, bytes, int, int] | None:
@@ -195,22 +213,16 @@ class BucketLog:
         One read of `guess` bytes covers most records whole; a bigger one takes a second read.
         With `cached_only`, None when the record is not all in the page cache (`read_cached`).
         Raises CorruptSegment when there is no whole valid record there."""
-        read = self.read_cached if cached_only else self.read
-        return _record_at(lambda start, end: read(bucket, start, end), lambda: self.path(bucket), offset, guess)
+        return _record_at(self.read_cached if cached_only else self.read, self.path, bucket, offset, guess)
 
     def range_reader(self, bucket: int, start: int, end: int):
         """A function for a worker thread returning `read(bucket, start, end)`, from a descriptor of
         its own (the descriptor cache is the event loop's)."""
-        path, end = self.path(bucket), min(end, self.size(bucket))
+        path, size = self.path(bucket), self.size(bucket)
 
         def read() -> bytes:
-            if end <= start:
-                return b""
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return os.pread(fd, end - start, start)
-            finally:
-                os.close(fd)
+            with _own_descriptor(path, size) as pread:
+                return pread(bucket, start, end)
 
         return read
 
@@ -221,21 +233,14 @@ class BucketLog:
         path, size = self.path(bucket), self.size(bucket)
 
         def read(offsets: list[int], guess: int) -> list:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                def pread(start: int, end: int) -> bytes:
-                    end = min(end, size)
-                    return os.pread(fd, end - start, start) if end > start else b""
-
-                out = []
+            out = []
+            with _own_descriptor(path, size) as pread:
                 for offset in offsets:
                     try:
-                        out.append(_record_at(pread, lambda: path, offset, guess))
+                        out.append(_record_at(pread, lambda _: path, bucket, offset, guess))
                     except CorruptSegment as e:
                         out.append(e)
-                return out
-            finally:
-                os.close(fd)
+            return out
 
         return read
 
