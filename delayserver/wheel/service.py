@@ -78,16 +78,17 @@ async def _sleep_until(ticks: TickManager, now: int, limit_ms: int) -> None:
     ticks.sleeping_until = None
 
 
-async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float) -> None:
-    """A paced load's pause between two slices: no loading for `pause_s`, but the wheel advances
-    as entries fall due (at 10,000 msg/s one falls due every 0.1 ms: ending the pause for it would
-    end every pause at once, and the load would take half the loop again)."""
-    end = trio.current_time() + pause_s
+async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float | None) -> None:
+    """No loading for `pause_s` (None: until cancelled), but the wheel advances as entries fall
+    due: a paced load's pause between two slices, or the wait for a slice's read in a worker
+    thread. (At 10,000 msg/s one falls due every 0.1 ms: ending a paced pause for it would end
+    every pause at once, and the load would take half the loop again.)"""
+    end = None if pause_s is None else trio.current_time() + pause_s
     while True:
         now = clock.now_ms()
         if ticks.advance(now) or ticks.ready:
             ready.set()
-        left = end - trio.current_time()
+        left = 1.0 if end is None else end - trio.current_time()
         if left <= 0:
             return
         await _sleep_until(ticks, now, now + int(left * 1000))
@@ -114,11 +115,7 @@ async def _read_off_loop_unless_cached(ticks: TickManager, clock, ready: Wakeup,
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(run)
-        while True:
-            now = clock.now_ms()
-            if ticks.advance(now) or ticks.ready:
-                ready.set()
-            await _sleep_until(ticks, now, now + 1000)
+        await _pause(ticks, clock, ready, None)
     if not got or ticks.pending_read(max_s=max_s) != pending:
         return None
     return got[0]
