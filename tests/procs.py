@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from delayserver.message import DelayServerError, ResultCode
 from delayserver.sender.spool import iter_spool, list_spool_subjects
 
 SERVING = re.compile(r"serving on ([\d.]+):(\d+)")
@@ -82,6 +83,20 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def send_while_roles_settle(producer, subject: str, body: bytes, timeout: float = 15.0, **kw):
+    """`producer.send`, asked again while the node answers NOT_MASTER or FENCED: a node waiting
+    for its role, or a master whose lease renewal a loaded machine delayed, refuses writes for a
+    moment, and a producer sending to one node directly sees that refusal."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return producer.send(subject, body, **kw)
+        except DelayServerError as e:
+            if e.code not in (ResultCode.NOT_MASTER, ResultCode.FENCED) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 @pytest.fixture

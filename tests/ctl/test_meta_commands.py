@@ -68,7 +68,10 @@ class MetaProcess:
 
 @pytest.fixture
 def meta(tmp_path):
-    proc = MetaProcess(tmp_path / "meta", ["--heartbeat-interval-ms", "100", "--missed-heartbeats", "3"]).start()
+    """A meta server that marks a node down after 1 s of silence. Its masters hold 900 ms leases,
+    renewed every 200 ms: a heartbeat delayed by a loaded machine (or by a slow fsync of the
+    store) for less than 700 ms costs no master its lease."""
+    proc = MetaProcess(tmp_path / "meta", ["--heartbeat-interval-ms", "200", "--missed-heartbeats", "5"]).start()
     yield proc
     proc.kill()
 

@@ -8,7 +8,7 @@ import pytest
 
 from delayserver.client import Producer
 from tests.ctl.test_meta_commands import request, meta  # noqa: F401 (a fixture)
-from tests.procs import ServerProcess, spooled, wait_for, nodes  # noqa: F401 (a fixture)
+from tests.procs import ServerProcess, send_while_roles_settle, spooled, wait_for, nodes  # noqa: F401 (a fixture)
 
 
 def start_node(nodes, tmp_path, meta, name: str, group: str) -> ServerProcess:
@@ -39,7 +39,7 @@ def test_sends_spread_over_groups_skip_a_dead_one_and_survive_a_meta_outage(tmp_
     port = meta.port
     meta.kill()
     with Producer(b.address) as direct:
-        during = direct.send("cluster.q", b"z", delay=1500)  # comes due well past the lease
+        during = direct.send("cluster.q", b"z", delay=3000)  # comes due well past the lease
     assert wait_for(lambda: during.message_id in {m.message_id for _, _, m in spooled(b.data_dir)}, 15), \
         "delivery stopped while the meta server was down"
 
@@ -81,8 +81,8 @@ def test_when_the_master_dies_its_slave_is_promoted_and_delivers_its_messages(tm
     assert wait_for(lambda: live_groups(meta) == {"g"}, 15)
     slave = start_node(nodes, tmp_path, meta, "n2", "g")
     with Producer(master.address) as producer:
-        delivered_before = [producer.send("failover.q", b"early", delay=0) for _ in range(10)]
-        due_later = [producer.send("failover.q", b"later", delay=3000) for _ in range(30)]
+        delivered_before = [send_while_roles_settle(producer, "failover.q", b"early", delay=0) for _ in range(10)]
+        due_later = [send_while_roles_settle(producer, "failover.q", b"later", delay=3000) for _ in range(30)]
     assert wait_for(lambda: len(spooled(master.data_dir)) == 10, 10)
     assert wait_for(lambda: log_bytes(slave) == log_bytes(master), 10), "the slave did not catch up"
     time.sleep(0.5)  # one more dispatch_log pull

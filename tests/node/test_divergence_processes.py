@@ -12,14 +12,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
-
 
 from delayserver.client import Producer
-from delayserver.message import DelayServerError, MessageState, ResultCode
+from delayserver.message import MessageState
 from delayserver.node.divergence import list_diverged
 from tests.ctl.test_meta_commands import request, meta  # noqa: F401 (a fixture)
-from tests.procs import ServerProcess, wait_for, nodes  # noqa: F401 (a fixture)
+from tests.procs import ServerProcess, send_while_roles_settle, wait_for, nodes  # noqa: F401 (a fixture)
 
 
 def start_node(nodes, tmp_path, meta, name: str) -> ServerProcess:
@@ -38,16 +36,9 @@ def master_of(meta) -> set[str]:
 
 
 def send_until_taken(address: str, count: int, body: bytes) -> list:
-    """Send `count` messages, retrying those a node not yet sure of its role refuses."""
-    handles = []
+    """Send `count` messages, asked again while a node not yet sure of its role refuses them."""
     with Producer(address) as producer:
-        while len(handles) < count:
-            try:
-                handles.append(producer.send("div.q", body, delay=3_600_000))
-            except DelayServerError as e:
-                assert e.code in (ResultCode.NOT_MASTER, ResultCode.FENCED), e
-                time.sleep(0.1)
-    return handles
+        return [send_while_roles_settle(producer, "div.q", body, delay=3_600_000) for _ in range(count)]
 
 
 def fork(tmp_path, meta, nodes, new_master_messages: int):

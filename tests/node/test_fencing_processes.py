@@ -12,7 +12,7 @@ from delayserver.client import Producer
 from delayserver.message import DelayServerError, ResultCode
 from tests.ctl.test_meta_commands import request, meta  # noqa: F401 (a fixture)
 from tests.meta.procs import ProxyProcess
-from tests.procs import ServerProcess, spooled, wait_for, nodes  # noqa: F401 (a fixture)
+from tests.procs import ServerProcess, send_while_roles_settle, spooled, wait_for, nodes  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
@@ -34,16 +34,9 @@ def start_node(nodes, tmp_path, meta_address: str, name: str, config: str = "") 
 
 
 def send_until_taken(address: str):
-    """One message, retried while a loaded machine delays the master's lease renewal."""
-    deadline = time.monotonic() + 15
+    """One message, asked again while a loaded machine delays the master's lease renewal."""
     with Producer(address) as producer:
-        while True:
-            try:
-                return producer.send("fence.q", b"due during the partition", delay=3000)
-            except DelayServerError as e:
-                if e.code is not ResultCode.FENCED or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        return send_while_roles_settle(producer, "fence.q", b"due during the partition", delay=3000)
 
 
 def masters(meta) -> set[str]:
