@@ -92,7 +92,7 @@ class Config:
     send_batch_size: int = 256
     send_wait_ms: int = 2
     max_inflight: int = 20_000
-    send_batches_in_flight: int = 2
+    send_batches_in_flight: int = 16
     max_connections: int = 1024
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     idle_timeout_ms: int = 300_000

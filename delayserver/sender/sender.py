@@ -8,8 +8,10 @@ generation.
   the dispatcher takes due messages while any healthy group has room, and a message whose groups
   are all full or open waits in a backlog of its group (without its body: it is read again when it
   leaves), so healthy groups deliver at full rate beside a dead one.
-- Each group task sends batches of up to `send_batch_size`, waiting up to `send_wait_ms` for one to
-  fill, so that a slow or dead group never holds back another.
+- Each group's task forms batches of up to `send_batch_size`, waiting up to `send_wait_ms` for one
+  to fill, so that a slow or dead group never holds back another, and starts each batch's send
+  with up to `batches_in_flight` under way: a batch does not wait for the acknowledgement of the
+  one before it, so a broker slow to acknowledge for a moment holds back no hand-over.
 - Per-message results: ACKED -> a dispatch_log record, appended at once; the message is settled
   once an fsync covers it. The fsyncs run in one task of their own, each covering every record
   appended while the one before ran (group commit across batches and groups): a group task hands
@@ -95,7 +97,7 @@ def monotonic_ms() -> int:
 
 class Sender:
     def __init__(self, ticks, store, groups: list[BrokerGroup], clock, *, send_batch_size: int = 256,
-                 send_wait_ms: int = 2, max_inflight: int = 20_000, batches_in_flight: int = 2,
+                 send_wait_ms: int = 2, max_inflight: int = 20_000, batches_in_flight: int = 16,
                  parked: ParkedLog | None = None,
                  may_deliver=lambda: True, resolve=None, on_disk_full=lambda: None):
         """`max_inflight` is each broker group's in-flight budget."""
@@ -219,13 +221,10 @@ class Sender:
         self._nursery.start_soon(self._run_group, group)
 
     async def _run_group(self, group: BrokerGroup) -> None:
-        # Several batches in flight per group, so that one batch's round trip does not cap the
-        # group's rate (the dispatch_log fsync is the fsync task's: see the module docstring).
         with group.scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._backlog_task, group)
-                for _ in range(self.batches_in_flight):
-                    nursery.start_soon(self._group_task, group)
+                nursery.start_soon(self._group_task, group, nursery)
 
     async def replace_groups(self, groups: list[BrokerGroup]) -> None:
         """Swap in a new set of broker groups (the meta server changed them).
@@ -329,27 +328,42 @@ class Sender:
                 continue
             await group.wakeup.wait(self._until_a_breaker_half_opens([group]) if group.backlog else None)
 
-    async def _group_task(self, group: BrokerGroup) -> None:
+    async def _group_task(self, group: BrokerGroup, nursery: trio.Nursery) -> None:
+        """Form the group's batches and start each one's send, with up to `batches_in_flight`
+        sends under way at once: a batch does not wait for the acknowledgement of the batch before
+        it, so a broker that is slow to acknowledge for a moment (a stalled fsync of its disk)
+        delays its acknowledgements, not the hand-over of the messages falling due meanwhile."""
+        slots = trio.Semaphore(self.batches_in_flight)
+        while True:
+            await slots.acquire()
+            batch = await self._next_batch(group)
+            group.sending += len(batch)
+            nursery.start_soon(self._send_released, group, batch, slots)
+
+    async def _next_batch(self, group: BrokerGroup) -> list[Delivery]:
+        """The group's next batch: one held back as a unit, or up to `send_batch_size` queued
+        messages, after waiting up to `send_wait_ms` for the batch to fill."""
         while True:
             if group.batches:
-                batch = group.batches.popleft()
-            elif group.queue:
+                return group.batches.popleft()
+            if group.queue:
                 if len(group.queue) < self.batch_size and self.wait_ms:
                     await trio.sleep(self.wait_ms / 1000)
-                if not group.queue:
-                    continue
-                batch = [group.queue.popleft() for _ in range(min(self.batch_size, len(group.queue)))]
-            else:
-                await group.wakeup.wait()
+                if group.queue:
+                    return [group.queue.popleft() for _ in range(min(self.batch_size, len(group.queue)))]
                 continue
-            # Once handed to the transport a batch must finish (acked or requeued), even if the
-            # group is being removed: shield it from that cancellation.
-            with trio.CancelScope(shield=True):
-                group.sending += len(batch)
-                try:
-                    await self._send(group, batch)
-                finally:
-                    group.sending -= len(batch)
+            await group.wakeup.wait()
+
+    async def _send_released(self, group: BrokerGroup, batch: list[Delivery], slots: trio.Semaphore) -> None:
+        """Send one batch (counted in `group.sending` by its starter), then free its slot."""
+        # Once handed to the transport a batch must finish (acked or requeued), even if the
+        # group is being removed: shield it from that cancellation.
+        with trio.CancelScope(shield=True):
+            try:
+                await self._send(group, batch)
+            finally:
+                group.sending -= len(batch)
+                slots.release()
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
         stale = [d for d in batch if not self.due.is_current(d)]
