@@ -40,6 +40,8 @@ log = logging.getLogger("delayserver.sender.redis")
 
 DEFAULT_TIMEOUT_MS = 5000
 DEFAULT_STREAM_TEMPLATE = "{subject}"
+#: Worker threads one Redis transport (one broker group) may hold at once for its round trips.
+THREADS = 8
 HEADER_PREFIX = "h:"
 #: Error codes of one XADD that no retry can cure.
 _REJECTING_ERRORS = ("WRONGTYPE",)
@@ -113,6 +115,10 @@ class RedisTransport(Transport):
     stream_template: str = DEFAULT_STREAM_TEMPLATE
     maxlen: int | None = None
     _client: redis.Redis = attrs.field(init=False)
+    # The worker threads this transport's round trips may hold at once: its own, not trio's
+    # default limiter, so that a Redis that stops answering cannot hold the threads the node's
+    # own disk work (fsyncs, reads) needs. Batches beyond it wait for a thread.
+    _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(THREADS))
 
     def __attrs_post_init__(self) -> None:
         self._client = redis.Redis(connection_pool=self.pool)
@@ -143,7 +149,7 @@ class RedisTransport(Transport):
             return []
         entries = [(self.stream_name(m.subject), stream_fields(m)) for m in messages]
         try:
-            replies = await trio.to_thread.run_sync(self._xadd_all, entries)
+            replies = await trio.to_thread.run_sync(self._xadd_all, entries, limiter=self._threads)
         except redis.RedisError as e:
             log.warning("%s: batch of %d failed, will retry: %r", self.name, len(messages), e)
             return [DeliveryResult(Outcome.RETRY, f"{self.name}: {type(e).__name__}: {e}")] * len(messages)

@@ -1,6 +1,7 @@
 import pytest
 import redis
 import trio
+import trio.testing
 
 from delayserver.sender.redis_streams import RedisTransport
 from delayserver.sender.transport import OutboundMessage, Outcome, make_transport
@@ -142,3 +143,25 @@ def test_bad_redis_config_names_the_field(address, options, field):
 def test_ipv6_host_port_address():
     t = make_transport("redis", "[::1]:6379", {}, data_dir=None)
     assert t.pool.connection_kwargs["host"] == "::1"
+
+
+async def test_a_silent_server_holds_only_the_transports_own_threads(silent_server):
+    """Batches to a Redis that stops answering hold at most THREADS worker threads, none of trio's
+    default limiter: the node's own disk work (fsyncs, reads) still gets threads."""
+    from delayserver.sender.redis_streams import THREADS
+
+    default = trio.to_thread.current_default_thread_limiter()
+    async with make_transport("redis", silent_server, {"timeout_ms": 1000}, data_dir=None) as t:
+        results = []
+
+        async def send(i):
+            results.append(await t.send_batch([outbound(i)]))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(THREADS + 12):
+                nursery.start_soon(send, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert t._threads.borrowed_tokens == THREADS
+            assert t._threads.statistics().tasks_waiting == 12
+            assert default.borrowed_tokens == 0
+    assert [r[0].outcome for r in results] == [Outcome.RETRY] * (THREADS + 12)
