@@ -50,8 +50,10 @@ def deliver_through_an_outage(tmp_path, broker, group_config: str, reader) -> li
             time.sleep(0.5)
     assert len(ids) == WORKLOAD.n, f"{WORKLOAD.n - len(ids)} acknowledged messages never arrived"
     assert all(d.dispatch_time >= d.schedule_time for d in delivered), "a message went out early"
-    assert min(d.dispatch_time for d in delivered) < killed < back < max(d.dispatch_time for d in delivered), \
-        "the outage should fall inside the delivery"
+    first, last = min(d.dispatch_time for d in delivered), max(d.dispatch_time for d in delivered)
+    assert first < killed < back < last, \
+        f"the outage should fall inside the delivery: first {first - t0}, killed {killed - t0}, back {back - t0}, " \
+        f"last {last - t0} ms after the window opened"
     return delivered
 
 
