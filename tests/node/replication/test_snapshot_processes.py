@@ -15,8 +15,13 @@ HOUR = 3_600_000
 
 def message_log_range(data_dir) -> tuple[int, int]:
     """(start, end) of a node's message_log, from its segment files."""
-    paths = (data_dir / "message_log").glob("*" + SUFFIX)
-    segments = sorted((int(p.name[: -len(SUFFIX)]), p.stat().st_size) for p in paths)
+    segments = []
+    for path in (data_dir / "message_log").glob("*" + SUFFIX):
+        try:
+            segments.append((int(path.name[: -len(SUFFIX)]), path.stat().st_size))
+        except FileNotFoundError:  # the node's cleaner removed it since the listing
+            continue
+    segments.sort()
     return segments[0][0], segments[-1][0] + segments[-1][1]
 
 
