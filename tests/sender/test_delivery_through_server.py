@@ -63,6 +63,7 @@ def deliver_through_an_outage(tmp_path, broker, group_config: str, reader) -> li
 def test_rabbitmq_killed_while_messages_fall_due(tmp_path, rabbitmq):
     queue = f"through.{time.monotonic_ns()}"
     broker_readers.declare_queue(rabbitmq.url, queue)
+    rabbitmq.persist_definitions()  # the broker's own definition must outlive the kill
     delivered = deliver_through_an_outage(
         tmp_path, rabbitmq, f'transport = "rabbitmq"\naddress = "{rabbitmq.url}"\noptions = {{ routing_key = "{queue}" }}\n',
         broker_readers.queue_reader(rabbitmq.url, queue))

@@ -230,6 +230,7 @@ async def test_broker_killed_mid_batch_loses_nothing_and_repeats_only_unconfirme
     unconfirmed message can be there twice."""
     subject = fresh("crash")
     declare_queue(rabbitmq, subject)
+    rabbitmq.persist_definitions()  # the broker's own definition must outlive the kill
     batches = [[outbound(b * 1000 + i, subject, body=b"x" * 512) for i in range(1000)] for b in range(20)]
     results: dict[str, Outcome] = {}
 
