@@ -34,14 +34,14 @@ import trio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names, int_option
+from delayserver.sender.transport import (
+    ACKED, TRANSPORT_THREADS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names, int_option,
+)
 
 log = logging.getLogger("delayserver.sender.redis")
 
 DEFAULT_TIMEOUT_MS = 5000
 DEFAULT_STREAM_TEMPLATE = "{subject}"
-#: Worker threads one Redis transport (one broker group) may hold at once for its round trips.
-THREADS = 8
 HEADER_PREFIX = "h:"
 #: Error codes of one XADD that no retry can cure.
 _REJECTING_ERRORS = ("WRONGTYPE",)
@@ -115,10 +115,8 @@ class RedisTransport(Transport):
     stream_template: str = DEFAULT_STREAM_TEMPLATE
     maxlen: int | None = None
     _client: redis.Redis = attrs.field(init=False)
-    # The worker threads this transport's round trips may hold at once: its own, not trio's
-    # default limiter, so that a Redis that stops answering cannot hold the threads the node's
-    # own disk work (fsyncs, reads) needs. Batches beyond it wait for a thread.
-    _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(THREADS))
+    # The threads its round trips may hold (see TRANSPORT_THREADS); batches beyond wait for one.
+    _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(TRANSPORT_THREADS))
 
     def __attrs_post_init__(self) -> None:
         self._client = redis.Redis(connection_pool=self.pool)

@@ -37,7 +37,9 @@ import attrs
 import trio
 
 from delayserver.message import SUBJECT_RE, InvalidMessage
-from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names
+from delayserver.sender.transport import (
+    ACKED, TRANSPORT_THREADS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names,
+)
 from delayserver import failpoints
 from delayserver.storage.errors import StorageError
 from delayserver.storage.reader import Damage, read_file_records
@@ -263,6 +265,9 @@ class SpoolTransport(Transport):
     #: writes (each one write and one fsync) that covered them.
     appends: int = attrs.field(default=0, init=False)
     writes: int = attrs.field(default=0, init=False)
+    # The threads its writes may hold (see TRANSPORT_THREADS): one per subject being written, so a
+    # spool disk that stalls with many subjects in flight holds these, not the node's.
+    _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(TRANSPORT_THREADS))
 
     @classmethod
     def from_config(cls, address: str, options: Mapping[str, Any], data_dir: Path) -> SpoolTransport:
@@ -347,7 +352,7 @@ class SpoolTransport(Transport):
     async def _write(self, subject: str, path: Path, data: bytes) -> DeliveryResult | None:
         check_tail = subject not in self._checked
         try:
-            await trio.to_thread.run_sync(partial(_append_durably, path, data, check_tail=check_tail))
+            await trio.to_thread.run_sync(partial(_append_durably, path, data, check_tail=check_tail), limiter=self._threads)
         except OSError as e:
             # A failed truncation may have left a torn tail: check it again before the next append.
             self._checked.discard(subject)

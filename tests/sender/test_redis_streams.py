@@ -146,9 +146,9 @@ def test_ipv6_host_port_address():
 
 
 async def test_a_silent_server_holds_only_the_transports_own_threads(silent_server):
-    """Batches to a Redis that stops answering hold at most THREADS worker threads, none of trio's
-    default limiter: the node's own disk work (fsyncs, reads) still gets threads."""
-    from delayserver.sender.redis_streams import THREADS
+    """Batches to a Redis that stops answering hold at most TRANSPORT_THREADS worker threads, none
+    of trio's default limiter: the node's own disk work (fsyncs, reads) still gets threads."""
+    from delayserver.sender.transport import TRANSPORT_THREADS as THREADS
 
     default = trio.to_thread.current_default_thread_limiter()
     async with make_transport("redis", silent_server, {"timeout_ms": 1000}, data_dir=None) as t:

@@ -127,6 +127,38 @@ async def test_batches_arriving_while_an_fsync_runs_go_in_one_write_and_one_fsyn
     assert read_back(tmp_path, "orders") == expected([outbound(0)] + [m for b in batches for m in b])
 
 
+async def test_a_stalled_spool_disk_holds_only_the_transports_own_threads(tmp_path, monkeypatch):
+    """Each subject being written holds a worker thread; with more subjects in flight than
+    TRANSPORT_THREADS while the disk stalls, the spool holds its own threads only, none of trio's
+    default limiter (the node's fsyncs and reads need those), and every batch lands once it moves."""
+    from delayserver.sender.transport import TRANSPORT_THREADS
+
+    default = trio.to_thread.current_default_thread_limiter()
+    subjects = [f"s{i}" for i in range(TRANSPORT_THREADS + 12)]
+    async with SpoolTransport(tmp_path) as spool:
+        held = HeldFsync()
+        monkeypatch.setattr(os, "fsync", held)
+        results = []
+
+        async def send(subject):
+            results.append(await spool.send_batch([outbound(0, subject)]))
+
+        async with trio.open_nursery() as nursery:
+            try:
+                for subject in subjects:
+                    nursery.start_soon(send, subject)
+                await trio.to_thread.run_sync(held.entered.wait, 30, limiter=trio.CapacityLimiter(1))
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                assert default.borrowed_tokens == 0
+                assert spool._threads.borrowed_tokens == TRANSPORT_THREADS
+                assert spool._threads.statistics().tasks_waiting == 12
+            finally:  # the writes move on, also when an assertion failed
+                held.released.set()
+    assert [r[0].outcome for r in results] == [Outcome.ACKED] * len(subjects)
+    for subject in subjects:
+        assert read_back(tmp_path, subject) == expected([outbound(0, subject)])
+
+
 async def test_a_failed_fsync_gives_retry_to_every_batch_it_covered_and_truncates_back(tmp_path, monkeypatch):
     path = spool_path(tmp_path, "orders")
     held = HeldFsync()
