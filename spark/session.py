@@ -8,7 +8,7 @@ memory, shuffle partitions and other settings (`--conf`) given.
 
 Either way `ship` packs the `spark` and `delayserver` packages into one zip and adds it with
 `addPyFile`, so that executors whose Python has only the declared dependencies (pyarrow, numpy,
-crc32c, attrs, pyspark) import the data sources and the record layouts from it.
+pandas, crc32c, attrs, pyspark) import the data sources and the record layouts from it.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def executor_python(tmp_path_factory) -> str:
                           check=True, capture_output=True, text=True).stdout.strip()
     (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ok = subprocess.run([str(python), "-c", "import pyarrow, numpy, crc32c, attrs, pyspark"], env=clean,
+    ok = subprocess.run([str(python), "-c", "import pyarrow, numpy, pandas, crc32c, attrs, pyspark"], env=clean,
                         cwd=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     for name in ("delayserver", "spark"):
