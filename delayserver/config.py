@@ -15,6 +15,9 @@ import attrs
 from delayserver.message import MAX_BODY_BYTES, AddressError, parse_address as _parse_address
 from delayserver.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
 from delayserver.sender.groups import BrokerGroupSpec, TransportKind
+from delayserver.sender.sender import (
+    DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT, DEFAULT_SEND_BATCH_SIZE, DEFAULT_SEND_WAIT_MS,
+)
 from delayserver.sender.transport import check_options
 from delayserver.storage.buckets import MINUTE_MS
 
@@ -89,10 +92,10 @@ class Config:
     wheel_slots: int = 1 << 13
     delay_levels: tuple[int, ...] = parse_delay_levels(DEFAULT_DELAY_LEVELS)
     checkpoint_interval_ms: int = 1000
-    send_batch_size: int = 256
-    send_wait_ms: int = 2
-    max_inflight: int = 20_000
-    send_batches_in_flight: int = 16
+    send_batch_size: int = DEFAULT_SEND_BATCH_SIZE
+    send_wait_ms: int = DEFAULT_SEND_WAIT_MS
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    send_batches_in_flight: int = DEFAULT_BATCHES_IN_FLIGHT
     max_connections: int = 1024
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     idle_timeout_ms: int = 300_000

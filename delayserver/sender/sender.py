@@ -46,6 +46,12 @@ from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, en
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
 
+#: The send settings' defaults, for the node's configuration (`Config`) as for a Sender built alone.
+DEFAULT_SEND_BATCH_SIZE = 256
+DEFAULT_SEND_WAIT_MS = 2
+DEFAULT_MAX_INFLIGHT = 20_000
+DEFAULT_BATCHES_IN_FLIGHT = 16
+
 log = logging.getLogger("delayserver.sender")
 
 MAX_BACKOFF_MS = 30_000
@@ -96,8 +102,9 @@ def monotonic_ms() -> int:
 
 
 class Sender:
-    def __init__(self, ticks, store, groups: list[BrokerGroup], clock, *, send_batch_size: int = 256,
-                 send_wait_ms: int = 2, max_inflight: int = 20_000, batches_in_flight: int = 16,
+    def __init__(self, ticks, store, groups: list[BrokerGroup], clock, *,
+                 send_batch_size: int = DEFAULT_SEND_BATCH_SIZE, send_wait_ms: int = DEFAULT_SEND_WAIT_MS,
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT, batches_in_flight: int = DEFAULT_BATCHES_IN_FLIGHT,
                  parked: ParkedLog | None = None,
                  may_deliver=lambda: True, resolve=None, on_disk_full=lambda: None):
         """`max_inflight` is each broker group's in-flight budget."""
