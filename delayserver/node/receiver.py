@@ -43,6 +43,7 @@ from delayserver.storage.record import (
     encode_schedule_change, record_header, set_sequence,
 )
 from delayserver.storage.segment import fsync_path, storage_failures
+from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.receiver")
@@ -484,7 +485,7 @@ class Receiver:
             items, self._unflushed = self._unflushed, []
             self._flushing = True
             try:
-                await trio.to_thread.run_sync(fsync_path, message_log.path(message_log.active_base))
+                await run_disk(fsync_path, message_log.path(message_log.active_base))
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 for _, batch in items:
@@ -537,7 +538,7 @@ class Receiver:
             self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
-                    await trio.to_thread.run_sync(self.store.message_log.sync)
+                    await run_disk(self.store.message_log.sync)
                 except FsyncFailed as e:
                     self._go_read_only(str(e))
                     continue
@@ -567,7 +568,7 @@ class Receiver:
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
             try:
-                await trio.to_thread.run_sync(self.store.message_log.sync)
+                await run_disk(self.store.message_log.sync)
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 return

@@ -20,6 +20,7 @@ from delayserver.storage.record import (
 )
 from delayserver.storage.errors import StorageError
 from delayserver.storage.segment import Segment, read_file
+from delayserver.storage.threads import run_disk
 
 log = logging.getLogger("delayserver.sender")
 
@@ -51,7 +52,7 @@ class ParkedLog:
                     if not appended:
                         self.segment.append(record)
                         appended = True
-                    await trio.to_thread.run_sync(self.segment.sync)
+                    await run_disk(self.segment.sync)
                     return
                 except StorageError as e:
                     log.error("parking message %s failed, retrying in %.1f s: %s", m.message_id, delay, e)

@@ -43,6 +43,7 @@ from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
+from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
 
@@ -494,7 +495,7 @@ class Sender:
         while True:
             paths, new_files = dispatch_log.take_dirty()
             try:
-                await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+                await run_disk(dispatch_log.sync_paths, paths, new_files)
                 self.dispatch_fsyncs += 1
                 break
             except FsyncFailed as e:

@@ -266,7 +266,7 @@ class SpoolTransport(Transport):
     appends: int = attrs.field(default=0, init=False)
     writes: int = attrs.field(default=0, init=False)
     # The threads its writes may hold (see TRANSPORT_THREADS): one per subject being written, so a
-    # spool disk that stalls with many subjects in flight holds these, not the node's.
+    # spool disk that stalls with many subjects in flight holds these, not the process's shared ones.
     _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(TRANSPORT_THREADS))
 
     @classmethod

@@ -21,8 +21,9 @@ from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 
 #: Worker threads one transport (one broker group) may hold at once for its blocking calls. Each
 #: transport that blocks in threads has a limiter of its own, not trio's default one, so that a
-#: broker or a spool disk that stops answering cannot hold the threads the node's own disk work
-#: (fsyncs, reads) needs; its calls beyond this wait for one of its threads.
+#: broker or a spool disk that stops answering holds only these, not the threads the rest of the
+#: process shares (the node's own fsyncs and reads have theirs: `delayserver.storage.threads`);
+#: its calls beyond this wait for one of its threads.
 TRANSPORT_THREADS = 8
 
 

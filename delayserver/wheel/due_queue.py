@@ -22,6 +22,7 @@ import trio
 
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import Message
+from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.wheel")
@@ -96,7 +97,7 @@ class DueQueue:
                 reads[ref] = read
         if misses:
             self.disk_reads += len(misses)
-            got = await trio.to_thread.run_sync(ticks.disk_reader(misses))
+            got = await run_disk(ticks.disk_reader(misses))
             if ticks.generation != generation:
                 return []  # reset meanwhile (a change of role): the reload owns them now
             for ref in misses:

@@ -18,6 +18,7 @@ import os
 
 import trio
 
+from delayserver.storage.threads import run_disk
 from delayserver.wheel.tick_manager import READ_GUESS_BYTES, TickManager
 
 log = logging.getLogger("delayserver.wheel")
@@ -73,7 +74,7 @@ def plan(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[str, list
 
 
 async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_MS, step_ms: int = STEP_MS,
-                       advise=advise, run_blocking=trio.to_thread.run_sync,
+                       advise=advise, run_blocking=run_disk,
                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Read ahead, every `step_ms`, what falls due up to `horizon_ms` from now (see the module
     docstring), calling `advise` through `run_blocking` (a worker thread); each entry is asked for

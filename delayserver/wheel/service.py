@@ -24,6 +24,7 @@ import time
 
 import trio
 
+from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.tick_manager import LOAD_SLICE_S, TickManager
 
@@ -111,7 +112,7 @@ async def _read_off_loop_unless_cached(ticks: TickManager, clock, ready: Wakeup,
     got = []
     async with trio.open_nursery() as nursery:
         async def run() -> None:
-            got.append(await trio.to_thread.run_sync(read))
+            got.append(await run_disk(read))
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(run)

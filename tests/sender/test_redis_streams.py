@@ -147,7 +147,7 @@ def test_ipv6_host_port_address():
 
 async def test_a_silent_server_holds_only_the_transports_own_threads(silent_server):
     """Batches to a Redis that stops answering hold at most TRANSPORT_THREADS worker threads, none
-    of trio's default limiter: the node's own disk work (fsyncs, reads) still gets threads."""
+    of trio's default limiter, which the rest of the process shares."""
     from delayserver.sender.transport import TRANSPORT_THREADS as THREADS
 
     default = trio.to_thread.current_default_thread_limiter()

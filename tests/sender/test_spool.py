@@ -130,7 +130,7 @@ async def test_batches_arriving_while_an_fsync_runs_go_in_one_write_and_one_fsyn
 async def test_a_stalled_spool_disk_holds_only_the_transports_own_threads(tmp_path, monkeypatch):
     """Each subject being written holds a worker thread; with more subjects in flight than
     TRANSPORT_THREADS while the disk stalls, the spool holds its own threads only, none of trio's
-    default limiter (the node's fsyncs and reads need those), and every batch lands once it moves."""
+    default limiter (the rest of the process shares those), and every batch lands once it moves."""
     from delayserver.sender.transport import TRANSPORT_THREADS
 
     default = trio.to_thread.current_default_thread_limiter()

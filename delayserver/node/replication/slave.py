@@ -29,6 +29,7 @@ from delayserver.node.role import NodeRole
 from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.reader import Damage, read_records
 from delayserver.storage.record import OFFSET, RecordError, RecordType, decode_dispatch
+from delayserver.storage.threads import run_disk
 
 log = logging.getLogger("delayserver.replication")
 
@@ -180,7 +181,7 @@ class Slave:
         _check_from_master(data, "message_log", start)
         try:
             store.message_log.append(data)
-            await trio.to_thread.run_sync(store.message_log.sync)
+            await run_disk(store.message_log.sync)
         except StorageError as e:
             log.error("cannot store replicated records: %s", e)
             store.message_log.truncate(offset)
@@ -214,7 +215,7 @@ class Slave:
         if appended:
             paths, new_files = dispatch_log.take_dirty()
             try:
-                await trio.to_thread.run_sync(dispatch_log.sync_paths, paths, new_files)
+                await run_disk(dispatch_log.sync_paths, paths, new_files)
             except StorageError as e:  # a failed fsync is final (the node turns read-only), not fatal
                 log.error("replicated dispatch_log records not durable: %s", e)
                 await trio.sleep(1)
