@@ -14,9 +14,9 @@ import attrs
 
 from delayserver.message import MAX_BODY_BYTES, AddressError, parse_address as _parse_address
 from delayserver.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_PORT
-from delayserver.sender.groups import BrokerGroupSpec, TransportKind
-from delayserver.sender.sender import (
-    DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT, DEFAULT_SEND_BATCH_SIZE, DEFAULT_SEND_WAIT_MS,
+from delayserver.sender.groups import (
+    DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT, DEFAULT_SEND_BATCH_SIZE, DEFAULT_SEND_WAIT_MS, BrokerGroupSpec,
+    TransportKind,
 )
 from delayserver.sender.transport import check_options
 from delayserver.storage.buckets import MINUTE_MS

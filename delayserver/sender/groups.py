@@ -11,6 +11,14 @@ from typing import Any, Mapping
 
 import attrs
 
+#: How each broker group's traffic is sent, by default: for the node's configuration (`Config`)
+#: as for a Sender built alone.
+DEFAULT_SEND_BATCH_SIZE = 256
+DEFAULT_SEND_WAIT_MS = 2
+#: Each group's in-flight budget.
+DEFAULT_MAX_INFLIGHT = 20_000
+DEFAULT_BATCHES_IN_FLIGHT = 16
+
 
 class TransportKind(str, enum.Enum):
     SPOOL = "spool"

@@ -39,6 +39,9 @@ import trio
 
 from delayserver import failpoints
 from delayserver.sender.breaker import CLOSED, OPEN, CircuitBreaker
+from delayserver.sender.groups import (
+    DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT, DEFAULT_SEND_BATCH_SIZE, DEFAULT_SEND_WAIT_MS,
+)
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
@@ -46,12 +49,6 @@ from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, en
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
-
-#: The send settings' defaults, for the node's configuration (`Config`) as for a Sender built alone.
-DEFAULT_SEND_BATCH_SIZE = 256
-DEFAULT_SEND_WAIT_MS = 2
-DEFAULT_MAX_INFLIGHT = 20_000
-DEFAULT_BATCHES_IN_FLIGHT = 16
 
 log = logging.getLogger("delayserver.sender")
 
