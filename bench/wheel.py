@@ -11,8 +11,14 @@
   bucket, so the load target (30 minutes ahead) is the current bucket. The files were just written:
   the page cache is warm.
 
+- restart in a busy bucket (`--delivered N`, off by default): the current bucket holds N messages
+  already delivered (their DISPATCH records in dispatch_log) and 100,000 still to come, as after a
+  restart in the middle of a busy hour. Timed in a fresh process: serve_ticks from its start to
+  started, beside a task that sleeps 1 ms at a time on the same event loop; the longest of its
+  waits is how long recovery held the loop (producers are served meanwhile).
+
 Targets: >= 500,000 adds/s, <= 120 bytes per loaded entry, recovery within 2 s.
-Options: --entries N (wheel), --messages N and --current N (recovery), --dir PATH.
+Options: --entries N (wheel), --messages N and --current N (recovery), --delivered N, --dir PATH.
 """
 from __future__ import annotations
 
@@ -145,6 +151,91 @@ def recover(root: Path) -> dict:
     }
 
 
+BUSY_PENDING = 100_000
+
+
+def prepare_busy(root: Path, delivered: int) -> None:
+    """The current bucket with `delivered` messages delivered and BUSY_PENDING to come."""
+    from delayserver.replayer import Replayer
+    from delayserver.storage.record import (
+        Dispatch, RecordType, encode_dispatch, encode_message_fields, encode_record,
+    )
+    from delayserver.storage.store import Store
+    from delayserver.wheel.tick_manager import TickManager
+
+    bucket = NOW_MS - NOW_MS % HOUR_MS
+    total = delivered + BUSY_PENDING
+    store = Store.open(root)
+    for first in range(0, total, BATCH):
+        store.message_log.append(b"".join(
+            encode_record(RecordType.MESSAGE, encode_message_fields(
+                f"msg-{i:012d}", "bench.wheel", BODY,
+                # the delivered ones were due in the 10 minutes before now, the others come later
+                bucket + (i * 600_000 // delivered if i < delivered
+                          else 1_200_000 + (i - delivered) * 1_800_000 // BUSY_PENDING), {},
+                NOW_MS - HOUR_MS, i + 1))
+            for i in range(first, min(first + BATCH, total))))
+    store.message_log.sync()
+    replayer = Replayer.open(store, TickManager(store, now_ms=NOW_MS - HOUR_MS))
+    replayer.checkpoint()
+    offsets = [pos for pos, rtype, _ in store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED]
+    for first in range(0, delivered, BATCH):
+        store.dispatch_log.append(bucket, b"".join(
+            encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(offset, NOW_MS - 60_000, "default")))
+            for offset in offsets[first : min(first + BATCH, delivered)]))
+    store.dispatch_log.sync()
+    store.close()
+
+
+def recover_busy(root: Path) -> dict:
+    """serve_ticks to started, and the longest a 1 ms sleeper beside it waited; in a fresh process."""
+    import trio
+
+    from delayserver.replayer import Replayer
+    from delayserver.storage.store import Store
+    from delayserver.wakeup import Wakeup
+    from delayserver.wheel.service import serve_ticks
+    from delayserver.wheel.tick_manager import TickManager
+
+    class Clock:
+        @staticmethod
+        def now_ms() -> int:
+            return NOW_MS
+
+    store = Store.open(root)
+    ticks = TickManager(store, now_ms=NOW_MS)
+    Replayer.open(store, ticks)
+    out = {}
+
+    async def run():
+        waits = []
+        done = trio.Event()
+
+        async def sleeper():
+            while not done.is_set():
+                t = time.perf_counter()
+                await trio.sleep(0.001)
+                waits.append(time.perf_counter() - t - 0.001)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sleeper)
+            await trio.sleep(0.01)
+            began = time.perf_counter()
+            await nursery.start(serve_ticks, ticks, Clock(), Wakeup())
+            out["recover_s"] = time.perf_counter() - began
+            done.set()
+            await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        waits.sort()
+        out["loop_wait_ms_max"] = waits[-1] * 1000
+        out["loop_wait_ms_p99"] = waits[int(0.99 * (len(waits) - 1))] * 1000
+
+    trio.run(run)
+    out["loaded"] = ticks.loaded + len(ticks.ready)
+    store.close()
+    return out
+
+
 def verdict(ok: bool, target: str) -> str:
     return f"   (target {target}: {'met' if ok else 'MISSED'})"
 
@@ -156,8 +247,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--current", type=int, default=100_000)
+    parser.add_argument("--delivered", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.delivered:
+        restart_in_a_busy_bucket(args.delivered, args.dir)
+        return
 
     w = bench_wheel(args.entries)
     print(f"wheel: {w['entries']:,} entries over 90 min, 10 ms ticks, 8192 slots")
@@ -195,8 +290,29 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(root)
 
 
+def restart_in_a_busy_bucket(delivered: int, directory: Path | None) -> None:
+    root = Path(tempfile.mkdtemp(prefix="bench-wheel-", dir=directory))
+    try:
+        began = time.perf_counter()
+        prepare_busy(root, delivered)
+        print(f"restart in a busy bucket: {delivered:,} delivered and {BUSY_PENDING:,} to come in the current "
+              f"one-hour bucket (written in {time.perf_counter() - began:.1f} s)")
+        out = subprocess.run([sys.executable, "-m", "bench.wheel", "recover-busy", str(root)],
+                             capture_output=True, check=True, text=True)
+        r = json.loads(out.stdout)
+        print(f"  serve_ticks to started       {r['recover_s']:>12.3f} s, {r['loaded']:,} messages in memory")
+        print(f"  the loop held: a 1 ms sleeper beside it waited past its time at most "
+              f"{r['loop_wait_ms_max']:.1f} ms (P99 {r['loop_wait_ms_p99']:.1f} ms)")
+        if r["loaded"] != BUSY_PENDING:
+            print(f"  WRONG: {r['loaded']:,} loaded, {BUSY_PENDING:,} expected")
+    finally:
+        shutil.rmtree(root)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["recover"]:
         print(json.dumps(recover(Path(sys.argv[2]))))
+    elif sys.argv[1:2] == ["recover-busy"]:
+        print(json.dumps(recover_busy(Path(sys.argv[2]))))
     else:
         main(sys.argv[1:])

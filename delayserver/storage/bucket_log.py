@@ -14,13 +14,14 @@ import contextlib
 import errno
 import logging
 import os
+from array import array
 from pathlib import Path
 
 from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import HEADER_SIZE, RecordError, parse_record, record_size
-from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan
+from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan, scan_offsets
 from delayserver.storage.segment import fsync_dir, fsync_fd, fsync_path, read_file, write_all
 
 log = logging.getLogger("delayserver.storage")
@@ -64,6 +65,11 @@ def _own_descriptor(path: Path, size: int):
         yield read
     finally:
         os.close(fd)
+
+
+#: How many records a worker thread's walk (`offsets_reader`) takes between two yields of the
+#: interpreter's lock: about a millisecond.
+YIELD_EVERY = 1000
 
 
 class BucketLog:
@@ -266,7 +272,32 @@ class BucketLog:
         path = self.path(bucket)
         if not path.exists():
             return None
-        result = scan(read_file(path), path, power_loss_window=self.power_loss_window)
+        return self.cut_tail(bucket, scan(read_file(path), path, power_loss_window=self.power_loss_window))
+
+    def offsets_reader(self, bucket: int, rtype: int, offset_of):
+        """A function for a worker thread: `scan_offsets` of the bucket's segment ((None, empty
+        array) when there is none), or the CorruptSegment it raised with an empty array. It reads
+        the file by its path (the descriptor cache is the event loop's); the loop then cuts a torn
+        tail with `cut_tail`. Only for a segment nothing is appended to meanwhile."""
+        path, window = self.path(bucket), self.power_loss_window
+
+        def read():
+            try:
+                buf = read_file(path)
+            except FileNotFoundError:
+                return None, array("q")
+            try:
+                return scan_offsets(buf, path, rtype, offset_of, power_loss_window=window,
+                                    yield_every=YIELD_EVERY)
+            except CorruptSegment as e:
+                return e, array("q")
+
+        return read
+
+    def cut_tail(self, bucket: int, result: ScanResult) -> ScanResult:
+        """Truncate the torn tail a scan of the bucket's segment found (logged); read-only, hide it
+        from readers instead. Returns `result`."""
+        path = self.path(bucket)
         if result.torn_bytes:
             if self.readonly:
                 log.warning("%s: torn tail at offset %d (%s): %d bytes left for the node to truncate",

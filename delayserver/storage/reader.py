@@ -19,6 +19,8 @@ operator) is the caller's: recovery truncates, tools report, replication refuses
 from __future__ import annotations
 
 import re
+import time
+from array import array
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -244,6 +246,33 @@ def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | No
     """
     found: list[Damage] = []
     count = sum(1 for _ in read_records(buf, path, sealed=not allow_torn_tail, report=found.append))
+    return _classified_end(buf, found, count, allow_torn_tail, power_loss_window)
+
+
+def scan_offsets(buf, path, rtype: int, offset_of, *, power_loss_window: int | None = None,
+                 yield_every: int = 0) -> tuple[ScanResult, array]:
+    """`scan` of a segment that may have a torn tail, in the same walk collecting
+    `offset_of(buf, payload_start)` of every valid record of type `rtype` before its end, in
+    record order (one pass where a scan followed by a read walks the records twice). Returned as
+    an `array("q")`: no Python object per record, and no hash table to regrow.
+
+    `yield_every`: in a worker thread, give the interpreter's lock away every that many records,
+    so that the event loop waits for it about a millisecond, not a whole switch interval (5 ms)."""
+    found: list[Damage] = []
+    offsets = array("q")
+    append, count = offsets.append, 0
+    for _, t, s, _ in read_records(buf, path, report=found.append):
+        count += 1
+        if t == rtype:
+            append(offset_of(buf, s))
+        if yield_every and not count % yield_every:
+            time.sleep(0)
+    return _classified_end(buf, found, count, True, power_loss_window), offsets
+
+
+def _classified_end(buf, found: list, count: int, allow_torn_tail: bool,
+                    power_loss_window: int | None) -> ScanResult:
+    """`scan`'s verdict on where a walk of `count` records that met the damage in `found` ends."""
     if not found:
         return ScanResult(len(buf), count, 0)
     damage = found[0]

@@ -113,6 +113,14 @@ class Store:
                 out.setdefault(d.schedule_offset, d)
         return out
 
+    def dispatched_reader(self, bucket: int):
+        """`dispatched`'s offsets, for a worker thread: a function returning (the scan of the
+        bucket's dispatch_log, its CorruptSegment, or None when there is none; the schedule_log
+        offsets it records as delivered, as an `array("q")` in record order, repeats included).
+        The caller cuts a torn tail on the event loop (`dispatch_log.cut_tail`). Only for a bucket
+        nothing is dispatched from meanwhile."""
+        return self.dispatch_log.offsets_reader(bucket, RecordType.DISPATCH, dispatch_schedule_offset)
+
     # --- the disk-space reserve ---------------------------------------------------------------
     # A ballast file set aside at start. When an append finds the disk full, the receiver releases
     # it, so that the records that keep due messages flowing (schedule appends, dispatch_log,

@@ -11,7 +11,9 @@ busy delivery window would otherwise take half the loop and let delivery fall be
 
 A slice reads its part of the segment on the loop only when it is in the page cache (a read that
 cannot wait); otherwise the tick task reads it in a worker thread and advances the wheel meanwhile,
-so that a segment evicted since it was written does not make the loop wait for the disk.
+so that a segment evicted since it was written does not make the loop wait for the disk. What a
+bucket's load must skip (its dispatch_log and parked records) is read in a worker thread before
+the bucket begins. Recovery, before the node reports started, loads the same way, unpaced.
 
 It sleeps until the earliest of: the next due entry, the next bucket's load time, a wake-up from
 the replayer (an entry earlier than the current sleep), or at most `max_sleep_ms` (so that a
@@ -108,18 +110,35 @@ async def _read_off_loop_unless_cached(ticks: TickManager, clock, ready: Wakeup,
     if data is not None:
         return data
     ticks.load_disk_reads += 1
-    read = log_.range_reader(*pending)
+    data = await _in_thread_advancing(ticks, clock, ready, log_.range_reader(*pending))
+    if ticks.pending_read(max_s=max_s) != pending:
+        return None
+    return data
+
+
+async def _in_thread_advancing(ticks: TickManager, clock, ready: Wakeup, fn):
+    """`fn()` in a disk worker thread, the wheel advancing meanwhile as entries fall due."""
     got = []
     async with trio.open_nursery() as nursery:
         async def run() -> None:
-            got.append(await run_disk(read))
+            got.append(await run_disk(fn))
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(run)
         await _pause(ticks, clock, ready, None)
-    if not got or ticks.pending_read(max_s=max_s) != pending:
-        return None
     return got[0]
+
+
+async def _prepare_begin(ticks: TickManager, clock, ready: Wakeup, now: int) -> None:
+    """When the next load step begins a bucket, read what its load must skip (its dispatch_log,
+    the parked records) in a worker thread first: after a restart in a busy bucket that is
+    millions of records, which would hold the loop for seconds."""
+    bucket = ticks.pending_begin(now)
+    if bucket is None:
+        return
+    generation = ticks.generation
+    settled = await _in_thread_advancing(ticks, clock, ready, ticks.settled_reader(bucket))
+    ticks.prepare_begin(bucket, generation, settled)
 
 
 def _load_is_urgent(ticks: TickManager, now: int) -> bool:
@@ -135,7 +154,14 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
     and memory is emptied: on becoming active again the load starts over from disk, so it skips
     whatever dispatch_log says was delivered meanwhile.
     """
-    while active() and ticks.load_step(clock.now_ms()):
+    while active():
+        # As the tick loop below loads, unpaced: what is not in the page cache is read in worker
+        # threads, so that producers served meanwhile do not wait for the disk.
+        now = clock.now_ms()
+        await _prepare_begin(ticks, clock, ready, now)
+        data = await _read_off_loop_unless_cached(ticks, clock, ready, LOAD_SLICE_S)
+        if not ticks.load_step(now, data=data):
+            break
         if ticks.ready:
             ready.set()
         await trio.lowlevel.checkpoint()
@@ -155,6 +181,7 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
         paced = False
         while True:
             max_s = PACED_SLICE_S if paced else LOAD_SLICE_S
+            await _prepare_begin(ticks, clock, ready, now)
             data = await _read_off_loop_unless_cached(ticks, clock, ready, max_s)
             began, offset_before = time.perf_counter(), ticks.loaded_offset
             if not ticks.load_step(now, max_s=max_s, data=data):

@@ -11,6 +11,13 @@ by two cursors:
 `LOAD_SLICE_S` (a millisecond), so the tick task can advance the wheel and let the sender run
 between slices however big the bucket (tests/wheel/test_bounded_loading.py).
 
+Beginning a bucket reads what its load must skip: the offsets its dispatch_log records as
+delivered, and those parked. After a restart in the middle of a busy bucket that is millions of
+records (a second of walking per million), so when the dispatch_log is not small the tick task
+reads them in a worker thread first (`pending_begin`, `settled_reader`, `prepare_begin`) and the
+step that begins the bucket takes them from there; a step that finds nothing prepared reads them
+itself.
+
 `can_add(bucket, offset)` decides whether a freshly replayed record goes straight into the wheel:
 a bucket before the loading cursor, yes (the loader has passed it); the bucket being loaded, only
 past the pinned end (the loader stops there); a later bucket, no (the loader will read it). So
@@ -36,6 +43,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from array import array
+
+import numpy as np
 
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
@@ -58,6 +68,14 @@ LOAD_SLICE_S = 0.001
 _CLOCK_EVERY = 32  # records between two looks at the clock in a load step
 
 
+_NO_SKIP = array("q")
+_BEYOND = 1 << 62  # past every offset: no more to skip
+
+#: A dispatch_log smaller than this (about 1,500 records, 2 ms to walk) is read by the step that
+#: begins its bucket, on the loop: a worker thread's round trip would cost more than it saves.
+SETTLED_READ_ON_LOOP_BYTES = 64 << 10
+
+
 class TickManager:
     """Synchronous core: loading, can_add, firing, cancels. Time is always passed in."""
 
@@ -74,10 +92,15 @@ class TickManager:
         self.loading_bucket: int | None = None
         self.loading_end = 0
         self.loaded_offset = 0
-        self._skip_in_load: set[int] = set()
+        # The offsets the bucket being loaded skips (delivered or parked), sorted, and how far
+        # the load has passed through them.
+        self._skip_in_load: array = _NO_SKIP
+        self._skip_at = 0
         # (schedule_time, ref) of the loading bucket's messages that are due but not released yet.
         self._held: list[tuple[int, int]] = []
         self._settled_elsewhere = settled_elsewhere
+        # (bucket, generation, dispatch_log scan, offsets to skip) read ahead of `_begin`.
+        self._prepared: tuple | None = None
         # Bytes the last time-bounded slice consumed: the next reads about twice that, not a whole
         # chunk it would mostly throw away.
         self._last_slice_bytes: int | None = None
@@ -107,7 +130,8 @@ class TickManager:
         self.wheel = TimingWheel(tick_ms=self.wheel.tick_ms, slots=self.wheel.slots, start_ms=now)
         self.loading_bucket = None
         self.loading_end = self.loaded_offset = 0
-        self._skip_in_load = set()
+        self._set_skip(_NO_SKIP)
+        self._prepared = None
         self._held = []
         self.outstanding.clear()
         self.cancels.clear()
@@ -243,7 +267,7 @@ class TickManager:
             # before the damage is delivered, the rest waits for `delayctl salvage`.
             self.store.quarantine(self.loading_bucket, e)
             self.loaded_offset = self.loading_end
-            self._skip_in_load = set()
+            self._set_skip(_NO_SKIP)
             self._release_held()
             return True
         if self.loading_bucket is None or self.loading_bucket < target:
@@ -251,6 +275,54 @@ class TickManager:
             # and let the replayer put its records straight into the wheel.
             self._begin(target)
         return False
+
+    def pending_begin(self, now: int) -> int | None:
+        """The bucket the next `load_step` begins, when it begins one whose skip set is worth
+        reading in a worker thread (a dispatch_log of SETTLED_READ_ON_LOOP_BYTES or more) and is not
+        prepared yet (`prepare_begin`); otherwise None."""
+        if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
+            return None
+        nxt = self._next_bucket()
+        if nxt is None or nxt > self.load_target(now) or not self.store.schedule_log.size(nxt) \
+                or self.store.dispatch_log.size(nxt) < SETTLED_READ_ON_LOOP_BYTES:
+            return None
+        prepared = self._prepared
+        if prepared is not None and prepared[0] == nxt and prepared[1] == self.generation:
+            return None
+        return nxt
+
+    def settled_reader(self, bucket: int):
+        """A function for a worker thread: (dispatch_log's scan or CorruptSegment or None, the
+        offsets of `bucket` a load must skip, sorted, as an `array("q")`), for `prepare_begin`."""
+        dispatched = self.store.dispatched_reader(bucket)
+        elsewhere = self._settled_elsewhere
+
+        def read():
+            scanned, offsets = dispatched()
+            if isinstance(scanned, CorruptSegment):
+                return scanned, _NO_SKIP
+            skip = np.frombuffer(offsets, dtype=np.int64)
+            if elsewhere is not None:
+                try:
+                    parked = elsewhere(bucket)
+                except CorruptSegment as e:
+                    return e, _NO_SKIP
+                skip = np.concatenate([skip, np.fromiter(parked, dtype=np.int64, count=len(parked))])
+            # Sorted without repeats. (Not np.unique: it hashes, about 0.7 s a million here; a
+            # stable sort of offsets written nearly in order takes milliseconds.)
+            skip = np.sort(skip, kind="stable")
+            if len(skip) > 1:
+                skip = skip[np.concatenate(([True], skip[1:] != skip[:-1]))]
+            return scanned, array("q", skip.tobytes())
+
+        return read
+
+    def prepare_begin(self, bucket: int, generation: int, settled) -> None:
+        """Hand over what `settled_reader(bucket)` read, while `generation` was current: the step
+        that begins `bucket` in that generation skips those offsets without reading them again.
+        Nothing of a bucket not begun yet is in memory, so none of it can be dispatched or parked
+        between the read and the begin."""
+        self._prepared = (bucket, generation, *settled)
 
     def _next_bucket(self) -> int | None:
         sizes = self.store.schedule_log.sizes
@@ -263,12 +335,25 @@ class TickManager:
         self.loading_bucket = bucket
         self.loading_end = self.store.schedule_log.size(bucket)
         self.loaded_offset = 0
-        self._skip_in_load = set()
+        self._set_skip(_NO_SKIP)
+        prepared, self._prepared = self._prepared, None
         if self.loading_end:
-            self._skip_in_load.update(self.store.dispatched(bucket))
-            if self._settled_elsewhere is not None:
-                self._skip_in_load.update(self._settled_elsewhere(bucket))
+            if prepared is not None and prepared[:2] == (bucket, self.generation):
+                scanned, skip = prepared[2:]
+            else:
+                scanned, skip = self.settled_reader(bucket)()
+            if isinstance(scanned, CorruptSegment):
+                raise scanned
+            if scanned is not None:
+                self.store.dispatch_log.cut_tail(bucket, scanned)
+            self._set_skip(skip)
         log.debug("loading bucket %d up to %d", bucket, self.loading_end)
+
+    def _set_skip(self, skip: array) -> None:
+        """The offsets the load of the bucket being begun skips, sorted: the load walks the
+        segment in offset order and them with it (`_skip_at`), one comparison a record."""
+        self._skip_in_load = skip
+        self._skip_at = 0
 
     def _forget_cancels_before(self, bucket: int) -> None:
         """Cancels of a bucket the loader has passed matter only while its messages are in memory."""
@@ -286,7 +371,9 @@ class TickManager:
                 data = log_.read(bucket, start, min(self.loading_end, start + need))
         held = self._held
         consumed = 0
-        skip = self._skip_in_load
+        skip, at = self._skip_in_load, self._skip_at
+        skips = len(skip)
+        next_skip = skip[at] if at < skips else _BEYOND
         deadline = None if max_s is None else time.perf_counter() + max_s
         count = 0
         try:
@@ -297,7 +384,10 @@ class TickManager:
                     break
                 if rtype == RecordType.SCHEDULED:
                     offset = start + pos
-                    if offset not in skip:
+                    while next_skip < offset:
+                        at += 1
+                        next_skip = skip[at] if at < skips else _BEYOND
+                    if offset != next_skip:
                         sched = scheduled_time(data, s)
                         ref = self.ref(bucket, offset)
                         self.outstanding[bucket] += 1
@@ -311,13 +401,15 @@ class TickManager:
             # The records before the bad one are in memory: a retry must not add them again.
             self.loaded_offset = start + consumed
             raise CorruptSegment(log_.path(bucket), start + err.offset, err.reason) from None
+        finally:
+            self._skip_at = at
         if consumed == 0:
             # The pinned end cuts a record: only possible if the segment was damaged under us.
             raise CorruptSegment(log_.path(bucket), start, "record cut short before the pinned end")
         self.loaded_offset = start + consumed
         self._last_slice_bytes = consumed if max_s is not None else None
         if self.loaded_offset >= self.loading_end:
-            self._skip_in_load = set()
+            self._set_skip(_NO_SKIP)
             self._release_held()
 
     def _release_held(self) -> None:

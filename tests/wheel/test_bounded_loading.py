@@ -130,13 +130,13 @@ async def test_the_wheel_advances_while_a_slice_waits_for_the_disk(tmp_path, thr
     def a_slow_disk():
         entered.set()
         released.wait(60)
-    evict_every_segment(node, a_slow_disk)
     clock = DriftingClock(start)
     ticks = node.ticks
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
             try:
-                await nursery.start(serve_ticks, ticks, clock, Wakeup())
+                await nursery.start(serve_ticks, ticks, clock, Wakeup())  # the current bucket loaded
+                evict_every_segment(node, a_slow_disk)
                 await trio.to_thread.run_sync(entered.wait, 60)
                 assert ticks.loading_bucket == B1 and ticks.loaded_offset == 0
                 await trio.sleep((due_at - start) / 1000 + 0.05)  # virtual time: past due-now
