@@ -7,6 +7,9 @@ ingest rate with dedupe on and off.
   back (what a restart does before it feeds message_log from the saved offset).
 - The event loop during a node's save (`Dedupe.save`, in slices, the writing in a thread): the
   longest a task sleeping 1 ms at a time waited; and expiry of a twentieth of the table at once.
+- The node's next save, after a hundredth of the table's count of new ids came in and as many
+  handles moved: its time and the bytes it wrote (`wchar` of /proc/self/io: every byte passed to
+  a write), which the journal makes proportional to what changed.
 - Ingest: `bench.ingest load` (8 producers, batches of 64 x 1 KiB) for S seconds against a real
   server on a fresh data directory, with dedupe_window = 24h (the default) and with 0 (off),
   alternating, --rounds times each (the first run of a process is slower on a cold machine): every
@@ -45,8 +48,14 @@ def memory_per_id(n: int) -> tuple[float, "DedupeTable"]:  # noqa: F821
     return (after - before + id_bytes) / n, table
 
 
-def loop_during_save(table, root: Path) -> tuple[float, float]:
-    """(seconds the save took, the longest a 1 ms ticker beside it waited) for a node's save."""
+def written_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def loop_during_save(table, root: Path) -> tuple[float, float, float, int]:
+    """(seconds the save took, the longest a 1 ms ticker beside it waited) for a node's save, then
+    (seconds, bytes written) for its next save after a hundredth of new ids and moved handles."""
     import trio
 
     from delayserver.dedupe import Dedupe
@@ -70,13 +79,22 @@ def loop_during_save(table, root: Path) -> tuple[float, float]:
             nursery.start_soon(ticker)
             await trio.sleep(0.05)
             began = time.perf_counter()
-            await dedupe.save(time.time_ns() // 1_000_000, 0)
+            now = time.time_ns() // 1_000_000
+            await dedupe.save(now, 1)
             result["save"] = time.perf_counter() - began
             done = True
         result["worst"] = worst
+        changed = max(1, len(table) // 100)
+        moved = [table._keys[i] for i in range(0, len(table), len(table) // changed)][:changed]
+        for i, key in enumerate(moved):
+            table.remember(key, now + 120_000 + i, now)  # a reschedule moves its handle
+            table.remember(f"new-{i:024x}", now + 60_000, now)
+        written, began = written_bytes(), time.perf_counter()
+        await dedupe.save(now, 2)
+        result["next"], result["next_bytes"] = time.perf_counter() - began, written_bytes() - written
 
     trio.run(main)
-    return result["save"], result["worst"]
+    return result["save"], result["worst"], result["next"], result["next_bytes"]
 
 
 def expiry_seconds(n: int) -> float:
@@ -134,8 +152,10 @@ def main(argv: list[str]) -> None:
         loaded = time.perf_counter() - t0
         print(f"  save {saved:.2f} s, load {loaded:.2f} s ({path.stat().st_size / args.ids:.0f} bytes per id on disk)",
               flush=True)
-        took, worst = loop_during_save(table, root)
+        took, worst, next_took, next_bytes = loop_during_save(table, root)
         print(f"  a node's save: {took:.2f} s; the event loop waited at most {worst * 1000:.0f} ms meanwhile", flush=True)
+        print(f"  its next save, {args.ids // 100:,} new ids and {args.ids // 100:,} moved handles later: "
+              f"{next_took:.3f} s, {next_bytes:,} bytes written", flush=True)
         print(f"  expiry of {args.ids // 20:,} of {args.ids:,} ids at once: {expiry_seconds(args.ids) * 1000:.0f} ms",
               flush=True)
         runs = {"0": [], "24h": []}
@@ -143,6 +163,8 @@ def main(argv: list[str]) -> None:
             for window in ("0", "24h"):
                 runs[window].append(ingest(root / f"{window}-{r}", args.seconds, window))
                 print(f"  ingest, dedupe_window = {window:<4} {runs[window][-1]:>10,.0f} msg/s", flush=True)
+        if not args.rounds:
+            return
         on, off = max(runs["24h"]), max(runs["0"])
         print(f"  best: dedupe on {on:,.0f} msg/s, off {off:,.0f} msg/s ({on / max(off, 1) - 1:+.1%} with dedupe on)")
     finally:

@@ -356,7 +356,129 @@ async def test_a_save_of_an_unchanged_table_rewrites_only_the_offset_it_covers(t
     again = DedupeTable(HOUR)
     assert again.load(path) == 250 and len(again) == 1000
     dedupe.table.remember("new", T0 + 5, T0 + 1001)
-    await dedupe.save(T0 + 1001, 300)  # changed: written whole, the new id in it
-    assert path.stat().st_ino != inode
-    fresh = DedupeTable(HOUR)
-    assert fresh.load(path) == 300 and fresh.find("new", T0 + 1001) == T0 + 5
+    await dedupe.save(T0 + 1001, 300)  # changed: the new id goes to the journal
+    assert path.stat().st_ino == inode and path.read_bytes()[16:] == whole[16:]
+    fresh = Dedupe(HOUR, tmp_path)
+    assert fresh.load() == 300 and fresh.table.find("new", T0 + 1001) == T0 + 5
+
+
+def journal_entries(dedupe) -> list[int]:
+    """The entry count of each chunk of the node's journal."""
+    from delayserver.dedupe import read_journal
+
+    chunks, _ = read_journal(dedupe.journal_path.read_bytes(), dedupe._base_id)
+    return [len(keys) for keys, *_ in chunks]
+
+
+async def test_a_save_writes_only_what_changed_since_the_last_one(tmp_path):
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, tmp_path)
+    for i in range(10_000):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    await dedupe.save(T0 + 10_000, 100)
+    path = tmp_path / FILE_NAME
+    whole, inode = path.read_bytes(), path.stat().st_ino
+    for i in range(10_000, 10_010):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    dedupe.table.remember("m5", T0 + 99_999, T0 + 10_011)  # a reschedule moves its handle
+    await dedupe.save(T0 + 10_011, 200)
+    assert (path.read_bytes(), path.stat().st_ino) == (whole, inode), "the table file was rewritten"
+    assert journal_entries(dedupe) == [11]
+    assert dedupe.journal_path.stat().st_size < 1000  # the 11 entries, not the 10,010
+    dedupe.table.remember("m10010", T0 + 10_010, T0 + 10_012)
+    await dedupe.save(T0 + 10_012, 300)
+    assert journal_entries(dedupe) == [11, 1]
+
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 300
+    now = T0 + 10_012
+    assert again.table.find("m5", now) == T0 + 99_999 and again.table.find("m4", now) == T0 + 4
+    assert all(again.table.find(f"m{i}", now) == T0 + i for i in range(6, 10_011))
+    assert len(again.table) == 10_011
+
+
+async def test_a_torn_journal_chunk_is_ignored_and_cut_by_the_next_save(tmp_path, caplog):
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, tmp_path)
+    dedupe.table.remember("a", T0, T0)
+    await dedupe.save(T0, 100)
+    dedupe.table.remember("b", T0 + 1, T0 + 1)
+    await dedupe.save(T0 + 1, 200)
+    good = dedupe.journal_path.stat().st_size
+    with open(dedupe.journal_path, "ab") as f:
+        f.write(b"DSDEDJ01" + b"\x00" * 20)  # a chunk the crash cut short
+
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 200
+    assert again.table.find("b", T0 + 2) == T0 + 1 and "cut short" in caplog.text
+    again.table.remember("c", T0 + 2, T0 + 2)
+    await again.save(T0 + 2, 300)
+    third = Dedupe(HOUR, tmp_path)
+    assert third.load() == 300 and third.table.find("c", T0 + 3) == T0 + 2
+    assert journal_entries(third) == [1, 1] and third.journal_bytes > good
+
+
+async def test_a_failed_chunk_is_written_with_the_next_save(tmp_path, monkeypatch):
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, tmp_path)
+    dedupe.table.remember("a", T0, T0)
+    await dedupe.save(T0, 100)
+    dedupe.table.remember("a", T0 + 50, T0 + 1)  # its handle moves
+    dedupe.table.remember("b", T0 + 1, T0 + 1)
+    real = DedupeTable.append_chunk
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(DedupeTable, "append_chunk", staticmethod(full_disk))
+    await dedupe.save(T0 + 1, 200)
+    assert dedupe.saved_offset == 100
+    monkeypatch.setattr(DedupeTable, "append_chunk", staticmethod(real))
+    await dedupe.save(T0 + 2, 300)
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 300
+    assert again.table.find("a", T0 + 2) == T0 + 50 and again.table.find("b", T0 + 2) == T0 + 1
+
+
+async def test_the_journal_is_folded_into_the_table_file_once_half_its_size(tmp_path, monkeypatch):
+    from delayserver import dedupe as module
+    from delayserver.dedupe import Dedupe
+
+    monkeypatch.setattr(module, "JOURNAL_MIN_COMPACT_BYTES", 0)
+    dedupe = Dedupe(HOUR, tmp_path)
+    for i in range(100):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    await dedupe.save(T0 + 100, 100)
+    inode = (tmp_path / FILE_NAME).stat().st_ino
+    saves = 0
+    while (tmp_path / FILE_NAME).stat().st_ino == inode:
+        for i in range(100 + 10 * saves, 110 + 10 * saves):
+            dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+        saves += 1
+        await dedupe.save(T0 + 200, 100 + saves)
+        assert saves < 20, "the journal was never folded in"
+    assert dedupe.journal_path.stat().st_size == 0 and saves > 2
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 100 + saves and len(again.table) == 100 + 10 * saves
+
+
+async def test_chunks_of_a_replaced_table_file_are_not_applied(tmp_path):
+    from delayserver.dedupe import Dedupe
+
+    first = Dedupe(HOUR, tmp_path)
+    first.table.remember("a", T0, T0)
+    await first.save(T0, 100)
+    first.table.remember("ghost", T0 + 1, T0 + 1)
+    await first.save(T0 + 1, 200)
+    old_journal = first.journal_path.read_bytes()
+    # A node whose table file was written whole again (its table rebuilt without "ghost"), and a
+    # crash before the old journal was emptied.
+    second = Dedupe(HOUR, tmp_path)
+    second.table.remember("a", T0, T0)
+    await second.save(T0 + 2, 150)
+    second.journal_path.write_bytes(old_journal)
+    third = Dedupe(HOUR, tmp_path)
+    assert third.load() == 150
+    assert third.table.find("ghost", T0 + 2) is None and third.table.find("a", T0 + 2) == T0
