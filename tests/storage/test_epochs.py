@@ -82,6 +82,24 @@ def test_a_log_written_before_epochs_is_all_epoch_0(tmp_path, log):
     old.close()
 
 
+def test_a_log_without_epochs_is_read_for_its_history_once_not_at_every_open(tmp_path, log, monkeypatch):
+    from delayserver.storage import epochs
+
+    for i in range(10):
+        log.append(message_record(i))  # a standalone node's batches: no EPOCH record
+    log.close()
+    (tmp_path / FILE_NAME).unlink(missing_ok=True)
+    scans = []
+    real = epochs._scan
+    monkeypatch.setattr(epochs, "_scan", lambda message_log: scans.append(1) or real(message_log))
+    MessageLog.open(tmp_path, SEGMENT_BYTES).close()
+    assert scans == [1] and (tmp_path / FILE_NAME).exists()
+    again = MessageLog.open(tmp_path, SEGMENT_BYTES)
+    assert scans == [1], "the whole log was read again at the next open"
+    assert again.epochs.entries == [] and again.epochs.last_epoch == 0
+    again.close()
+
+
 def test_an_epoch_whose_first_batch_never_landed_is_forgotten_at_open(tmp_path, log):
     write(log, 1, 0)
     log.epochs.begin(2, log.end_offset)  # noted, then the process died before the write
