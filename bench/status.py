@@ -5,16 +5,20 @@ other producers' ingest.
   ahead is written with the storage code (message_log, replayed into schedule_log, checkpointed),
   as a node would have left it. The real server starts on it (restart time: process start to its
   "serving" line) in its own process.
-- The id index is saved beside it, as a running node saves it (`--no-saved-index`: not, so the
-  node builds it from the segment after it starts serving). The first status asks for a message
-  of that bucket: its answer waits for whatever of the bucket's index is not built yet.
+- The id and time indexes, the dedupe table and the schedules' state are saved beside it, as a
+  running node saves them (`--no-saved-index`: not the indexes, so the node builds them from the
+  segment after it starts serving). The first status asks for a message of that bucket: its
+  answer waits for whatever of the bucket's index is not built yet.
 - Ingest alone: `bench.ingest load` (8 producers, batches of 64 x 1 KiB) for S seconds.
 - Status alone: a probe process sends status requests one after another for random pending
   messages of the big bucket for S seconds; its latencies (send to answer, over loopback, through
   the Python client).
 - Ingest with status: ingest again, while the probe sends --status-rate status requests a second
   (200 by default); the ingest rate beside it, and the probe's latencies (a status waits until
-  replay has caught up with what was acknowledged before it, so it includes that wait).
+  replay has caught up with what was acknowledged before it, so it includes that wait). Then
+  ingest alone once more: the rate beside the statuses is compared with the mean of the runs
+  alone before and after it, since the rate drifts as the node fills. The server's CPU time per
+  status and per message is printed for each phase.
 - Cancels: 1,000 cancels one after another of random pending messages; each must answer
   CANCELLED, and a status afterwards CANCELLED.
 
@@ -73,6 +77,9 @@ def prepare(root: Path, pending: int, bucket: int, save_index: bool = True) -> N
         from bench.deliver import save_index as save
 
         save(store, root)
+    from bench.deliver import save_followers
+
+    save_followers(store, now)
     store.close()
 
 
@@ -141,7 +148,7 @@ def _run_probe(address: str, mode: str, bucket: int, pending: int, count: int, s
 
 
 def main(argv: list[str]) -> None:
-    from bench.harness import DelayServerProcess, environment_note
+    from bench.harness import DelayServerProcess, cpu_seconds, environment_note
 
     parser = argparse.ArgumentParser(prog="ops/bench status", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pending", type=int, default=1_000_000)
@@ -168,19 +175,34 @@ def main(argv: list[str]) -> None:
         print(f"  restart: process start to serving     {time.perf_counter() - began:.2f} s", flush=True)
         first = probe(server.address, "status", bucket, args.pending, 1, 3600)
         print(f"  first status (waits for the bucket's index): {first['latencies_ms'][0]:.0f} ms", flush=True)
+        cpu = cpu_seconds(server.process)
         quiet = probe(server.address, "status", bucket, args.pending, 10 ** 9, args.seconds)
+        cpu, used = cpu_seconds(server.process), cpu_seconds(server.process) - cpu
         print(f"  status latency, no other traffic: {_quantiles(quiet['latencies_ms'])}; "
-              f"wrong answers {quiet['wrong']}", flush=True)
+              f"wrong answers {quiet['wrong']}; server CPU {used * 1e6 / max(len(quiet['latencies_ms']), 1):.0f} us "
+              "per status", flush=True)
         alone = _ingest(server.address, args.seconds)
-        print(f"  ingest alone                          {alone['msgs_per_s']:>10,.0f} msg/s", flush=True)
+        cpu, used = cpu_seconds(server.process), cpu_seconds(server.process) - cpu
+        print(f"  ingest alone                          {alone['msgs_per_s']:>10,.0f} msg/s; server CPU "
+              f"{used * 1e6 / max(alone['acked'], 1):.1f} us per message", flush=True)
         prober = _run_probe(server.address, "status", bucket, args.pending, 10 ** 9, args.seconds + 2,
                             args.status_rate)
         time.sleep(1)
         beside = _ingest(server.address, args.seconds)
         statuses = json.loads(prober.communicate()[0])
-        change = beside["msgs_per_s"] / max(alone["msgs_per_s"], 1) - 1
-        print(f"  ingest beside status requests         {beside['msgs_per_s']:>10,.0f} msg/s ({change:+.1%})"
-              + f"   (target within 5%: {'met' if change >= -0.05 else 'MISSED'})")
+        cpu, used = cpu_seconds(server.process), cpu_seconds(server.process) - cpu
+        # Ingest alone again after it: the rate drifts as the node fills (one run before and one
+        # after bracket the run beside the statuses).
+        after = _ingest(server.address, args.seconds)
+        used_after = cpu_seconds(server.process) - cpu
+        baseline = (alone["msgs_per_s"] + after["msgs_per_s"]) / 2
+        change = beside["msgs_per_s"] / max(baseline, 1) - 1
+        print(f"  ingest alone, again after             {after['msgs_per_s']:>10,.0f} msg/s; server CPU "
+              f"{used_after * 1e6 / max(after['acked'], 1):.1f} us per message")
+        print(f"  ingest beside status requests         {beside['msgs_per_s']:>10,.0f} msg/s ({change:+.1%} against "
+              f"the mean of the two runs alone)"
+              + f"   (target within 5%: {'met' if change >= -0.05 else 'MISSED'}); server CPU "
+              f"{used * 1e6 / max(beside['acked'], 1):.1f} us per message, statuses included")
         print(f"  status latency beside ingest ({args.status_rate:g}/s): {_quantiles(statuses['latencies_ms'])}; "
               f"wrong answers {statuses['wrong']}")
         cancels = json.loads(_run_probe(server.address, "cancel", bucket, args.pending, args.cancels,
