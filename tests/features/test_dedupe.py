@@ -340,13 +340,21 @@ async def test_what_recovery_built_is_kept_out_of_the_collectors_generations(tmp
     await run_node(tmp_path, look)
 
 
+async def a_saved_table(root, count: int, offset: int):
+    """A node's Dedupe holding ids m0 .. m{count - 1} (accepted at T0 + i), saved covering `offset`."""
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, root)
+    for i in range(count):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    await dedupe.save(T0 + count, offset)
+    return dedupe
+
+
 async def test_a_save_of_an_unchanged_table_rewrites_only_the_offset_it_covers(tmp_path):
     from delayserver.dedupe import Dedupe
 
-    dedupe = Dedupe(HOUR, tmp_path)
-    for i in range(1000):
-        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
-    await dedupe.save(T0 + 1000, 100)
+    dedupe = await a_saved_table(tmp_path, 1000, 100)
     path = tmp_path / FILE_NAME
     whole = path.read_bytes()
     inode = path.stat().st_ino
@@ -373,10 +381,7 @@ def journal_entries(dedupe) -> list[int]:
 async def test_a_save_writes_only_what_changed_since_the_last_one(tmp_path):
     from delayserver.dedupe import Dedupe
 
-    dedupe = Dedupe(HOUR, tmp_path)
-    for i in range(10_000):
-        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
-    await dedupe.save(T0 + 10_000, 100)
+    dedupe = await a_saved_table(tmp_path, 10_000, 100)
     path = tmp_path / FILE_NAME
     whole, inode = path.read_bytes(), path.stat().st_ino
     for i in range(10_000, 10_010):
