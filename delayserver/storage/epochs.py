@@ -58,7 +58,9 @@ class EpochHistory:
             self = cls(path, _scan(message_log))
             # Written even when empty (a node that never had a master epoch, standalone): without
             # the file, every start would read the whole log again (9 s at 10,000,000 messages).
-            self._save()
+            # A log with nothing in it has nothing to read again.
+            if self.entries or message_log.end_offset > message_log.start_offset:
+                self._save()
             return self
         self = cls(path, entries)
         self.truncate(message_log.end_offset)
