@@ -15,8 +15,9 @@ message_log offset replay had reached when the table was copied. Later saves app
 changed since (the ids remembered, the handles moved) to `checkpoint/dedupe.journal`, one checked
 chunk each with the offset it covers, so that a save costs what changed, not the whole table
 (hundreds of MB for millions of ids, once a minute). Once the journal is half the size of the
-table file, the next save writes the table whole again and starts a new journal; a journal's
-chunks name the table file they extend, so those of a replaced one are ignored. At start the file
+table file, or after an append failed (no later fsync of that file is trusted), the next save
+writes the table whole again and starts a new journal; a journal's chunks name the table file
+they extend, so those of a replaced one are ignored. At start the file
 and the journal's valid chunks are read back and message_log from the last offset they cover on is
 fed again (`recover`), so the table survives a restart; the cleaner keeps message_log from that
 offset (node/server.py). A damaged file is ignored with a warning and the table is rebuilt from
@@ -236,31 +237,35 @@ class DedupeTable:
         return self._encoded(keys, stores, scheds) if keys else None
 
     def extend(self, keys: list, stores: array, scheds: array) -> None:
-        """Add saved entries after the ones there (a journal chunk read back)."""
+        """Add saved entries after the ones there (a journal chunk read back: they are saved)."""
         first = self._base + len(self._keys)
         self._keys.extend(keys)
         self._stores.extend(stores)
         self._scheds.extend(scheds)
         self._positions.update(zip(keys, range(first, first + len(keys))))
+        self.saved_to = first + len(keys)
 
     @staticmethod
-    def write(path: Path, slices, offset: int) -> None:
+    def write(path: Path, slices, offset: int) -> int:
         """Write the entries encoded by `encode_slices` covering message_log up to `offset`,
-        atomically (temp file, fsync, rename, fsync of the directory).
+        atomically (temp file, fsync, rename, fsync of the directory); returns the new file's id
+        (`base_id`).
 
         Layout after the head: every store time, then every schedule time (big-endian i64
         arrays), every id's length in characters (u8: an id is at most 128 bytes), then the ids
         as one UTF-8 text: read back with a few bulk decodes instead of one per id."""
         count, parts, crc = _columns(slices)
+        file_id = int.from_bytes(os.urandom(8), "big")
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb") as f:
-            f.write(_HEAD.pack(_MAGIC, offset, count, crc, int.from_bytes(os.urandom(8), "big")))
+            f.write(_HEAD.pack(_MAGIC, offset, count, crc, file_id))
             for column in parts:
                 f.writelines(column)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+        return file_id
 
     @staticmethod
     def append_chunk(path: Path, valid_bytes: int, base_id: int, slices, offset: int) -> int:
@@ -473,9 +478,8 @@ class Dedupe:
                         self.journal_path, len(raw) - self.journal_bytes)
         for keys, stores, scheds, offset in chunks:
             self.table.extend(keys, stores, scheds)
-        self.table.saved_to = self.table._base + len(self.table._keys)
-        self.saved_offset = offset
-        return offset
+            self.saved_offset = offset
+        return self.saved_offset
 
     async def save(self, now_ms: int, replay_offset: int, slice_entries: int = 32768) -> None:
         """Expire, then save the table covering message_log up to `replay_offset` (every record
@@ -520,26 +524,22 @@ class Dedupe:
                         slices, replay_offset)
             except OSError as e:
                 target = self.path if whole else self.journal_path
-                log.warning("%s: not saved (%s); will try again", target, e)
+                log.warning("%s: not saved (%s); will try again, writing the table whole", target, e)
                 self.table.give_back_updates(updates)
+                # No later fsync of a file whose fsync failed is trusted (storage/segment.py): the
+                # journal is not appended to again, the next save writes a new table file.
+                self._base_id = None
                 return
             self.table.saved_to = reached[0]
             self.saved_offset = replay_offset
             self._saved_changes = changes
 
     def _write_whole(self, slices, offset: int) -> None:
-        """Write the table file, then start an empty journal (a worker thread's part of a save).
-        Until the journal is emptied its chunks name the file replaced, so none is applied to
-        the new one."""
-        DedupeTable.write(self.path, slices, offset)
-        with open(self.path, "rb") as f:
-            head = f.read(_HEAD.size)
-        self._base_id, self._base_bytes = base_id(head), self.path.stat().st_size
+        """Write the table file, then remove the journal (a worker thread's part of a save): the
+        next chunk starts a new file, never one whose fsync may have failed. The old chunks name
+        the file replaced, so none is applied to the new one whether or not the removal reaches
+        the disk: it needs no fsync."""
+        self._base_id = DedupeTable.write(self.path, slices, offset)
+        self._base_bytes = self.path.stat().st_size
         self.journal_bytes = 0
-        if self.journal_path.exists():
-            os.truncate(self.journal_path, 0)
-            fd = os.open(self.journal_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        self.journal_path.unlink(missing_ok=True)
