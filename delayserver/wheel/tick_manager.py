@@ -258,8 +258,8 @@ class TickManager:
             if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
                 self._load_chunk(now, max_bytes, max_s, data)
                 return True
-            nxt = self._next_bucket()
-            if nxt is not None and nxt <= target:
+            nxt = self._bucket_to_begin(target)
+            if nxt is not None:
                 self._begin(nxt)
                 return True
         except CorruptSegment as e:
@@ -282,14 +282,21 @@ class TickManager:
         prepared yet (`prepare_begin`); otherwise None."""
         if self.loading_bucket is not None and self.loaded_offset < self.loading_end:
             return None
-        nxt = self._next_bucket()
-        if nxt is None or nxt > self.load_target(now) or not self.store.schedule_log.size(nxt) \
-                or self.store.dispatch_log.size(nxt) < SETTLED_READ_ON_LOOP_BYTES:
-            return None
-        prepared = self._prepared
-        if prepared is not None and prepared[0] == nxt and prepared[1] == self.generation:
+        nxt = self._bucket_to_begin(self.load_target(now))
+        if nxt is None or not self.store.schedule_log.size(nxt) \
+                or self.store.dispatch_log.size(nxt) < SETTLED_READ_ON_LOOP_BYTES or self._prepared_for(nxt):
             return None
         return nxt
+
+    def _bucket_to_begin(self, target: int) -> int | None:
+        """The bucket after the loading one, when there is one to load up to `target`."""
+        nxt = self._next_bucket()
+        return nxt if nxt is not None and nxt <= target else None
+
+    def _prepared_for(self, bucket: int) -> tuple | None:
+        """What `prepare_begin` handed over for `bucket` in the current generation, or None."""
+        prepared = self._prepared
+        return prepared[2:] if prepared is not None and prepared[:2] == (bucket, self.generation) else None
 
     def settled_reader(self, bucket: int):
         """A function for a worker thread: (dispatch_log's scan or CorruptSegment or None, the
@@ -336,12 +343,9 @@ class TickManager:
         self.loading_end = self.store.schedule_log.size(bucket)
         self.loaded_offset = 0
         self._set_skip(_NO_SKIP)
-        prepared, self._prepared = self._prepared, None
+        prepared, self._prepared = self._prepared_for(bucket), None
         if self.loading_end:
-            if prepared is not None and prepared[:2] == (bucket, self.generation):
-                scanned, skip = prepared[2:]
-            else:
-                scanned, skip = self.settled_reader(bucket)()
+            scanned, skip = prepared if prepared is not None else self.settled_reader(bucket)()
             if isinstance(scanned, CorruptSegment):
                 raise scanned
             if scanned is not None:
