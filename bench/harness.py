@@ -247,3 +247,14 @@ def proc_cpu_seconds(pid: int) -> float:
     # The command name (field 2) is in parentheses and may hold spaces: split after its last ")".
     fields = stat[stat.rindex(b")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+async def sleep_late(late: list[float], stop) -> None:
+    """Sleep 1 ms at a time on the running trio loop until `stop()` is true, appending to `late`
+    how long past its time each sleep ended: what held the event loop meanwhile."""
+    import trio
+
+    while not stop():
+        began = time.perf_counter()
+        await trio.sleep(0.001)
+        late.append(time.perf_counter() - began - 0.001)

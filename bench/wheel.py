@@ -191,6 +191,7 @@ def recover_busy(root: Path) -> dict:
     """serve_ticks to started, and the longest a 1 ms sleeper beside it waited; in a fresh process."""
     import trio
 
+    from bench.harness import sleep_late
     from delayserver.replayer import Replayer
     from delayserver.storage.store import Store
     from delayserver.wakeup import Wakeup
@@ -210,15 +211,8 @@ def recover_busy(root: Path) -> dict:
     async def run():
         waits = []
         done = trio.Event()
-
-        async def sleeper():
-            while not done.is_set():
-                t = time.perf_counter()
-                await trio.sleep(0.001)
-                waits.append(time.perf_counter() - t - 0.001)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sleeper)
+            nursery.start_soon(sleep_late, waits, done.is_set)
             await trio.sleep(0.01)
             began = time.perf_counter()
             await nursery.start(serve_ticks, ticks, Clock(), Wakeup())
