@@ -156,8 +156,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--body-bytes", type=int, default=256)
     parser.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "delayserver-bench-reconcile"),
                         help="where the generated logs are kept and reused")
-    parser.add_argument("extra", nargs="*", help="options for spark/reconcile.py, after --")
-    args = parser.parse_args(argv)
+    parser.epilog = "Options for spark/reconcile.py follow a --."
+    # Split by hand: argparse gives a trailing nargs="*" positional its (empty) share at once, and
+    # then refuses what follows a "--" after other options.
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.extra = extra
     n = args.messages
     root = Path(args.dir) / f"n{n}-nodes{args.nodes}-buckets{args.buckets}-body{args.body_bytes}"
     done = root / "complete"

@@ -2,6 +2,7 @@
 
     python spark/reconcile.py DATA_DIR [DATA_DIR ...] [--as-of TIME] [--out DIR] [--json]
         [--master URL] [--driver-memory SIZE] [--shuffle-partitions N] [--split-bytes N] [--conf KEY=VALUE]
+        [--class-archive DIR|none] [--jit auto|quick|full]
     spark-submit [OPTIONS] spark/reconcile.py DATA_DIR [...]
 
 Exit status: 0 nothing missing, nothing early and nothing damaged; 1 messages missing or early, or
@@ -22,9 +23,12 @@ if __name__ == "__main__" and __package__ in (None, ""):
     # the one holding the `spark` package there instead, so that its modules import as spark.*.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from spark.logs import DEFAULT_SPLIT_BYTES, check_data_dir, normalize_data_dirs  # noqa: E402
+from spark.logs import (  # noqa: E402
+    DEFAULT_SPLIT_BYTES, LOGS, check_data_dir, normalize_data_dirs, segment_ranges,
+)
 from spark.reconciliation import DEFAULT_MAX_ROWS, reconcile  # noqa: E402
-from spark.session import DEFAULT_DRIVER_MEMORY, DEFAULT_SHUFFLE_PARTITIONS, get_session  # noqa: E402
+from spark import jvm  # noqa: E402
+from spark.session import DEFAULT_DRIVER_MEMORY, DEFAULT_SHUFFLE_PARTITIONS, get_session, stop  # noqa: E402
 
 DESCRIPTION = ("Reconcile schedule_log against dispatch_log on Spark: per bucket and in total, "
                "scheduled, cancelled, dispatched, missing, duplicated, not yet due, and lateness.")
@@ -68,6 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conf", action="append", type=_setting, default=[], metavar="KEY=VALUE",
                         help="a Spark setting for the session the job starts when not run by spark-submit "
                              "(repeatable; give spark-submit its own --conf)")
+    parser.add_argument("--class-archive", type=_archive_dir, default=jvm.default_dir(), metavar="DIR",
+                        help="keep the driver JVM's class data sharing archive here, written by the first run "
+                             "and mapped by the next ones (a faster start), when not run by spark-submit; "
+                             f"'none' for no archive (default {jvm.default_dir()})")
+    parser.add_argument("--jit", choices=jvm.JIT_MODES, default="auto",
+                        help="the driver JVM's compilers when not run by spark-submit: quick, the client "
+                             "compiler alone (a short job spends less on compiling); full, the JVM's default; "
+                             f"auto, quick when the logs total less than {jvm.QUICK_BELOW_BYTES >> 20} MiB "
+                             "(default auto)")
     parser.add_argument("--max-rows", type=_positive, default=DEFAULT_MAX_ROWS, metavar="N",
                         help=f"the most buckets, subjects and broker groups the report shows, each "
                              f"(all are in the summary written with --out; default {DEFAULT_MAX_ROWS})")
@@ -78,6 +91,10 @@ def _setting(value: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
     return key.strip(), setting
+
+
+def _archive_dir(value: str) -> Path | None:
+    return None if value == "none" else Path(value)
 
 
 def _positive(value: str) -> int:
@@ -101,14 +118,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    size = sum(r.size for log in LOGS for r in segment_ranges(data_dirs, log, 1 << 62))
     spark, owned = get_session(args.master, driver_memory=args.driver_memory,
-                               shuffle_partitions=args.shuffle_partitions, conf=dict(args.conf))
+                               shuffle_partitions=args.shuffle_partitions, conf=dict(args.conf),
+                               class_archive=args.class_archive,
+                               jvm_options=jvm.compiler_options(args.jit, size))
     try:
         report = reconcile(spark, data_dirs, as_of, args.out, split_bytes=args.split_bytes,
                            max_rows=args.max_rows)
     finally:
         if owned:
-            spark.stop()
+            stop(spark)
     sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n" if args.json else report.render())
     # Said on stderr as well, so that a script reading the JSON cannot miss it.
     for damage in report.damage:

@@ -14,9 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import attrs
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -386,16 +388,20 @@ def scripts(nodes, tmp_path_factory):
     autouse fixture of the widest scope) so that their Spark start-up overlaps this process's."""
     python = tmp_path_factory.mktemp("python")
     submit = tmp_path_factory.mktemp("spark-submit")
+    archives = tmp_path_factory.mktemp("class-archive")
     runs = {
+        # The first run with this archive directory: its JVM writes the class archive as it exits.
         "python": Script.start(python, [sys.executable], nodes["a"], nodes["b"], nodes["empty"], "--as-of",
                                "2025-11-22T08:36:52.345Z", "--json", "--out", str(python / "out"),
-                               "--split-bytes", "100", "--shuffle-partitions", "3", "--driver-memory", "1g"),
+                               "--split-bytes", "100", "--shuffle-partitions", "3", "--driver-memory", "1g",
+                               "--class-archive", str(archives)),
         "spark-submit": Script.start(submit, [str(Path(sys.executable).parent / "spark-submit"), "--master",
                                               "local[2]", "--conf", "spark.ui.enabled=false"],
                                      nodes["a"], "--as-of", str(START_MS)),
     }
+    runs["archives"] = archives
     yield runs
-    for run in runs.values():
+    for run in (runs["python"], runs["spark-submit"]):
         if run.process.poll() is None:
             run.process.kill()
             run.process.wait()
@@ -409,6 +415,44 @@ def test_reconcile_py_runs_as_a_script_and_exits_1_with_the_report_as_json(scrip
     assert Figures(**{k: v for k, v in report["total"].items() if k != "lateness_histogram"}) == TOTAL
     parquet, _ = read_ids(scripts["python"].out, "missing", nodes)
     assert {(r["node"], r["message_id"]) for r in parquet} == MISSING
+
+
+def test_the_first_run_writes_a_class_archive_and_the_next_one_maps_it(scripts, nodes, tmp_path):
+    status, stdout, stderr = scripts["python"].finish()
+    assert status == 1, stderr
+    json.loads(stdout)  # writing the archive said nothing on stdout, where the report goes
+    archives = scripts["archives"]
+    written = list(archives.iterdir())
+    assert len(written) == 1 and written[0].suffix == ".jsa" and written[0].stat().st_size > 1 << 20, written
+    again = Script.start(tmp_path, [sys.executable], nodes["a"], "--as-of", str(START_MS), "--json",
+                         "--class-archive", str(archives))
+    mapped = False
+    try:
+        while again.process.poll() is None and not mapped:
+            mapped = any(str(written[0]) in maps for maps in _java_maps(again.process.pid))
+            time.sleep(0.2)
+    finally:
+        status, stdout, stderr = again.finish()
+    assert mapped, "the second run's JVM did not map the archive"
+    assert status == 0, stderr
+    assert json.loads(stdout)["total"]["scheduled"] > 0
+    assert list(archives.iterdir()) == written  # used, not written again
+
+
+def _java_maps(pid: int) -> list[str]:
+    """The memory maps of the java processes under `pid`."""
+    out = []
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for child in children:
+        try:
+            if child.name() == "java":
+                out.append(Path(f"/proc/{child.pid}/maps").read_text())
+        except (psutil.Error, OSError):
+            continue
+    return out
 
 
 def test_reconcile_py_runs_unchanged_under_spark_submit_and_exits_0_when_nothing_is_missing(scripts, nodes):
