@@ -126,13 +126,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = reconcile(spark, data_dirs, as_of, args.out, split_bytes=args.split_bytes,
                            max_rows=args.max_rows)
+        # Said before the session stops: a first run's JVM then writes its class archive.
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n" if args.json else report.render())
+        # Said on stderr as well, so that a script reading the JSON cannot miss it.
+        for damage in report.damage:
+            print(f"error: {damage.error}", file=sys.stderr)
+        sys.stdout.flush()
     finally:
         if owned:
             stop(spark)
-    sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n" if args.json else report.render())
-    # Said on stderr as well, so that a script reading the JSON cannot miss it.
-    for damage in report.damage:
-        print(f"error: {damage.error}", file=sys.stderr)
     return report.exit_status
 
 
