@@ -28,4 +28,5 @@ BENCHMARKS = {
     "dedupe": "bench.dedupe",
     "transactions": "bench.transactions",
     "replication": "bench.replication",
+    "index": "bench.index",
 }

@@ -43,9 +43,12 @@ class TimeIndex(IdIndex):
         self.scale_ms = scale_ms
         super().__init__(bucket_log, directory)
 
-    def _add(self, runs: SortedRuns, rtype: int, data, s: int, e: int, offset: int) -> None:
+    def _add(self, b: _Bucket, rtype: int, data, s: int, e: int, offset: int) -> None:
         if rtype == RecordType.SCHEDULED:
-            runs.add(time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset))
+            key = time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset)
+            b.runs.add(key)
+            if b.collecting:
+                b.unsaved.append(key)
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
         b.runs.drop_where(lambda keys, vals: (keys & np.uint64(OFFSET_MASK)) < np.uint64(size))

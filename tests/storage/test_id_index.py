@@ -304,3 +304,203 @@ async def test_a_torn_dispatch_log_tail_does_not_stop_the_index_from_serving(tmp
         assert (await look.find(START_MS + 2, "b")).state == MessageState.PENDING
         nursery.cancel_scope.cancel()
     node.crash()
+
+
+def _journal(look, bucket):
+    return look.ids._saved_path(bucket).with_suffix(".idj")
+
+
+def _grow(node, bucket_start, first, count):
+    msgs = [(f"m-{i}", bucket_start + SCALE_MS // 2 + i) for i in range(first, first + count)]
+    node.send(msgs)
+    node.replay_all()
+    return msgs
+
+
+async def test_later_saves_append_to_a_journal_and_a_restart_reads_file_and_journal(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket_of(START_MS) + SCALE_MS
+    bucket = start
+    msgs = _grow(node, start, 0, 400)
+    assert await look.ids.save(every=1) == 1
+    first = look.ids._saved_path(bucket).read_bytes()
+    assert not _journal(look, bucket).exists()
+    for round_ in range(3):
+        msgs += _grow(node, start, 400 + 10 * round_, 10)
+        assert await look.ids.save(every=1) == 1
+    assert look.ids._saved_path(bucket).read_bytes() == first  # the file was not written again
+    assert _journal(look, bucket).stat().st_size == 3 * (id_index._CHUNK.size + 8 * 10)
+    covered = look.ids.buckets[bucket].covered
+    node.replayer.checkpoint()
+    node.crash()
+
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    b = look.ids.buckets[bucket]
+    assert b.covered == covered and len(b.runs) == len(msgs)  # read back whole, nothing to parse
+    for mid, sched in msgs[::37] + msgs[-10:]:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    node.crash()
+
+
+async def test_a_damaged_chunk_ends_the_journal_and_the_segment_past_it_is_parsed(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket = bucket_of(START_MS) + SCALE_MS
+    msgs = _grow(node, start, 0, 300)
+    await look.ids.save(every=1)
+    msgs += _grow(node, start, 300, 20)
+    await look.ids.save(every=1)
+    after_first_chunk = look.ids.buckets[bucket].covered
+    msgs += _grow(node, start, 320, 20)
+    await look.ids.save(every=1)
+    node.replayer.checkpoint()
+    node.crash()
+    journal = _journal(look, bucket)
+    raw = bytearray(journal.read_bytes())
+    raw[-5] ^= 0x40  # a key of the second chunk
+    journal.write_bytes(bytes(raw))
+
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert look.ids.buckets[bucket].covered == after_first_chunk  # the first chunk only
+    for mid, sched in msgs[::17] + msgs[-20:]:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    node.crash()
+
+
+async def test_a_journal_left_beside_a_file_written_whole_after_it_is_not_read(tmp_path):
+    """A crash between writing the file whole and removing the old journal leaves chunks that
+    name the old file: they must not chain onto the new one."""
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket = bucket_of(START_MS) + SCALE_MS
+    _grow(node, start, 0, 100)
+    await look.ids.save(every=1)
+    _grow(node, start, 100, 10)
+    await look.ids.save(every=1)
+    old_journal = _journal(look, bucket).read_bytes()
+    look.ids.buckets[bucket].saved_id = None  # as after a failed append: the next save is whole
+    _grow(node, start, 110, 10)
+    await look.ids.save(every=1)
+    assert not _journal(look, bucket).exists()
+    whole = look.ids.buckets[bucket].covered
+    node.replayer.checkpoint()
+    node.crash()
+    _journal(look, bucket).write_bytes(old_journal)
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert look.ids.buckets[bucket].covered == whole
+    assert len(look.ids.buckets[bucket].runs) == 120  # no key twice
+    node.crash()
+
+
+async def test_the_file_is_written_whole_again_once_the_journal_holds_as_many_keys(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket = bucket_of(START_MS) + SCALE_MS
+    _grow(node, start, 0, 100)
+    await look.ids.save(every=1)
+    writes = []
+    for i in range(12):
+        _grow(node, start, 1000 + 20 * i, 20)
+        before = look.ids._saved_path(bucket).stat().st_ino
+        await look.ids.save(every=1)
+        writes.append(look.ids._saved_path(bucket).stat().st_ino != before)
+        if writes[-1]:
+            assert not _journal(look, bucket).exists()
+    # 100 keys in the file: chunks until the journal holds 100 (five of 20), then the file whole
+    # (200 keys): chunks until the journal holds 200 (ten of 20 more), ...
+    assert writes == [False] * 5 + [True] + [False] * 6
+    assert len(look.ids.buckets[bucket].runs) == 100 + 12 * 20
+    covered = look.ids.buckets[bucket].covered
+    node.replayer.checkpoint()
+    node.crash()
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert look.ids.buckets[bucket].covered == covered and len(look.ids.buckets[bucket].runs) == 340
+    node.crash()
+
+
+async def test_keys_indexed_while_a_save_runs_go_to_the_next_chunk(tmp_path, monkeypatch):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket = bucket_of(START_MS) + SCALE_MS
+    msgs = _grow(node, start, 0, 200)
+    real = id_index._write_saved
+
+    def slow_whole(*args):  # the node appends while the first save's thread writes
+        msgs.extend(_grow(node, start, 200, 7))
+        return real(*args)
+
+    monkeypatch.setattr(id_index, "_write_saved", slow_whole)
+    await look.ids.save(every=1)
+    monkeypatch.setattr(id_index, "_write_saved", real)
+    msgs += _grow(node, start, 300, 3)
+    await look.ids.save(every=1)
+    assert _journal(look, bucket).exists()
+    node.replayer.checkpoint()
+    node.crash()
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert len(look.ids.buckets[bucket].runs) == 210
+    assert look.ids.buckets[bucket].covered == node.store.schedule_log.size(bucket)
+    for mid, sched in msgs:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    node.crash()
+
+
+async def test_a_failed_append_makes_the_next_save_write_the_file_whole(tmp_path, monkeypatch):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket = bucket_of(START_MS) + SCALE_MS
+    msgs = _grow(node, start, 0, 50)
+    await look.ids.save(every=1)
+    msgs += _grow(node, start, 50, 5)
+    real = id_index._append_chunk
+
+    def failing(path, *args):
+        with open(path, "ab") as f:
+            f.write(b"\x00" * 7)  # half a chunk, as a full disk leaves
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(id_index, "_append_chunk", failing)
+    assert await look.ids.save(every=1) == 0
+    monkeypatch.setattr(id_index, "_append_chunk", real)
+    assert await look.ids.save(every=1) == 1
+    assert not _journal(look, bucket).exists()  # written whole
+    covered = look.ids.buckets[bucket].covered
+    node.replayer.checkpoint()
+    node.crash()
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert look.ids.buckets[bucket].covered == covered
+    for mid, sched in msgs:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    node.crash()
+
+
+async def test_a_file_of_the_first_format_is_read_and_the_next_save_writes_the_new_one(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    start = bucket = bucket_of(START_MS) + SCALE_MS
+    msgs = _grow(node, start, 0, 30)
+    look.ids.buckets[bucket].runs.seal()
+    keys = id_index._merge(look.ids.buckets[bucket].runs.runs)[0]
+    body = keys.astype(">u8").tobytes()
+    covered = look.ids.buckets[bucket].covered
+    path = look.ids._saved_path(bucket)
+    path.write_bytes(id_index._SAVED_HEAD.pack(id_index._SAVED_MAGIC, covered, len(keys),
+                                               id_index.crc32c(body), look.ids._fingerprint(bucket)) + body)
+    node.replayer.checkpoint()
+    node.crash()
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store, tmp_path / "index")
+    assert look.ids.buckets[bucket].covered == covered
+    msgs += _grow(node, start, 30, 3)
+    await look.ids.save(every=1)
+    assert path.read_bytes()[:8] == id_index._SAVED_MAGIC_2 and not _journal(look, bucket).exists()
+    for mid, sched in msgs:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    node.crash()
