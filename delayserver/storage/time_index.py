@@ -4,8 +4,10 @@ Per bucket, every SCHEDULED record under one 64-bit key ``(schedule_time - bucke
 (a bucket is at most an hour, 2**22 ms, so the time fits in the 24 high bits): sorted, the keys are
 the bucket's messages in delivery-time order, ties in log order. It follows schedule_log like the
 id index (storage/id_index.py: appends indexed at once, truncations dropped, buckets present at
-start built in slices) and costs 8 bytes per message. It is not saved: a restart builds it from
-the segments in the background, and a browse of a bucket not built yet builds that bucket first.
+start built in slices) and costs 8 bytes per message. It is saved as the id index is (a sorted
+file per bucket and a journal of what was added since) and read back at start; what was not saved
+is built from the segments in the background, and a browse of a bucket not built yet builds that
+bucket first.
 
 `page` answers "the next n keys after this one, in this order" with a bisection per sorted run
 and at most n keys taken from each: O(runs * (log size + n)), whatever the bucket's size.
