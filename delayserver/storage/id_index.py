@@ -22,10 +22,10 @@ segment range it covers. A save appends a chunk (the keys indexed since the save
 as they are indexed); it writes the file whole (and starts a new journal) only when the journal
 holds as many keys as the file, or after a truncation or a failed append. So each key is written
 about three times at most, however big the bucket grows; a save used to write the whole bucket's
-keys, 80 MB and half a second of CPU every 65,536 records in a bucket of 10,000,000. The chunks
-read back are sorted runs of their own, merged in the background like any others. At start a bucket's saved keys are read back in one go (the file, then
-the chunks that chain onto it) and only the segment past what they cover is parsed, so a restart
-costs a read of 8 bytes per record, not a parse of the segment. A saved index covering more than
+keys, 80 MB and half a second of CPU every 65,536 records in a bucket of 10,000,000. At start a
+bucket's saved keys are read back in one go (the file, then the chunks that chain onto it, each a
+sorted run of its own, merged in the background like any other) and only the segment past what
+they cover is parsed, so a restart costs a read of 8 bytes per record, not a parse of the segment. A saved index covering more than
 the segment holds (the segment was truncated back to the replay checkpoint) loses the keys past
 the segment's end; a damaged or unreadable file is ignored (the bucket is indexed from its
 segment), and a journal is read up to its first chunk that is damaged, cut short or not of its file.
