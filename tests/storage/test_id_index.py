@@ -310,6 +310,28 @@ def _journal(look, bucket):
     return look.ids._saved_path(bucket).with_suffix(".idj")
 
 
+def _fresh(tmp_path):
+    """A new node with a saved id index, and the bucket the tests fill: (node, lookup, bucket)."""
+    node = Node(tmp_path, START_MS)
+    return node, Lookup(node.store, tmp_path / "index"), bucket_of(START_MS) + SCALE_MS
+
+
+def _restart(node, tmp_path, while_down=None):
+    """Checkpoint, crash, run `while_down` (if given), and open the node again with its saved
+    indexes: (node, lookup)."""
+    node.replayer.checkpoint()
+    node.crash()
+    if while_down is not None:
+        while_down()
+    node = Node(tmp_path, START_MS)
+    return node, Lookup(node.store, tmp_path / "index")
+
+
+async def _all_pending(look, msgs):
+    for mid, sched in msgs:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+
+
 def _grow(node, bucket_start, first, count):
     msgs = [(f"m-{i}", bucket_start + SCALE_MS // 2 + i) for i in range(first, first + count)]
     node.send(msgs)
@@ -318,10 +340,8 @@ def _grow(node, bucket_start, first, count):
 
 
 async def test_later_saves_append_to_a_journal_and_a_restart_reads_file_and_journal(tmp_path):
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket_of(START_MS) + SCALE_MS
-    bucket = start
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     msgs = _grow(node, start, 0, 400)
     assert await look.ids.save(every=1) == 1
     first = look.ids._saved_path(bucket).read_bytes()
@@ -332,22 +352,16 @@ async def test_later_saves_append_to_a_journal_and_a_restart_reads_file_and_jour
     assert look.ids._saved_path(bucket).read_bytes() == first  # the file was not written again
     assert _journal(look, bucket).stat().st_size == 3 * (id_index._CHUNK.size + 8 * 10)
     covered = look.ids.buckets[bucket].covered
-    node.replayer.checkpoint()
-    node.crash()
-
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    node, look = _restart(node, tmp_path)
     b = look.ids.buckets[bucket]
     assert b.covered == covered and len(b.runs) == len(msgs)  # read back whole, nothing to parse
-    for mid, sched in msgs[::37] + msgs[-10:]:
-        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    await _all_pending(look, msgs[::37] + msgs[-10:])
     node.crash()
 
 
 async def test_a_damaged_chunk_ends_the_journal_and_the_segment_past_it_is_parsed(tmp_path):
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket = bucket_of(START_MS) + SCALE_MS
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     msgs = _grow(node, start, 0, 300)
     await look.ids.save(every=1)
     msgs += _grow(node, start, 300, 20)
@@ -355,27 +369,24 @@ async def test_a_damaged_chunk_ends_the_journal_and_the_segment_past_it_is_parse
     after_first_chunk = look.ids.buckets[bucket].covered
     msgs += _grow(node, start, 320, 20)
     await look.ids.save(every=1)
-    node.replayer.checkpoint()
-    node.crash()
     journal = _journal(look, bucket)
-    raw = bytearray(journal.read_bytes())
-    raw[-5] ^= 0x40  # a key of the second chunk
-    journal.write_bytes(bytes(raw))
 
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    def damage():
+        raw = bytearray(journal.read_bytes())
+        raw[-5] ^= 0x40  # a key of the second chunk
+        journal.write_bytes(bytes(raw))
+
+    node, look = _restart(node, tmp_path, damage)
     assert look.ids.buckets[bucket].covered == after_first_chunk  # the first chunk only
-    for mid, sched in msgs[::17] + msgs[-20:]:
-        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    await _all_pending(look, msgs[::17] + msgs[-20:])
     node.crash()
 
 
 async def test_a_journal_left_beside_a_file_written_whole_after_it_is_not_read(tmp_path):
     """A crash between writing the file whole and removing the old journal leaves chunks that
     name the old file: they must not chain onto the new one."""
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket = bucket_of(START_MS) + SCALE_MS
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     _grow(node, start, 0, 100)
     await look.ids.save(every=1)
     _grow(node, start, 100, 10)
@@ -386,20 +397,15 @@ async def test_a_journal_left_beside_a_file_written_whole_after_it_is_not_read(t
     await look.ids.save(every=1)
     assert not _journal(look, bucket).exists()
     whole = look.ids.buckets[bucket].covered
-    node.replayer.checkpoint()
-    node.crash()
-    _journal(look, bucket).write_bytes(old_journal)
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    node, look = _restart(node, tmp_path, lambda: _journal(look, bucket).write_bytes(old_journal))
     assert look.ids.buckets[bucket].covered == whole
     assert len(look.ids.buckets[bucket].runs) == 120  # no key twice
     node.crash()
 
 
 async def test_the_file_is_written_whole_again_once_the_journal_holds_as_many_keys(tmp_path):
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket = bucket_of(START_MS) + SCALE_MS
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     _grow(node, start, 0, 100)
     await look.ids.save(every=1)
     writes = []
@@ -415,18 +421,14 @@ async def test_the_file_is_written_whole_again_once_the_journal_holds_as_many_ke
     assert writes == [False] * 5 + [True] + [False] * 6
     assert len(look.ids.buckets[bucket].runs) == 100 + 12 * 20
     covered = look.ids.buckets[bucket].covered
-    node.replayer.checkpoint()
-    node.crash()
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    node, look = _restart(node, tmp_path)
     assert look.ids.buckets[bucket].covered == covered and len(look.ids.buckets[bucket].runs) == 340
     node.crash()
 
 
 async def test_keys_indexed_while_a_save_runs_go_to_the_next_chunk(tmp_path, monkeypatch):
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket = bucket_of(START_MS) + SCALE_MS
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     msgs = _grow(node, start, 0, 200)
     real = id_index._write_saved
 
@@ -440,21 +442,16 @@ async def test_keys_indexed_while_a_save_runs_go_to_the_next_chunk(tmp_path, mon
     msgs += _grow(node, start, 300, 3)
     await look.ids.save(every=1)
     assert _journal(look, bucket).exists()
-    node.replayer.checkpoint()
-    node.crash()
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    node, look = _restart(node, tmp_path)
     assert len(look.ids.buckets[bucket].runs) == 210
     assert look.ids.buckets[bucket].covered == node.store.schedule_log.size(bucket)
-    for mid, sched in msgs:
-        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    await _all_pending(look, msgs)
     node.crash()
 
 
 async def test_a_failed_append_makes_the_next_save_write_the_file_whole(tmp_path, monkeypatch):
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket = bucket_of(START_MS) + SCALE_MS
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     msgs = _grow(node, start, 0, 50)
     await look.ids.save(every=1)
     msgs += _grow(node, start, 50, 5)
@@ -471,20 +468,15 @@ async def test_a_failed_append_makes_the_next_save_write_the_file_whole(tmp_path
     assert await look.ids.save(every=1) == 1
     assert not _journal(look, bucket).exists()  # written whole
     covered = look.ids.buckets[bucket].covered
-    node.replayer.checkpoint()
-    node.crash()
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    node, look = _restart(node, tmp_path)
     assert look.ids.buckets[bucket].covered == covered
-    for mid, sched in msgs:
-        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    await _all_pending(look, msgs)
     node.crash()
 
 
 async def test_a_file_of_the_first_format_is_read_and_the_next_save_writes_the_new_one(tmp_path):
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    start = bucket = bucket_of(START_MS) + SCALE_MS
+    node, look, bucket = _fresh(tmp_path)
+    start = bucket
     msgs = _grow(node, start, 0, 30)
     look.ids.buckets[bucket].runs.seal()
     keys = id_index._merge(look.ids.buckets[bucket].runs.runs)[0]
@@ -493,14 +485,10 @@ async def test_a_file_of_the_first_format_is_read_and_the_next_save_writes_the_n
     path = look.ids._saved_path(bucket)
     path.write_bytes(id_index._SAVED_HEAD.pack(id_index._SAVED_MAGIC, covered, len(keys),
                                                id_index.crc32c(body), look.ids._fingerprint(bucket)) + body)
-    node.replayer.checkpoint()
-    node.crash()
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
+    node, look = _restart(node, tmp_path)
     assert look.ids.buckets[bucket].covered == covered
     msgs += _grow(node, start, 30, 3)
     await look.ids.save(every=1)
     assert path.read_bytes()[:8] == id_index._SAVED_MAGIC_2 and not _journal(look, bucket).exists()
-    for mid, sched in msgs:
-        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    await _all_pending(look, msgs)
     node.crash()
