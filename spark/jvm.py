@@ -1,14 +1,14 @@
 """How the driver JVM a reconciliation launches itself starts: its class data sharing archive,
 and which of the JVM's compilers it runs.
 
-Starting Spark loads some 15,000 classes from 280 jars; the JVM parses and verifies each one. A
+Starting Spark loads thousands of classes from its 280 jars; the JVM parses and verifies each one. A
 dynamic class data sharing archive (JDK 13 and later: `-XX:ArchiveClassesAtExit` writes one when the
 JVM exits, `-XX:SharedArchiveFile` maps it at start) holds them already parsed: on a 2-core machine
 the session starts in about 3 s instead of 5 (`ops/bench reconcile`, README).
 
 The archive is only good for the JVM and class path it was written with, so its name is a digest
 of both (`archive_key`). A run that finds none writes one: its JVM dumps the classes it loaded when
-it exits, which takes about ten seconds once; `finish` waits for that exit and only then moves the
+it exits, which took about 12 s here, once; `finish` waits for that exit and only then moves the
 archive into place under its final name, so a JVM that died half-way never leaves a broken one
 behind. A JVM that finds an archive it cannot use (a JDK updated in place) starts without it, as if
 there were none.

@@ -116,7 +116,7 @@ _archives: dict[int, jvm.Archive | None] = {}
 
 def stop(spark: SparkSession) -> None:
     """Stop a session `get_session` started. When its JVM writes a class archive, also end the
-    JVM and wait for it to write the archive (about ten seconds, once per machine), so that the
+    JVM and wait for it to write the archive (about 12 s here, once per machine), so that the
     archive is complete when it is put in place; the next session then launches a JVM of its own."""
     archive = _archives.pop(id(spark.sparkContext), None)
     spark.stop()
