@@ -253,8 +253,8 @@ class SortedRuns:
 
 
 class _Bucket:
-    __slots__ = ("covered", "runs", "saved", "saved_id", "saved_covered", "saved_base", "chunks",
-                 "saved_version", "unsaved", "collecting")
+    __slots__ = ("covered", "runs", "saved", "saved_id", "saved_covered", "saved_base", "saved_version",
+                 "unsaved", "collecting")
 
     def __init__(self, with_values: bool):
         self.covered = 0  # the segment is indexed from 0 up to here
@@ -263,7 +263,6 @@ class _Bucket:
         self.saved_id = None  # the saved file's id: None, none that a chunk may follow
         self.saved_covered = 0  # what the file and its journal cover
         self.saved_base = 0  # keys in the file
-        self.chunks = 0  # chunks in its journal
         self.saved_version = 0  # runs.version when saved (a truncation since: write whole)
         self.unsaved = array("Q")  # keys indexed since the last save, while collecting
         self.collecting = False  # the next save may append a chunk, or a save is under way
@@ -420,7 +419,6 @@ class IdIndex(_LogIndex):
                     chunks, covered, whole = _read_chunks(self._read_journal(bucket), b.saved_id, covered)
                     runs += [(k, None) for k in chunks]
                     saved += sum(len(k) for k in chunks)
-                    b.chunks = len(chunks)
                     if not whole:  # a chunk appended after what was not read would never be read
                         b.saved_id = None
                     b.collecting = b.saved_id is not None
@@ -481,10 +479,9 @@ class IdIndex(_LogIndex):
                 path.with_suffix(".idj").unlink(missing_ok=True)
                 continue
             if whole:
-                b.saved_id, b.saved_base, b.saved, b.chunks = saved_id, count, count, 0
+                b.saved_id, b.saved_base, b.saved = saved_id, count, count
             else:
                 b.saved += count
-                b.chunks += 1
             b.saved_covered, b.saved_version = covered, version
             saved += 1
         return saved
@@ -505,7 +502,11 @@ class IdIndex(_LogIndex):
             at = s + SCHEDULED_CANCEL_HEAD.size
         else:
             return
-        key = key_hash(sched, bytes(data[at : at + idlen])) << OFFSET_BITS | offset
+        self._keep(b, key_hash(sched, bytes(data[at : at + idlen])) << OFFSET_BITS | offset)
+
+    @staticmethod
+    def _keep(b: _Bucket, key: int) -> None:
+        """Index `key`, and keep it aside for the next save's chunk when the bucket collects."""
         b.runs.add(key)
         if b.collecting:
             b.unsaved.append(key)

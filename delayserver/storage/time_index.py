@@ -47,10 +47,7 @@ class TimeIndex(IdIndex):
 
     def _add(self, b: _Bucket, rtype: int, data, s: int, e: int, offset: int) -> None:
         if rtype == RecordType.SCHEDULED:
-            key = time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset)
-            b.runs.add(key)
-            if b.collecting:
-                b.unsaved.append(key)
+            self._keep(b, time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset))
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
         b.runs.drop_where(lambda keys, vals: (keys & np.uint64(OFFSET_MASK)) < np.uint64(size))
