@@ -27,7 +27,8 @@ from bench.harness import environment_note, proc_cpu_seconds
 from delayserver.metrics import percentile
 
 
-async def _producer(address: str, seconds: float, batch: int, body: bytes, out: list, lat: list) -> None:
+async def _producer(address: str, seconds: float, batch: int, body: bytes, out: list, lat: list,
+                    acks: list | None) -> None:
     from delayserver.client import AsyncProducer, Message
 
     async with AsyncProducer(address, timeout=30) as prod:
@@ -38,20 +39,27 @@ async def _producer(address: str, seconds: float, batch: int, body: bytes, out: 
             results = await prod.send_many(msgs, batch=batch)
             lat.append((time.perf_counter() - t0) * 1000)
             out.append(sum(1 for r in results if not isinstance(r, Exception)))
+            if acks is not None:
+                acks.append((time.time(), out[-1]))
 
 
-async def _load(address: str, producers: int, seconds: float, batch: int) -> dict:
+async def _load(address: str, producers: int, seconds: float, batch: int, timeline: bool = False) -> dict:
+    """With `timeline`, the result also lists each batch's acknowledgement as (wall time, messages)."""
     body = b"x" * 1024
     counts: list[int] = []
     latencies: list[float] = []
+    acks: list | None = [] if timeline else None
     t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(producers):
-            nursery.start_soon(_producer, address, seconds, batch, body, counts, latencies)
+            nursery.start_soon(_producer, address, seconds, batch, body, counts, latencies, acks)
     elapsed = time.perf_counter() - t0
     latencies.sort()
-    return {"acked": sum(counts), "seconds": elapsed, "msgs_per_s": sum(counts) / elapsed,
-            "batch_ack_ms_p50": percentile(latencies, 0.5), "batch_ack_ms_p99": percentile(latencies, 0.99)}
+    result = {"acked": sum(counts), "seconds": elapsed, "msgs_per_s": sum(counts) / elapsed,
+              "batch_ack_ms_p50": percentile(latencies, 0.5), "batch_ack_ms_p99": percentile(latencies, 0.99)}
+    if acks is not None:
+        result["acks"] = acks
+    return result
 
 
 def bench(flush: str, producers: int, seconds: float, batch: int, profile: str = "") -> dict:
@@ -118,6 +126,6 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["load"]:
         address, producers, seconds, batch = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-        print(json.dumps(trio.run(_load, address, producers, seconds, batch)))
+        print(json.dumps(trio.run(_load, address, producers, seconds, batch, "--timeline" in sys.argv[6:])))
     else:
         main(sys.argv[1:])

@@ -13,25 +13,31 @@ other producers' ingest.
 - Status alone: a probe process sends status requests one after another for random pending
   messages of the big bucket for S seconds; its latencies (send to answer, over loopback, through
   the Python client).
-- Ingest with status: ingest again, while the probe sends --status-rate status requests a second
-  (200 by default); the ingest rate beside it, and the probe's latencies (a status waits until
-  replay has caught up with what was acknowledged before it, so it includes that wait). Runs
-  beside statuses alternate with runs alone (--rounds of each, and one more alone at the end):
-  each run beside is compared with the mean of the runs alone just before and after it, since the
-  rate drifts as the node fills, and the median of those changes is checked. The server's CPU
-  time per status and per message is printed for each run.
+- Ingest with status: one ingest run, cut into windows of --window seconds (2 by default) after
+  3 s of warm-up: the probe sends --status-rate status requests a second (200 by default) in
+  every other window and none in the others (--rounds windows with statuses, 10 by default, each
+  between two without). The ingest rate of each window with statuses is compared with the mean of
+  the two windows around it: the rate drifts as the node fills and from other work on the
+  machine, and neighbouring windows seconds apart share that drift, where whole runs minutes
+  apart do not. The median of those changes is checked. A window counts the batches acknowledged
+  inside it, 0.25 s from its edges left out (a batch is acknowledged some 50 ms after it is
+  sent). The probe's latencies are printed too (a status waits until replay has caught up with
+  what was acknowledged before it, so it includes that wait), and the server's CPU per message in
+  the windows with and without statuses.
 - Cancels: 1,000 cancels one after another of random pending messages; each must answer
   CANCELLED, and a status afterwards CANCELLED.
 
 Targets (issue: at 10,000,000 pending): status P99 < 1 ms (checked on status alone); ingest
 within 5% of ingest alone.
-Options: --pending N (default 1,000,000), --seconds S (10), --rounds R (3), --cancels K (1000), --dir PATH.
+Options: --pending N (default 1,000,000), --seconds S (10), --rounds R (10), --window W (2),
+--status-rate R (200), --cancels K (1000), --dir PATH.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -86,7 +92,9 @@ def prepare(root: Path, pending: int, bucket: int, save_index: bool = True) -> N
 
 
 async def _probe(address: str, mode: str, bucket: int, pending: int, count: int, seconds: float,
-                 rate: float = 0) -> dict:
+                 rate: float = 0, windows: tuple[float, float, int] | None = None) -> dict:
+    """With `windows` (start wall time, length, count): statuses only in the odd-numbered windows,
+    until the last one ends."""
     import trio
 
     from delayserver.client import AsyncProducer
@@ -99,7 +107,19 @@ async def _probe(address: str, mode: str, bucket: int, pending: int, count: int,
         deadline = trio.current_time() + seconds
         picked = rng.sample(range(pending), min(count, pending)) if mode == "cancel" else None
         n = 0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = usage.ru_utime + usage.ru_stime  # from here: the requests', not the start-up's
+        next_at = trio.current_time()  # paced by the clock: `rate` a second while answers are quick
         while (n < count) and (mode == "cancel" or trio.current_time() < deadline):
+            if windows is not None:
+                start, length, number = windows
+                k = (time.time() - start) // length
+                if k >= number:
+                    break
+                if k < 0 or k % 2 == 0:  # a window without statuses: wait for the next one
+                    await trio.sleep(max(0.0, start + (k + 1) * length - time.time()))
+                    next_at = trio.current_time()
+                    continue
             i = picked[n] if picked is not None else rng.randrange(pending)
             handle = Handle(schedule_time(bucket, i), message_id(i))
             t0 = time.perf_counter()
@@ -110,25 +130,29 @@ async def _probe(address: str, mode: str, bucket: int, pending: int, count: int,
             lat.append((time.perf_counter() - t0) * 1000)
             wrong += not ok
             n += 1
-            if rate:
-                await trio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t0)))
+            if rate:  # behind by over 0.1 s: no burst to catch up
+                next_at = max(next_at + 1 / rate, trio.current_time() - 0.1)
+                await trio.sleep_until(next_at)
         if mode == "cancel":
             for i in picked:
                 wrong += (await prod.status(Handle(schedule_time(bucket, i), message_id(i)))).state \
                     != MessageState.CANCELLED
-    return {"latencies_ms": lat, "wrong": wrong}
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = usage.ru_utime + usage.ru_stime - cpu
+    return {"latencies_ms": lat, "wrong": wrong, "cpu_us": cpu * 1e6 / max(n, 1)}
 
 
-def probe(address: str, mode: str, bucket: int, pending: int, count: int, seconds: float, rate: float = 0) -> dict:
+def probe(address: str, mode: str, bucket: int, pending: int, count: int, seconds: float, rate: float = 0,
+          windows: tuple[float, float, int] | None = None) -> dict:
     import trio
 
-    return trio.run(_probe, address, mode, bucket, pending, count, seconds, rate)
+    return trio.run(_probe, address, mode, bucket, pending, count, seconds, rate, windows)
 
 
-def _ingest(address: str, seconds: float) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.ingest", "load", address, "8", str(seconds), "64"],
-                         capture_output=True, check=True, text=True)
-    return json.loads(out.stdout)
+def _start_ingest(address: str, seconds: float) -> subprocess.Popen:
+    """`bench.ingest load` (8 producers, batches of 64 x 1 KiB), with each acknowledgement's time."""
+    return subprocess.Popen([sys.executable, "-m", "bench.ingest", "load", address, "8", str(seconds), "64",
+                             "--timeline"], stdout=subprocess.PIPE, text=True)
 
 
 def _quantiles(lat: list[float]) -> str:
@@ -144,9 +168,29 @@ def _quantiles(lat: list[float]) -> str:
 
 
 def _run_probe(address: str, mode: str, bucket: int, pending: int, count: int, seconds: float,
-               rate: float = 0) -> subprocess.Popen:
+               rate: float = 0, windows: tuple[float, float, int] | None = None) -> subprocess.Popen:
+    extra = [] if windows is None else [repr(x) for x in windows]
     return subprocess.Popen([sys.executable, "-m", "bench.status", "probe", address, mode, str(bucket),
-                             str(pending), str(count), str(seconds), str(rate)], stdout=subprocess.PIPE, text=True)
+                             str(pending), str(count), str(seconds), str(rate), *extra],
+                            stdout=subprocess.PIPE, text=True)
+
+
+WARM_UP_S = 3.0
+EDGE_S = 0.25
+
+
+def window_changes(acks: list, start: float, length: float, number: int) -> tuple[list[float], list[float]]:
+    """Ingest rate (msg/s) of each window from (wall time, messages) acknowledgements, `EDGE_S`
+    at each edge left out; and for each odd window (statuses), its change against the mean of
+    the two windows around it."""
+    counted = [0] * number
+    for t, n in acks:
+        k = int((t - start) // length)
+        if 0 <= k < number and EDGE_S <= t - start - k * length < length - EDGE_S:
+            counted[k] += n
+    rates = [c / (length - 2 * EDGE_S) for c in counted]
+    changes = [rates[k] / max((rates[k - 1] + rates[k + 1]) / 2, 1) - 1 for k in range(1, number - 1, 2)]
+    return rates, changes
 
 
 def main(argv: list[str]) -> None:
@@ -157,7 +201,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--cancels", type=int, default=1000)
     parser.add_argument("--status-rate", type=float, default=200, help="status requests/s beside ingest")
-    parser.add_argument("--rounds", type=int, default=3, help="ingest runs beside statuses, alternated with runs alone")
+    parser.add_argument("--rounds", type=int, default=10, help="ingest windows with statuses, each between two without")
+    parser.add_argument("--window", type=float, default=2.0, help="seconds per ingest window")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--no-saved-index", action="store_true",
                         help="start without the id index a running node saves (it is built from the segment)")
@@ -184,42 +229,36 @@ def main(argv: list[str]) -> None:
         print(f"  status latency, no other traffic: {_quantiles(quiet['latencies_ms'])}; "
               f"wrong answers {quiet['wrong']}; server CPU {used * 1e6 / max(len(quiet['latencies_ms']), 1):.0f} us "
               "per status", flush=True)
-        # Ingest alone and beside statuses, alternated --rounds times, then alone once more: each
-        # run beside is compared with the mean of the runs alone just before and after it (the
-        # rate drifts as the node fills, and single runs on this machine differ by 10% and more).
-        def ingest_run(with_statuses: bool):
-            nonlocal cpu
-            prober = None
-            if with_statuses:
-                prober = _run_probe(server.address, "status", bucket, args.pending, 10 ** 9, args.seconds + 2,
-                                    args.status_rate)
-                time.sleep(1)
-            cpu = cpu_seconds(server.process)
-            r = _ingest(server.address, args.seconds)
-            r["cpu_us"] = (cpu_seconds(server.process) - cpu) * 1e6 / max(r["acked"], 1)
-            if prober is not None:
-                r["statuses"] = json.loads(prober.communicate()[0])
-            return r
-
-        alone, beside = [ingest_run(False)], []
-        for _ in range(args.rounds):
-            beside.append(ingest_run(True))
-            alone.append(ingest_run(False))
-        changes = [b["msgs_per_s"] / max((a0["msgs_per_s"] + a1["msgs_per_s"]) / 2, 1) - 1
-                   for b, a0, a1 in zip(beside, alone, alone[1:])]
-        print("  ingest alone                          " + ", ".join(f"{a['msgs_per_s']:,.0f}" for a in alone)
-              + " msg/s; server CPU " + ", ".join(f"{a['cpu_us']:.1f}" for a in alone) + " us per message")
-        print("  ingest beside status requests         " + ", ".join(f"{b['msgs_per_s']:,.0f}" for b in beside)
-              + " msg/s; server CPU " + ", ".join(f"{b['cpu_us']:.1f}" for b in beside)
-              + " us per message, statuses included")
+        # One ingest run; statuses in every other window of it, each such window compared with
+        # the two around it (the module docstring says why).
+        number = 2 * args.rounds + 1
+        start = time.time() + WARM_UP_S
+        windows = (start, args.window, number)
+        ingest = _start_ingest(server.address, WARM_UP_S + number * args.window + 0.5)
+        prober = _run_probe(server.address, "status", bucket, args.pending, 10 ** 9,
+                            WARM_UP_S + number * args.window + 60, args.status_rate, windows)
+        cpu_at = []
+        for k in range(number + 1):
+            time.sleep(max(0.0, start + k * args.window - time.time()))
+            cpu_at.append(cpu_seconds(server.process))
+        load, statuses = json.loads(ingest.communicate()[0]), json.loads(prober.communicate()[0])
+        rates, changes = window_changes(load["acks"], *windows)
+        used = [cpu_at[k + 1] - cpu_at[k] for k in range(number)]
+        cpu_us = [used[k] * 1e6 / max(rates[k] * args.window, 1) for k in range(number)]
+        print(f"  ingest in {number} windows of {args.window:g} s, statuses in every other one "
+              f"({args.status_rate:g}/s): " + ", ".join(f"{r:,.0f}{'*' if k % 2 else ''}" for k, r in enumerate(rates))
+              + " msg/s (* with statuses)")
+        print("  server CPU per message, without / with statuses (theirs included): "
+              f"{statistics.median(cpu_us[0::2]):.1f} / {statistics.median(cpu_us[1::2]):.1f} us; the server's "
+              f"CPU use {statistics.median(used[0::2]) / args.window:.0%} / {statistics.median(used[1::2]) / args.window:.0%}"
+              f" of a core (medians); the status client's CPU {statuses['cpu_us']:.0f} us per status")
         if changes:
             change = statistics.median(changes)
-            print("  beside statuses, against the runs alone around each: "
+            print("  beside statuses, against the windows around each: "
                   + ", ".join(f"{c:+.1%}" for c in changes) + f"; median {change:+.1%}"
                   + f"   (target within 5%: {'met' if change >= -0.05 else 'MISSED'})")
-            statuses = [x for b in beside for x in b["statuses"]["latencies_ms"]]
-            print(f"  status latency beside ingest ({args.status_rate:g}/s): {_quantiles(statuses)}; "
-                  f"wrong answers {sum(b['statuses']['wrong'] for b in beside)}")
+        print(f"  status latency beside ingest: {_quantiles(statuses['latencies_ms'])}; "
+              f"wrong answers {statuses['wrong']}")
         cancels = json.loads(_run_probe(server.address, "cancel", bucket, args.pending, args.cancels,
                                         0).communicate()[0])
         print(f"  cancel latency: {_quantiles(cancels['latencies_ms'])}; wrong answers {cancels['wrong']}")
@@ -236,6 +275,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["probe"]:
         address, mode = sys.argv[2], sys.argv[3]
         bucket, pending, count, seconds = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
-        print(json.dumps(probe(address, mode, bucket, pending, count, seconds, float(sys.argv[8]))))
+        windows = (float(sys.argv[9]), float(sys.argv[10]), int(sys.argv[11])) if len(sys.argv) > 9 else None
+        print(json.dumps(probe(address, mode, bucket, pending, count, seconds, float(sys.argv[8]), windows)))
     else:
         main(sys.argv[1:])
