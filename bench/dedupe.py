@@ -4,7 +4,9 @@ ingest rate with dedupe on and off.
 - Memory: N ids of the client's generated form (28 hex digits) put in a DedupeTable, the process's
   traced memory (tracemalloc) before and after, divided by N.
 - Save: the table written to its file (what a node does every minute and at shutdown), and read
-  back (what a restart does before it feeds message_log from the saved offset).
+  back (what a restart does before it feeds message_log from the saved offset); the table read
+  back, its traced memory per id (its ids stay in the file's columns), and the time of a lookup of
+  an id it does not hold (every new message's send) and of one it holds (a retried send).
 - The event loop during a node's save (`Dedupe.save`, in slices, the writing in a thread): the
   longest a task sleeping 1 ms at a time waited; and expiry of a twentieth of the table at once.
 - The node's next save, after a hundredth of the table's count of new ids came in and as many
@@ -46,6 +48,29 @@ def memory_per_id(n: int) -> tuple[float, "DedupeTable"]:  # noqa: F821
     # The ids themselves are counted too: a node holds them only in the table.
     id_bytes = sum(sys.getsizeof(x) for x in ids)
     return (after - before + id_bytes) / n, table
+
+
+def read_back(path: Path, table) -> tuple[float, float, float]:
+    """(traced bytes per id of the table read back from `path`, microseconds per lookup of an id
+    it does not hold, and of one it holds)."""
+    from delayserver.client import new_message_id
+    from delayserver.dedupe import DedupeTable
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    again = DedupeTable(table.window_ms)
+    again.load(path)
+    per_id = (tracemalloc.get_traced_memory()[0] - before) / max(len(again), 1)
+    tracemalloc.stop()
+    now = time.time_ns() // 1_000_000
+    new = [new_message_id(now) for _ in range(100_000)]
+    held = [table._keys[i] for i in range(0, len(table._keys), max(1, len(table._keys) // 100_000))]
+    t0 = time.perf_counter()
+    assert all(again.find(message_id, now) is None for message_id in new)
+    new_us = (time.perf_counter() - t0) / len(new) * 1e6
+    t0 = time.perf_counter()
+    assert all(again.find(message_id, now) is not None for message_id in held)
+    return per_id, new_us, (time.perf_counter() - t0) / len(held) * 1e6
 
 
 def written_bytes() -> int:
@@ -144,6 +169,9 @@ def main(argv: list[str]) -> None:
         loaded = time.perf_counter() - t0
         print(f"  save {saved:.2f} s, load {loaded:.2f} s ({path.stat().st_size / args.ids:.0f} bytes per id on disk)",
               flush=True)
+        per_id_back, new_us, held_us = read_back(path, table)
+        print(f"  the table read back: {per_id_back:.0f} bytes per id; a lookup of a new id {new_us:.2f} us, "
+              f"of an id it holds {held_us:.2f} us", flush=True)
         took, worst, next_took, next_bytes = loop_during_save(table, root)
         print(f"  a node's save: {took:.2f} s; the event loop waited at most {worst * 1000:.0f} ms meanwhile", flush=True)
         print(f"  its next save, {args.ids // 100:,} new ids and {args.ids // 100:,} moved handles later: "

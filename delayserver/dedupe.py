@@ -28,13 +28,26 @@ retry (`send_back`, header `reconsume-times`) and a redrive of a parked message 
 `redriven-from`) are keyed by the id and those headers, so that each attempt is stored once and a
 retry of that attempt's send is still a duplicate (`dedupe_key`).
 
-Memory: per id, a dict entry from the id to its position, a list slot, and two 8-byte times in
-arrays (`DedupeTable`); `ops/bench dedupe` measures it.
+Memory: per id remembered since the node started, a dict entry from the id to its position, a
+list slot, and two 8-byte times in arrays (`DedupeTable`). The ids read back at start stay in the
+columns they were saved in (`_Saved`: the ids' text, their offsets, a hash of each and the order
+of the hashes): no Python object per id, so that a node with ten million ids in its window starts
+in a fraction of a second, not the seconds it takes to build ten million strings and a dict of
+them. `ops/bench dedupe` measures both.
+
+File layout (format 4): a head (magic, message_log offset, entry count, crc32c of the body, the
+file's id), then the columns: every store time, every schedule time (big-endian i64), every id's
+length in characters (u8: an id is at most 128 bytes), a 32-bit hash of each id's UTF-8
+(`key_hash`, big-endian u32), the entries' indexes sorted by that hash (u32), the hashes in that
+order (u32), then the ids as one UTF-8 text. A journal
+chunk's body has the same columns. Format 3 (no hash or order columns) and 2 (no file id either)
+are still read; the next save after reading one writes the table whole in format 4.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import os
 import struct
 import sys
@@ -42,7 +55,9 @@ from array import array
 from pathlib import Path
 
 import crc32c
+import numpy as np
 import trio
+import xxhash
 
 from delayserver.storage.record import MESSAGE_HEAD, RecordType, decode_headers, iter_checked_records
 
@@ -53,7 +68,8 @@ JOURNAL_NAME = "dedupe.journal"
 # magic, message_log offset, entry count, crc32c of the entries, the file's id (random: a
 # journal chunk names the file it extends)
 _HEAD = struct.Struct(">8sQQIQ")
-_MAGIC = b"DSDEDUP3"
+_MAGIC = b"DSDEDUP4"
+_MAGIC_V3 = b"DSDEDUP3"  # the same head; columns without the hashes and their order
 _HEAD_V2 = struct.Struct(">8sQQI")  # the same without the id: read, and never extended
 _MAGIC_V2 = b"DSDEDUP2"
 _OFFSET = struct.Struct(">Q")
@@ -71,6 +87,11 @@ _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 
 #: Headers that make a send a new attempt of a message that keeps its id.
 ATTEMPT_HEADERS = ("reconsume-times", "redriven-from")
+
+
+def key_hash(raw: bytes) -> int:
+    """The saved hash of a key's UTF-8: 32 bits of xxh3, stable across processes and versions."""
+    return xxhash.xxh3_64_intdigest(raw) & 0xFFFFFFFF
 
 
 def dedupe_key(message_id: str, headers) -> str:
@@ -93,6 +114,10 @@ class DedupeTable:
     slices (`encode_slices`) that never hold the event loop long, and nothing is copied whole.
     A key accepted again after its window (not yet expired) gets a new position at the end; the
     old position is left behind, skipped by expiry and overridden when a saved table is read.
+
+    The entries read back at start (`load`, `restore`) are the first positions; their keys stay in
+    `_saved` (a `_Saved`), not in the dict, and their list slots hold None. A key is looked for in
+    the dict first (everything remembered since start is there, and is newer), then there.
     """
 
     def __init__(self, window_ms: int):
@@ -101,6 +126,7 @@ class DedupeTable:
         self._keys: list[str | None] = []  # None: expired, waiting for the front to be dropped
         self._stores = array("q")
         self._scheds = array("q")
+        self._hashes = array("I")  # key_hash of each key, as saved
         self._base = 0  # the position of _keys[0]
         self._head = 0  # the position of the first entry not expired
         self._encoding = 0  # saves encoding slices: the front is not dropped meanwhile
@@ -111,9 +137,17 @@ class DedupeTable:
         self.saved_to = 0
         # Positions whose schedule time changed since the last save took them (`take_updates`).
         self._updates: list[int] = []
+        self._saved: _Saved | None = None  # the entries read back at start, positions 0 .. n - 1
 
     def __len__(self) -> int:
-        return len(self._positions)
+        """How many ids the table holds (not yet expired)."""
+        saved = self._saved
+        return len(self._positions) + (0 if saved is None else saved.live_from(self._head))
+
+    def _saved_position(self, key: str) -> int | None:
+        """The position of `key` among the entries read back at start, when it is live there."""
+        position = self._saved.find(key.encode("utf-8"))
+        return None if position is None or position < self._head else position
 
     @property
     def enabled(self) -> bool:
@@ -123,7 +157,11 @@ class DedupeTable:
         """The schedule time of the message accepted under `message_id` within the window, or None."""
         position = self._positions.get(message_id)
         if position is None:
-            return None
+            if self._saved is None:
+                return None
+            position = self._saved_position(message_id)
+            if position is None:
+                return None
         i = position - self._base
         if now_ms - self._stores[i] >= self.window_ms:
             return None
@@ -134,6 +172,9 @@ class DedupeTable:
         store time (the window runs from the first acceptance) and takes the newer schedule time (its
         handle). One accepted after the window starts a window of its own."""
         position = self._positions.get(message_id)
+        saved = position is None and self._saved is not None
+        if saved:
+            position = self._saved_position(message_id)
         if position is not None:
             i = position - self._base
             if store_time - self._stores[i] < self.window_ms:
@@ -141,10 +182,13 @@ class DedupeTable:
                 self.changes += 1
                 self._updates.append(position)
                 return
+            if saved:  # its window is over: the dict's new entry is its current one
+                self._saved.supersede(position)
         self._positions[message_id] = self._base + len(self._keys)
         self._keys.append(message_id)
         self._stores.append(store_time)
         self._scheds.append(schedule_time)
+        self._hashes.append(key_hash(message_id.encode("utf-8")))
         self.changes += 1
 
     def expire(self, now_ms: int, limit: int | None = None) -> int:
@@ -164,6 +208,8 @@ class DedupeTable:
         if i > first:
             self.changes += 1
         self._head = i + base
+        if self._saved is not None and self._head >= len(self._saved):
+            self._saved = None  # every entry read back at start has expired
         self._drop_front()
         return i - first
 
@@ -175,6 +221,7 @@ class DedupeTable:
         del self._keys[:dropped]
         del self._stores[:dropped]
         del self._scheds[:dropped]
+        del self._hashes[:dropped]
         self._base = self._head
 
     # --- saving -------------------------------------------------------------------------------
@@ -193,23 +240,33 @@ class DedupeTable:
                 at = max(at, self._head)  # what expired meanwhile is left out
                 begin = at - self._base
                 end = min(len(self._keys), begin + slice_entries)
+                saved = self._saved
+                if saved is not None and at < len(saved):  # entries read back at start
+                    end = min(end, len(saved) - self._base)
                 if begin >= end:
                     if reached is not None:
                         reached.append(at)
                     return
-                keys = self._keys[begin:end]
-                stores, scheds = self._stores[begin:end], self._scheds[begin:end]
+                stores, scheds, hashes = self._stores[begin:end], self._scheds[begin:end], self._hashes[begin:end]
+                if saved is not None and at < len(saved):
+                    lengths, text = saved.columns(at, at + end - begin)
+                else:
+                    keys = self._keys[begin:end]
+                    lengths, text = bytes(map(len, keys)), "".join(keys).encode("utf-8")
                 at += end - begin
-                yield self._encoded(keys, stores, scheds)
+                yield self._encoded(end - begin, stores, scheds, lengths, hashes, text)
         finally:
             self._encoding -= 1
 
     @staticmethod
-    def _encoded(keys, stores, scheds) -> tuple:
+    def _encoded(count: int, stores: array, scheds: array, lengths: bytes, hashes: array, text: bytes) -> tuple:
+        """A slice for `write`: (count, store times, schedule times, lengths, hashes, text), the
+        times and hashes (native arrays, changed in place) made big-endian."""
         if _LITTLE_ENDIAN:
             stores.byteswap()
             scheds.byteswap()
-        return (len(keys), stores.tobytes(), scheds.tobytes(), bytes(map(len, keys)), "".join(keys).encode("utf-8"))
+            hashes.byteswap()
+        return count, stores.tobytes(), scheds.tobytes(), lengths, hashes.tobytes(), text
 
     def take_updates(self) -> list[int]:
         """The positions whose handle moved since the last call (a journal chunk's first part)."""
@@ -223,27 +280,26 @@ class DedupeTable:
     def encode_updates(self, updates: list[int]):
         """The entries at `updates` that are still live, encoded as `encode_slices` does (one
         slice): written again after the ones they change, they win when read back."""
-        keys, stores, scheds = [], array("q"), array("q")
-        positions, base = self._positions, self._base
+        keys, stores, scheds, hashes = [], array("q"), array("q"), array("I")
+        positions, base, saved = self._positions, self._base, self._saved
         for position in sorted(set(updates)):
             if position < self._head:
                 continue
             i = position - base
             key = self._keys[i]
-            if key is not None and positions.get(key) == position:
+            if key is None and saved is not None and position < len(saved):
+                key = saved.key(position)
+                current = key not in positions and self._saved_position(key) == position
+            else:
+                current = key is not None and positions.get(key) == position
+            if current:
                 keys.append(key)
                 stores.append(self._stores[i])
                 scheds.append(self._scheds[i])
-        return self._encoded(keys, stores, scheds) if keys else None
-
-    def extend(self, keys: list, stores: array, scheds: array) -> None:
-        """Add saved entries after the ones there (a journal chunk read back: they are saved)."""
-        first = self._base + len(self._keys)
-        self._keys.extend(keys)
-        self._stores.extend(stores)
-        self._scheds.extend(scheds)
-        self._positions.update(zip(keys, range(first, first + len(keys))))
-        self.saved_to = first + len(keys)
+                hashes.append(self._hashes[i])
+        if not keys:
+            return None
+        return self._encoded(len(keys), stores, scheds, bytes(map(len, keys)), hashes, "".join(keys).encode("utf-8"))
 
     @staticmethod
     def write(path: Path, slices, offset: int) -> int:
@@ -251,9 +307,8 @@ class DedupeTable:
         atomically (temp file, fsync, rename, fsync of the directory); returns the new file's id
         (`base_id`).
 
-        Layout after the head: every store time, then every schedule time (big-endian i64
-        arrays), every id's length in characters (u8: an id is at most 128 bytes), then the ids
-        as one UTF-8 text: read back with a few bulk decodes instead of one per id."""
+        Layout after the head: the columns of the module docstring, read back with a few bulk
+        decodes instead of one per id."""
         count, parts, crc = _columns(slices)
         file_id = int.from_bytes(os.urandom(8), "big")
         tmp = path.with_name(f".{path.name}.tmp")
@@ -321,18 +376,40 @@ class DedupeTable:
         if saved is None:
             log.warning("%s: damaged; rebuilding the dedupe table from message_log", path)
             return None
-        keys, stores, scheds, offset = saved
-        self._keys, self._stores, self._scheds = keys, stores, scheds
-        self._base = self._head = 0
-        # A key saved twice (accepted again after its window) is at its later position.
-        self._positions = dict(zip(keys, range(len(keys))))
-        self.saved_to = len(keys)
-        self._updates = []
+        self.restore([saved])
         self.loaded_base_id = base_id(raw)
-        return offset
+        return saved.offset
 
     #: The id of the table file last read by `load` (journal chunks name it).
     loaded_base_id: int | None = None
+
+    def restore(self, parts: list[_Columns]) -> None:
+        """Take the entries of a saved table file and of the journal chunks that extend it, in
+        order, as the table's (it must be empty). A key saved twice (accepted again after its
+        window, or its handle moved) is at its later position."""
+        count = sum(len(part) for part in parts)
+        self._stores, self._scheds, self._hashes = array("q"), array("q"), array("I")
+        if len(parts) == 1:
+            self._stores, self._scheds = parts[0].stores, parts[0].scheds
+        else:
+            for part in parts:
+                self._stores.extend(part.stores)
+                self._scheds.extend(part.scheds)
+        self._base = self._head = 0
+        self._updates = []
+        self.saved_to = count
+        if all(part.hashes is not None and part.text.isascii() for part in parts):
+            # An ASCII id's length in characters is its length in bytes: no id is decoded.
+            self._saved = _Saved(parts)
+            self._hashes.frombytes(self._saved.hashes.tobytes())
+            self._saved.hashes = None
+            self._keys = [None] * count
+            self._positions = {}
+            return
+        keys = [key for part in parts for key in part.keys()]
+        self._hashes.extend(key_hash(key.encode("utf-8")) for key in keys)
+        self._keys = keys
+        self._positions = dict(zip(keys, range(count)))
 
     def feed(self, data, start: int = 0, end: int | None = None) -> None:
         """Remember every MESSAGE of checked message_log bytes (`data[start:end]`)."""
@@ -352,9 +429,13 @@ class DedupeTable:
 
 
 def _columns(slices) -> tuple[int, list, int]:
-    """(entry count, the four columns' parts, crc32c of the columns) of encoded slices."""
+    """(entry count, the columns' parts in the file's layout, crc32c of the columns) of encoded
+    slices: the order of the hashes is sorted here (a worker thread's part of a save)."""
     slices = [part for part in slices if part is not None]
-    parts = [[part[k] for part in slices] for k in range(1, 5)]
+    parts = [[part[k] for part in slices] for k in range(1, 6)]
+    hashes = np.frombuffer(b"".join(parts[3]), dtype=">u4")
+    order = np.argsort(hashes, kind="stable")
+    parts[4:4] = [[order.astype(">u4").tobytes()], [hashes[order].tobytes()]]
     crc = 0
     for column in parts:
         for chunk in column:
@@ -376,10 +457,10 @@ def base_id(raw: bytes) -> int | None:
     return _HEAD.unpack_from(raw, 0)[4] if raw[:8] == _MAGIC else None
 
 
-def read_journal(raw: bytes, base: int):
+def read_journal(raw: bytes, base: int, hashed: bool = True):
     """The chunks of a journal that extend the table file `base`, in order, up to the first one
-    that is damaged, torn, or extends another file: a list of (keys, store times, schedule times,
-    offset), and where the last good one ends."""
+    that is damaged, torn, or extends another file: a list of (columns, offset), and where the
+    last good one ends. `hashed`: the chunks have format 4's columns (their file is of format 4)."""
     chunks, pos = [], 0
     while pos + _CHUNK.size <= len(raw):
         magic, chunk_base, offset, count, length, crc = _CHUNK.unpack_from(raw, pos)
@@ -389,48 +470,176 @@ def read_journal(raw: bytes, base: int):
         body = memoryview(raw)[pos + _CHUNK.size : end]
         if crc32c.crc32c(body, crc32c.crc32c(raw[pos : pos + _CHUNK.size - 4])) != crc:
             break
-        entries = _decode_columns(body, count)
-        if entries is None:
+        columns = _Columns.decode(body, count, hashed, offset)
+        if columns is None:
             break
-        chunks.append((*entries, offset))
+        chunks.append((columns, offset))
         pos = end
     return chunks, pos
 
 
-def _decode_saved(raw: bytes):
-    """(keys, store times, schedule times, offset) of a saved table, or None when it is damaged."""
-    head = _HEAD if raw[:8] == _MAGIC else _HEAD_V2
+def _decode_saved(raw: bytes) -> _Columns | None:
+    """The entries of a saved table (their `offset` is the one it covers), or None when it is
+    damaged."""
+    head = _HEAD if raw[:8] in (_MAGIC, _MAGIC_V3) else _HEAD_V2
     if len(raw) < head.size:
         return None
     magic, offset, count, crc = head.unpack_from(raw, 0)[:4]
     body = memoryview(raw)[head.size :]
-    if magic not in (_MAGIC, _MAGIC_V2) or crc32c.crc32c(body) != crc:
+    if magic not in (_MAGIC, _MAGIC_V3, _MAGIC_V2) or crc32c.crc32c(body) != crc:
         return None
-    entries = _decode_columns(body, count)
-    return None if entries is None else (*entries, offset)
+    return _Columns.decode(body, count, magic == _MAGIC, offset)
 
 
-def _decode_columns(body, count: int):
-    """(keys, store times, schedule times) of `count` entries in the table file's layout, or None
-    when they do not add up."""
-    if len(body) < 17 * count:
-        return None
-    stores, scheds = array("q"), array("q")
-    stores.frombytes(body[: 8 * count])
-    scheds.frombytes(body[8 * count : 16 * count])
-    if _LITTLE_ENDIAN:
-        stores.byteswap()
-        scheds.byteswap()
-    lengths = body[16 * count : 17 * count]
-    try:
-        text = bytes(body[17 * count :]).decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    if sum(lengths) != len(text):
-        return None
-    ends = list(itertools.accumulate(lengths))
-    keys = [text[e - n : e] for e, n in zip(ends, lengths)]
-    return keys, stores, scheds
+class _Columns:
+    """The entries of a table file or a journal chunk, as saved (module docstring)."""
+
+    def __init__(self, stores: array, scheds: array, lengths, hashes, order, sorted_, text: bytes, offset: int):
+        self.stores, self.scheds, self.lengths = stores, scheds, lengths
+        # numpy uint32 arrays, or None (format 3 and before)
+        self.hashes, self.order, self.sorted = hashes, order, sorted_
+        self.text, self.offset = text, offset
+
+    def __len__(self) -> int:
+        return len(self.stores)
+
+    @classmethod
+    def decode(cls, body, count: int, hashed: bool, offset: int) -> _Columns | None:
+        """The `count` entries of `body`, or None when they do not add up."""
+        fixed = 29 if hashed else 17  # bytes per entry before the text
+        if len(body) < fixed * count:
+            return None
+        stores, scheds = array("q"), array("q")
+        stores.frombytes(body[: 8 * count])
+        scheds.frombytes(body[8 * count : 16 * count])
+        if _LITTLE_ENDIAN:
+            stores.byteswap()
+            scheds.byteswap()
+        lengths = np.frombuffer(body[16 * count : 17 * count], dtype=np.uint8)
+        hashes = order = sorted_ = None
+        if hashed:
+            hashes, order, sorted_ = (np.frombuffer(body[at : at + 4 * count], dtype=">u4").astype(np.uint32)
+                                      for at in (17 * count, 21 * count, 25 * count))
+            if count and order.max() >= count:
+                return None
+        text = bytes(body[fixed * count :])
+        if text.isascii():
+            if int(lengths.sum(dtype=np.int64)) != len(text):
+                return None
+        else:
+            try:
+                decoded = text.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            if int(lengths.sum(dtype=np.int64)) != len(decoded):
+                return None
+        return cls(stores, scheds, lengths, hashes, order, sorted_, text, offset)
+
+    def keys(self) -> list[str]:
+        """The ids, one string each (the slow way, for a text that is not all ASCII)."""
+        text = self.text.decode("utf-8")
+        ends = list(itertools.accumulate(self.lengths.tolist()))
+        return [text[e - n : e] for e, n in zip(ends, self.lengths.tolist())]
+
+
+def _map(path: Path):
+    """The file's bytes, mapped: read through the page cache, without a copy of the whole file
+    (what is kept of it is copied out by the decoding). An empty file reads as b""."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+
+
+def _bitmap(sorted_: np.ndarray) -> tuple[int, bytes]:
+    """(shift, bitmap): a bit for each value of the top bits of sorted 32-bit hashes, 8 bits or
+    more per hash, so that most hashes not among them are told by one bit (h >> shift). Built in
+    slices of the sorted hashes, each a run of the bitmap's bytes: no temporary of the bitmap's
+    size in bits (a scatter into one took 0.4 s at 10,000,000 hashes, most of it page faults)."""
+    bits = max(8 * len(sorted_), 1 << 16).bit_length()
+    shift = np.uint32(32 - bits)
+    bitmap = np.zeros(1 << (bits - 3), dtype=np.uint8)
+    for at in range(0, len(sorted_), 1 << 18):
+        top = sorted_[at : at + (1 << 18)] >> shift
+        byte = top >> np.uint32(3)
+        bit = np.left_shift(np.uint8(1), (top & np.uint32(7)).astype(np.uint8))
+        first = np.flatnonzero(np.concatenate(([True], byte[1:] != byte[:-1])))
+        bitmap[byte[first]] |= np.bitwise_or.reduceat(bit, first)  # a byte may span two slices: |=
+    return int(shift), bitmap.tobytes()
+
+
+class _Saved:
+    """The keys of the entries a table read back at start (positions 0 .. n - 1), as columns: the
+    ids' ASCII text and where each starts, and the positions in the order of their hashes
+    (`key_hash`), with those hashes, to bisect (`hashes`, in position order, the table takes). `current` is false for an entry a later one replaced: the same key
+    saved again (read back), or accepted again after its window (the dict's then)."""
+
+    def __init__(self, parts: list[_Columns]):
+        self.text = b"".join(part.text for part in parts)
+        lengths = np.concatenate([part.lengths for part in parts]) if parts else np.zeros(0, np.uint8)
+        self.starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, dtype=np.int64, out=self.starts[1:])
+        self.hashes = np.concatenate([part.hashes for part in parts]) if parts else np.zeros(0, np.uint32)
+        firsts = itertools.accumulate((len(part) for part in parts), initial=0)
+        order = np.concatenate([part.order + np.uint32(first) for part, first in zip(parts, firsts)]) if parts \
+            else np.zeros(0, np.uint32)
+        if len(parts) > 1:  # sorted runs, one per part: merged (equal hashes stay in position order)
+            order = order[np.argsort(self.hashes[order], kind="stable")]
+            self.sorted = self.hashes[order]
+        else:
+            self.sorted = parts[0].sorted if parts else np.zeros(0, np.uint32)
+        self.order = order
+        self._search = self.sorted.searchsorted
+        self._shift, self._bitmap = _bitmap(self.sorted)
+        self.current = np.ones(len(lengths), dtype=bool)
+        # Keys saved more than once: only the last is current. They share a hash, so they are
+        # neighbours in hash order (with the rare other key of the same hash).
+        same = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
+        for i in same.tolist():
+            for j in range(i + 1, len(order)):
+                if self.sorted[j] != self.sorted[i]:
+                    break
+                p, q = int(order[i]), int(order[j])
+                if self.current[p] and self._bytes(p) == self._bytes(q):
+                    self.current[p] = False  # q, later, replaces it
+                    break
+
+    def __len__(self) -> int:
+        return len(self.current)
+
+    def _bytes(self, position: int) -> bytes:
+        return self.text[self.starts[position] : self.starts[position + 1]]
+
+    def key(self, position: int) -> str:
+        return self._bytes(position).decode("ascii")
+
+    def find(self, raw: bytes) -> int | None:
+        """The position of the current entry whose key's UTF-8 is `raw`, or None."""
+        h = key_hash(raw)
+        bit = h >> self._shift
+        if not self._bitmap[bit >> 3] >> (bit & 7) & 1:
+            return None
+        sorted_ = self.sorted
+        i = int(self._search(np.uint32(h)))
+        found = None
+        while i < len(sorted_) and sorted_[i] == h:
+            p = int(self.order[i])
+            if self.current[p] and self._bytes(p) == raw:
+                found = p
+            i += 1
+        return found
+
+    def supersede(self, position: int) -> None:
+        self.current[position] = False
+
+    def live_from(self, head: int) -> int:
+        """How many current entries are at `head` or after."""
+        return int(np.count_nonzero(self.current[head:]))
+
+    def columns(self, start: int, end: int) -> tuple[bytes, bytes]:
+        """(lengths, text) of the entries start .. end - 1, as `_encoded` takes them."""
+        starts = self.starts
+        return (starts[start + 1 : end + 1] - starts[start:end]).astype(np.uint8).tobytes(), \
+            self.text[starts[start] : starts[end]]
 
 
 class Dedupe:
@@ -459,26 +668,40 @@ class Dedupe:
     def load(self) -> int | None:
         """Read the table file and the journal chunks that extend it; the message_log offset they
         cover, or None when there is no usable table file."""
-        offset = self.table.load(self.path)
-        if offset is None:
-            return None
-        self.saved_offset = offset
-        self._base_id = self.table.loaded_base_id
-        self._base_bytes = self.path.stat().st_size
         try:
-            raw = self.journal_path.read_bytes()
+            raw = _map(self.path)
         except FileNotFoundError:
-            return offset
+            return None
+        except OSError as e:
+            log.warning("%s: not read (%s); rebuilding the dedupe table from message_log", self.path, e)
+            return None
+        saved = _decode_saved(raw)
+        if saved is None:
+            log.warning("%s: damaged; rebuilding the dedupe table from message_log", self.path)
+            return None
+        self.saved_offset = saved.offset
+        hashed = raw[:8] == _MAGIC
+        # A file of an older format is not extended: the next save writes the table whole.
+        self._base_id = base_id(raw) if hashed else None
+        self._base_bytes = len(raw)
+        parts = [saved]
+        try:
+            journal = self.journal_path.read_bytes()
+        except FileNotFoundError:
+            journal = b""
         except OSError as e:
             log.warning("%s: not read (%s); the table is rebuilt from message_log past its file", self.journal_path, e)
-            return offset
-        chunks, self.journal_bytes = read_journal(raw, self._base_id)
-        if self.journal_bytes < len(raw) and chunks:
-            log.warning("%s: %d bytes past the last whole chunk ignored (a save cut short)",
-                        self.journal_path, len(raw) - self.journal_bytes)
-        for keys, stores, scheds, offset in chunks:
-            self.table.extend(keys, stores, scheds)
-            self.saved_offset = offset
+            journal = b""
+        chunk_base = base_id(raw)
+        if journal and chunk_base is not None:
+            chunks, self.journal_bytes = read_journal(journal, chunk_base, hashed)
+            if self.journal_bytes < len(journal) and chunks:
+                log.warning("%s: %d bytes past the last whole chunk ignored (a save cut short)",
+                            self.journal_path, len(journal) - self.journal_bytes)
+            for columns, offset in chunks:
+                parts.append(columns)
+                self.saved_offset = offset
+        self.table.restore(parts)
         return self.saved_offset
 
     async def save(self, now_ms: int, replay_offset: int, slice_entries: int = 32768) -> None:

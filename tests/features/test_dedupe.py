@@ -117,6 +117,105 @@ def test_an_id_accepted_again_after_its_window_gets_a_window_of_its_own(tmp_path
     assert again.expire(T0 + HOUR + 100) == 1 and again.find("a", T0 + HOUR + 1) == T0 + HOUR + 9000
 
 
+def saved_and_read(tmp_path, table: DedupeTable) -> DedupeTable:
+    table.save_to(tmp_path / FILE_NAME, 1)
+    again = DedupeTable(window_ms=table.window_ms)
+    assert again.load(tmp_path / FILE_NAME) == 1
+    return again
+
+
+def test_ids_read_back_stay_in_the_files_columns_and_answer_as_before(tmp_path):
+    """A restart reads the ids back as columns, with no string or dict entry per id (ten million
+    took 10 s and more to read back as strings and a dict): lookups, moved handles, a new window
+    after the old one, the next save and expiry behave as on the table that saved them."""
+    table = DedupeTable(window_ms=HOUR)
+    for i in range(1000):
+        table.remember(f"order-{i:06d}", T0 + HOUR + i, T0 + i)
+    again = saved_and_read(tmp_path, table)
+    assert again._positions == {} and set(again._keys) == {None}
+    assert len(again) == 1000
+    assert all(again.find(f"order-{i:06d}", T0 + 1000) == T0 + HOUR + i for i in range(1000))
+    assert again.find("order-001000", T0 + 1000) is None and again.find("order", T0) is None
+    again.remember("order-000005", T0 + 2 * HOUR, T0 + 1001)  # a reschedule moves its handle
+    assert again.find("order-000005", T0 + 1001) == T0 + 2 * HOUR and len(again) == 1000
+    again.remember("order-000007", T0 + 3 * HOUR, T0 + HOUR + 7)  # after its window: a new one
+    assert again.find("order-000007", T0 + HOUR + 8) == T0 + 3 * HOUR and len(again) == 1000
+    assert again._positions == {"order-000007": 1000}
+
+    third = saved_and_read(tmp_path, again)  # the columns' entries written back from the columns
+    assert len(third) == 1000 and third.find("order-000005", T0 + 1001) == T0 + 2 * HOUR
+    assert third.find("order-000007", T0 + HOUR + 8) == T0 + 3 * HOUR
+    assert third.find("order-000999", T0 + 1000) == T0 + HOUR + 999
+
+    # Expiry walks the columns' entries as the others, and lets the columns go once past them.
+    assert again.expire(T0 + HOUR + 500) == 501
+    assert len(again) == 500 and again.find("order-000400", T0 + HOUR + 500) is None
+    assert again.find("order-000600", T0 + HOUR + 500) == T0 + HOUR + 600
+    assert again.find("order-000007", T0 + HOUR + 500) == T0 + 3 * HOUR
+    again.expire(T0 + 2 * HOUR + 8)
+    assert len(again) == 0 and again._saved is None
+
+
+def test_ids_that_are_not_ascii_read_back_too(tmp_path):
+    table = DedupeTable(window_ms=HOUR)
+    for i, message_id in enumerate(["commande-é-1", "注文-2", "plain-3", "a\x00reconsume"]):
+        table.remember(message_id, T0 + i, T0)
+    again = saved_and_read(tmp_path, table)
+    assert len(again) == 4 and again.find("注文-2", T0) == T0 + 1 and again.find("plain-3", T0) == T0 + 2
+    assert again.find("commande-é-1", T0) == T0 and again.find("a\x00reconsume", T0) == T0 + 3
+    assert again.find("commande-e-1", T0) is None
+
+
+async def test_ids_that_share_a_hash_are_told_apart(tmp_path, monkeypatch):
+    """Every id on one hash: the file's order of the hashes, the journal's chunks merged into it,
+    and a key saved twice (its handle moved) all resolve by comparing the ids themselves."""
+    from delayserver import dedupe as module
+    from delayserver.dedupe import Dedupe
+
+    monkeypatch.setattr(module, "key_hash", lambda raw: 42)
+    dedupe = Dedupe(HOUR, tmp_path)
+    for i in range(50):
+        dedupe.table.remember(f"m{i}", T0 + i, T0)
+    await dedupe.save(T0, 100)
+    dedupe.table.remember("m3", T0 + 999, T0 + 1)  # moved: written again in the journal
+    dedupe.table.remember("m50", T0 + 50, T0 + 1)
+    await dedupe.save(T0 + 1, 200)
+    assert journal_entries(dedupe) == [2]
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 200 and again.table._positions == {}
+    assert len(again.table) == 51 and again.table.find("m3", T0 + 2) == T0 + 999
+    assert all(again.table.find(f"m{i}", T0 + 2) == T0 + i for i in range(51) if i != 3)
+    assert again.table.find("m51", T0 + 2) is None
+
+
+def format_3_file(path, entries: list[tuple[str, int, int]], offset: int) -> None:
+    """A table file as the version before hashes wrote it: (id, store time, schedule time)."""
+    import struct
+
+    import crc32c
+
+    body = b"".join(struct.pack(">q", store) for _, store, _ in entries) \
+        + b"".join(struct.pack(">q", sched) for _, _, sched in entries) \
+        + bytes(len(key) for key, _, _ in entries) + "".join(key for key, _, _ in entries).encode()
+    path.write_bytes(struct.pack(">8sQQIQ", b"DSDEDUP3", offset, len(entries), crc32c.crc32c(body), 12345) + body)
+
+
+async def test_a_table_file_of_the_format_before_is_read_and_then_written_whole(tmp_path):
+    from delayserver.dedupe import Dedupe
+
+    format_3_file(tmp_path / FILE_NAME, [("a", T0, T0 + 5), ("b", T0 + 1, T0 + 6), ("a", T0 + 2, T0 + 7)], 300)
+    dedupe = Dedupe(HOUR, tmp_path)
+    assert dedupe.load() == 300
+    assert dedupe.table.find("a", T0 + 3) == T0 + 7 and dedupe.table.find("b", T0 + 3) == T0 + 6
+    assert len(dedupe.table) == 2
+    dedupe.table.remember("c", T0 + 8, T0 + 3)
+    await dedupe.save(T0 + 3, 400)
+    assert (tmp_path / FILE_NAME).read_bytes()[:8] == b"DSDEDUP4" and not dedupe.journal_path.exists()
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 400 and again.table._positions == {}
+    assert [again.table.find(k, T0 + 3) for k in "abc"] == [T0 + 7, T0 + 6, T0 + 8]
+
+
 def test_expiry_looks_at_no_more_than_its_limit_and_then_goes_on_where_it_stopped():
     table = DedupeTable(window_ms=HOUR)
     for i in range(100_000):
