@@ -229,36 +229,37 @@ def main(argv: list[str]) -> None:
         print(f"  status latency, no other traffic: {_quantiles(quiet['latencies_ms'])}; "
               f"wrong answers {quiet['wrong']}; server CPU {used * 1e6 / max(len(quiet['latencies_ms']), 1):.0f} us "
               "per status", flush=True)
-        # One ingest run; statuses in every other window of it, each such window compared with
-        # the two around it (the module docstring says why).
-        number = 2 * args.rounds + 1
-        start = time.time() + WARM_UP_S
-        windows = (start, args.window, number)
-        ingest = _start_ingest(server.address, WARM_UP_S + number * args.window + 0.5)
-        prober = _run_probe(server.address, "status", bucket, args.pending, 10 ** 9,
-                            WARM_UP_S + number * args.window + 60, args.status_rate, windows)
-        cpu_at = []
-        for k in range(number + 1):
-            time.sleep(max(0.0, start + k * args.window - time.time()))
-            cpu_at.append(cpu_seconds(server.process))
-        load, statuses = json.loads(ingest.communicate()[0]), json.loads(prober.communicate()[0])
-        rates, changes = window_changes(load["acks"], *windows)
-        used = [cpu_at[k + 1] - cpu_at[k] for k in range(number)]
-        cpu_us = [used[k] * 1e6 / max(rates[k] * args.window, 1) for k in range(number)]
-        print(f"  ingest in {number} windows of {args.window:g} s, statuses in every other one "
-              f"({args.status_rate:g}/s): " + ", ".join(f"{r:,.0f}{'*' if k % 2 else ''}" for k, r in enumerate(rates))
-              + " msg/s (* with statuses)")
-        print("  server CPU per message, without / with statuses (theirs included): "
-              f"{statistics.median(cpu_us[0::2]):.1f} / {statistics.median(cpu_us[1::2]):.1f} us; the server's "
-              f"CPU use {statistics.median(used[0::2]) / args.window:.0%} / {statistics.median(used[1::2]) / args.window:.0%}"
-              f" of a core (medians); the status client's CPU {statuses['cpu_us']:.0f} us per status")
-        if changes:
-            change = statistics.median(changes)
-            print("  beside statuses, against the windows around each: "
-                  + ", ".join(f"{c:+.1%}" for c in changes) + f"; median {change:+.1%}"
-                  + f"   (target within 5%: {'met' if change >= -0.05 else 'MISSED'})")
-        print(f"  status latency beside ingest: {_quantiles(statuses['latencies_ms'])}; "
-              f"wrong answers {statuses['wrong']}")
+        if args.rounds:  # --rounds 0: statuses and cancels alone
+            # One ingest run; statuses in every other window of it, each such window compared with
+            # the two around it (the module docstring says why).
+            number = 2 * args.rounds + 1
+            start = time.time() + WARM_UP_S
+            windows = (start, args.window, number)
+            ingest = _start_ingest(server.address, WARM_UP_S + number * args.window + 0.5)
+            prober = _run_probe(server.address, "status", bucket, args.pending, 10 ** 9,
+                                WARM_UP_S + number * args.window + 60, args.status_rate, windows)
+            cpu_at = []
+            for k in range(number + 1):
+                time.sleep(max(0.0, start + k * args.window - time.time()))
+                cpu_at.append(cpu_seconds(server.process))
+            load, statuses = json.loads(ingest.communicate()[0]), json.loads(prober.communicate()[0])
+            rates, changes = window_changes(load["acks"], *windows)
+            used = [cpu_at[k + 1] - cpu_at[k] for k in range(number)]
+            cpu_us = [used[k] * 1e6 / max(rates[k] * args.window, 1) for k in range(number)]
+            print(f"  ingest in {number} windows of {args.window:g} s, statuses in every other one "
+                  f"({args.status_rate:g}/s): " + ", ".join(f"{r:,.0f}{'*' if k % 2 else ''}" for k, r in enumerate(rates))
+                  + " msg/s (* with statuses)")
+            print("  server CPU per message, without / with statuses (theirs included): "
+                  f"{statistics.median(cpu_us[0::2]):.1f} / {statistics.median(cpu_us[1::2]):.1f} us; the server's "
+                  f"CPU use {statistics.median(used[0::2]) / args.window:.0%} / {statistics.median(used[1::2]) / args.window:.0%}"
+                  f" of a core (medians); the status client's CPU {statuses['cpu_us']:.0f} us per status")
+            if changes:
+                change = statistics.median(changes)
+                print("  beside statuses, against the windows around each: "
+                      + ", ".join(f"{c:+.1%}" for c in changes) + f"; median {change:+.1%}"
+                      + f"   (target within 5%: {'met' if change >= -0.05 else 'MISSED'})")
+            print(f"  status latency beside ingest: {_quantiles(statuses['latencies_ms'])}; "
+                  f"wrong answers {statuses['wrong']}")
         cancels = json.loads(_run_probe(server.address, "cancel", bucket, args.pending, args.cancels,
                                         0).communicate()[0])
         print(f"  cancel latency: {_quantiles(cancels['latencies_ms'])}; wrong answers {cancels['wrong']}")
