@@ -433,9 +433,11 @@ def _columns(slices) -> tuple[int, list, int]:
     slices: the order of the hashes is sorted here (a worker thread's part of a save)."""
     slices = [part for part in slices if part is not None]
     parts = [[part[k] for part in slices] for k in range(1, 6)]
-    hashes = np.frombuffer(b"".join(parts[3]), dtype=">u4")
+    # As numpy arrays, written through the buffer protocol: a `tobytes` of tens of MB would hold
+    # the interpreter's lock, and the event loop with it, for tens of milliseconds.
+    hashes = np.frombuffer(b"".join(parts[3]), dtype=">u4").astype(np.uint32)
     order = np.argsort(hashes, kind="stable")
-    parts[4:4] = [[order.astype(">u4").tobytes()], [hashes[order].tobytes()]]
+    parts[4:4] = [[order.astype(">u4")], [hashes[order].astype(">u4")]]
     crc = 0
     for column in parts:
         for chunk in column:
