@@ -68,3 +68,16 @@ def test_proc_cpu_seconds_reads_the_process_own_cpu_time():
         pass
     t = psutil.Process().cpu_times()
     assert abs(proc_cpu_seconds(os.getpid()) - (t.user + t.system)) < 0.05
+
+
+def test_status_bench_compares_each_window_with_statuses_with_the_two_around_it():
+    from bench.status import EDGE_S, window_changes
+
+    start, length = 1000.0, 2.0
+    # 1,000 messages acknowledged every 0.1 s in windows 0 and 2, 900 in window 1 (statuses),
+    # plus acknowledgements inside the edges and outside the windows, which do not count.
+    acks = [(start + k * length + EDGE_S + 0.1 * i, 900 if k == 1 else 1000) for k in range(3) for i in range(15)]
+    acks += [(start + 0.1, 10**6), (start + length - 0.1, 10**6), (start - 1, 10**6), (start + 3 * length, 10**6)]
+    rates, changes = window_changes(acks, start, length, 3)
+    assert rates == [10_000.0, 9_000.0, 10_000.0]
+    assert changes == [pytest.approx(-0.1)]
