@@ -377,11 +377,7 @@ class DedupeTable:
             log.warning("%s: damaged; rebuilding the dedupe table from message_log", path)
             return None
         self.restore([saved])
-        self.loaded_base_id = base_id(raw)
         return saved.offset
-
-    #: The id of the table file last read by `load` (journal chunks name it).
-    loaded_base_id: int | None = None
 
     def restore(self, parts: list[_Columns]) -> None:
         """Take the entries of a saved table file and of the journal chunks that extend it, in
@@ -456,7 +452,7 @@ def _fsync_dir(path: Path) -> None:
 def base_id(raw: bytes) -> int | None:
     """The id of the table file whose bytes (its head, at least) are `raw`, which journal chunks
     name; None for a file of the format before journals."""
-    return _HEAD.unpack_from(raw, 0)[4] if raw[:8] == _MAGIC else None
+    return _HEAD.unpack_from(raw, 0)[4] if raw[:8] in (_MAGIC, _MAGIC_V3) else None
 
 
 def read_journal(raw: bytes, base: int, hashed: bool = True):

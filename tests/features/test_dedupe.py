@@ -200,6 +200,25 @@ def format_3_file(path, entries: list[tuple[str, int, int]], offset: int) -> Non
     path.write_bytes(struct.pack(">8sQQIQ", b"DSDEDUP3", offset, len(entries), crc32c.crc32c(body), 12345) + body)
 
 
+async def test_the_journal_of_a_table_file_of_the_format_before_is_read_too(tmp_path):
+    """After an upgrade, the ids in the old journal's chunks are still known: the cleaner may
+    already have dropped the message_log they came from."""
+    import struct
+
+    import crc32c
+
+    from delayserver.dedupe import Dedupe
+
+    format_3_file(tmp_path / FILE_NAME, [("a", T0, T0 + 5)], 300)
+    body = struct.pack(">q", T0 + 1) + struct.pack(">q", T0 + 6) + bytes([1]) + b"b"
+    head = struct.pack(">8sQQII", b"DSDEDJ01", 12345, 400, 1, len(body))
+    chunk = head + struct.pack(">I", crc32c.crc32c(body, crc32c.crc32c(head))) + body
+    (tmp_path / "dedupe.journal").write_bytes(chunk)
+    dedupe = Dedupe(HOUR, tmp_path)
+    assert dedupe.load() == 400
+    assert dedupe.table.find("a", T0 + 3) == T0 + 5 and dedupe.table.find("b", T0 + 3) == T0 + 6
+
+
 async def test_a_table_file_of_the_format_before_is_read_and_then_written_whole(tmp_path):
     from delayserver.dedupe import Dedupe
 
