@@ -240,15 +240,15 @@ class DedupeTable:
                 at = max(at, self._head)  # what expired meanwhile is left out
                 begin = at - self._base
                 end = min(len(self._keys), begin + slice_entries)
-                saved = self._saved
-                if saved is not None and at < len(saved):  # entries read back at start
+                saved = self._saved if self._saved is not None and at < len(self._saved) else None
+                if saved is not None:  # entries read back at start: a slice ends where they do
                     end = min(end, len(saved) - self._base)
                 if begin >= end:
                     if reached is not None:
                         reached.append(at)
                     return
                 stores, scheds, hashes = self._stores[begin:end], self._scheds[begin:end], self._hashes[begin:end]
-                if saved is not None and at < len(saved):
+                if saved is not None:
                     lengths, text = saved.columns(at, at + end - begin)
                 else:
                     keys = self._keys[begin:end]
@@ -397,8 +397,8 @@ class DedupeTable:
         if all(part.hashes is not None and part.text.isascii() for part in parts):
             # An ASCII id's length in characters is its length in bytes: no id is decoded.
             self._saved = _Saved(parts)
-            self._hashes.frombytes(self._saved.hashes.tobytes())
-            self._saved.hashes = None
+            for part in parts:
+                self._hashes.frombytes(part.hashes.tobytes())
             self._keys = [None] * count
             self._positions = {}
             return
@@ -430,7 +430,7 @@ def _columns(slices) -> tuple[int, list, int]:
     slices = [part for part in slices if part is not None]
     parts = [[part[k] for part in slices] for k in range(1, 6)]
     # As numpy arrays, written through the buffer protocol: a `tobytes` of tens of MB would hold
-    # the interpreter's lock, and the event loop with it, for tens of milliseconds.
+    # the interpreter's lock, and the event loop with it, for its whole copy.
     hashes = np.frombuffer(b"".join(parts[3]), dtype=">u4").astype(np.uint32)
     order = np.argsort(hashes, kind="stable")
     parts[4:4] = [[order.astype(">u4")], [hashes[order].astype(">u4")]]
@@ -552,7 +552,7 @@ def _bitmap(sorted_: np.ndarray) -> tuple[int, bytes]:
     """(shift, bitmap): a bit for each value of the top bits of sorted 32-bit hashes, 8 bits or
     more per hash, so that most hashes not among them are told by one bit (h >> shift). Built in
     slices of the sorted hashes, each a run of the bitmap's bytes: no temporary of the bitmap's
-    size in bits (a scatter into one took 0.4 s at 10,000,000 hashes, most of it page faults)."""
+    size in bits, whose pages a scatter would fault in one by one."""
     bits = max(8 * len(sorted_), 1 << 16).bit_length()
     shift = np.uint32(32 - bits)
     bitmap = np.zeros(1 << (bits - 3), dtype=np.uint8)
@@ -568,21 +568,22 @@ def _bitmap(sorted_: np.ndarray) -> tuple[int, bytes]:
 class _Saved:
     """The keys of the entries a table read back at start (positions 0 .. n - 1), as columns: the
     ids' ASCII text and where each starts, and the positions in the order of their hashes
-    (`key_hash`), with those hashes, to bisect (`hashes`, in position order, the table takes). `current` is false for an entry a later one replaced: the same key
-    saved again (read back), or accepted again after its window (the dict's then)."""
+    (`key_hash`), with those hashes, to bisect. `current` is false for an entry a later one
+    replaced: the same key saved again (read back), or accepted again after its window (the
+    dict's then)."""
 
     def __init__(self, parts: list[_Columns]):
         self.text = b"".join(part.text for part in parts)
         lengths = np.concatenate([part.lengths for part in parts]) if parts else np.zeros(0, np.uint8)
         self.starts = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, dtype=np.int64, out=self.starts[1:])
-        self.hashes = np.concatenate([part.hashes for part in parts]) if parts else np.zeros(0, np.uint32)
+        hashes = np.concatenate([part.hashes for part in parts]) if parts else np.zeros(0, np.uint32)
         firsts = itertools.accumulate((len(part) for part in parts), initial=0)
         order = np.concatenate([part.order + np.uint32(first) for part, first in zip(parts, firsts)]) if parts \
             else np.zeros(0, np.uint32)
         if len(parts) > 1:  # sorted runs, one per part: merged (equal hashes stay in position order)
-            order = order[np.argsort(self.hashes[order], kind="stable")]
-            self.sorted = self.hashes[order]
+            order = order[np.argsort(hashes[order], kind="stable")]
+            self.sorted = hashes[order]
         else:
             self.sorted = parts[0].sorted if parts else np.zeros(0, np.uint32)
         self.order = order
