@@ -3,6 +3,10 @@
 - append: messages with 1 KiB bodies encoded (as the receiver does), framed, joined into batches
   of 256 and appended to message_log in one write per batch; without fsync, then with one fsync
   per batch (group commit). Also the append alone, of batches already encoded.
+- replay: those batches replayed from message_log into schedule_log (`Replayer.replay_once`, no
+  fsync), taken from memory as a node replays the batches its receiver just wrote, with the id
+  index following the segments as a node's does; the messages fall due an hour ahead, as
+  `ops/bench ingest` sends them, so the wheel holds none of them.
 - read: a whole schedule_log segment read as the tick manager loads it (`BucketLog.read` in 4 MiB
   chunks) and walked with `iter_records` (crc checked), each record decoded two ways:
   `scheduled_key` (what loading a bucket needs) and `decode_scheduled` (the whole message).
@@ -24,8 +28,12 @@ from pathlib import Path
 
 import attrs
 
+from delayserver.replayer import Replayer
 from delayserver.storage.bucket_log import BucketLog
+from delayserver.storage.id_index import IdIndex
 from delayserver.storage.message_log import MessageLog
+from delayserver.storage.store import Store
+from delayserver.wheel.tick_manager import TickManager
 from delayserver.storage.record import (
     RecordType, decode_scheduled, encode_message_fields, encode_record, encode_scheduled, iter_records, scheduled_key,
 )
@@ -37,11 +45,11 @@ READ_CHUNK_BYTES = 4 << 20  # as the tick manager loads a bucket
 HEADERS = {"trace": "0af7651916cd43dd8448eb211c80319c"}
 
 
-def encoded_batch(first: int) -> bytes:
+def encoded_batch(first: int, schedule_time: int = BUCKET) -> bytes:
     """One batch as the receiver builds it: encode each message, frame it, join the frames."""
     return b"".join(
         encode_record(RecordType.MESSAGE, encode_message_fields(
-            f"msg-{i:012d}", "orders.created", BODY, BUCKET + i, HEADERS, BUCKET, i))
+            f"msg-{i:012d}", "orders.created", BODY, schedule_time + i, HEADERS, BUCKET, i))
         for i in range(first, first + BATCH)
     )
 
@@ -78,6 +86,28 @@ def bench_append(directory: Path, records: int, *, fsync: bool, pre_encoded: boo
         written += len(data)
     figures = watch.figures(records, written)
     log.close()
+    shutil.rmtree(directory)
+    return figures
+
+
+def bench_replay(directory: Path, records: int) -> Figures:
+    """Replay `records` messages, written to a new message_log beforehand, into schedule_log."""
+    store = Store.open(directory)
+    written = {}  # message_log offset -> the batch written there, as the receiver keeps them
+    for n in range(records // BATCH):
+        data = encoded_batch(n * BATCH, schedule_time=BUCKET + 3_600_000)
+        written[store.message_log.append(data)] = data
+    ticks = TickManager(store, now_ms=BUCKET)
+    index = IdIndex(store.schedule_log)
+    replayer = Replayer(store, ticks, recent_batch=lambda offset: (written[offset], offset))
+    end = store.message_log.end_offset
+    watch = Stopwatch()
+    count = 0
+    while replayed := replayer.replay_once(BUCKET, end):
+        count += replayed
+    figures = watch.figures(count, end)
+    assert count == records and index.entries() == records, (count, index.entries())
+    store.close()
     shutil.rmtree(directory)
     return figures
 
@@ -142,6 +172,8 @@ def main(argv: list[str]) -> None:
         ):
             report(name, best(lambda: bench_append(root / str(next(runs)), count, fsync=fsync,
                                                    pre_encoded=pre_encoded)), target)
+        report("replay: into schedule_log, id index following", best(lambda: bench_replay(root / str(next(runs)),
+                                                                                          records)))
         write_schedule_segment(root / "schedule_log", records)
         for name, decode in (
             ("read: iter_records + scheduled_key", lambda buf, start, stop: scheduled_key(buf, start)),

@@ -133,6 +133,10 @@ class Replayer:
         view = memoryview(data)
         scale = self.store.segment_scale_ms
         per_bucket: dict[int, list[bytes]] = {}
+        # Per bucket, (offset within its append, schedule_time, message id) of each record: the
+        # id index takes its keys from here instead of parsing the appended records again.
+        ids: dict[int, list[tuple[int, int, memoryview]]] = {}
+        starts: dict[int, int] = {}
         sizes: dict[int, int] = {}
         notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         txn_notes = []  # (message_log offset, type, payload start, payload end) of transactional records
@@ -157,7 +161,7 @@ class Replayer:
                 end = base + e
                 continue
             try:
-                sched, seq, mid = message_log_head(data, s, rtype)
+                sched, seq, id_at, id_end = message_log_head(data, s, rtype)
             except RecordError as err:
                 raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
             if rtype in TRANSACTION_TYPES:
@@ -173,9 +177,19 @@ class Replayer:
             recs = per_bucket.get(bucket)
             if recs is None:
                 recs = per_bucket[bucket] = []
-                sizes[bucket] = sizes_of(bucket)
-            notes.append((bucket, sizes[bucket], rtype, sched, mid))
-            sizes[bucket] += size
+                ids[bucket] = []
+                sizes[bucket] = starts[bucket] = sizes_of(bucket)
+            at = sizes[bucket]
+            mid = view[id_at : min(id_end, e)]
+            ids[bucket].append((at - starts[bucket], sched, mid))
+            if rtype == RecordType.CANCEL:
+                try:
+                    notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
+                except UnicodeDecodeError:
+                    raise CorruptSegment(self.store.message_log.directory, off, "message id is not UTF-8") from None
+            else:
+                notes.append((bucket, at, rtype, sched, None))
+            sizes[bucket] = at + size
             recs += (head, payload)
             if seq > max_sequence:
                 max_sequence = seq
@@ -183,7 +197,7 @@ class Replayer:
                 on_record(rtype, data, s, e, own)
             end = base + e
         self.max_sequence = max_sequence
-        self._append_all(per_bucket)
+        self._append_all(per_bucket, ids)
         for off, rtype, s, e in txn_notes:
             try:
                 self.transactions.apply(off, rtype, data, s, e)
@@ -215,13 +229,13 @@ class Replayer:
         for b, entries in run.items():
             ticks.on_replayed_many(b, entries, now)
 
-    def _append_all(self, per_bucket: dict[int, list[bytes]]) -> None:
+    def _append_all(self, per_bucket: dict[int, list[bytes]], ids: dict[int, list]) -> None:
         schedule_log = self.store.schedule_log
         done: list[tuple[int, int]] = []
         try:
             for bucket, recs in per_bucket.items():
                 before = schedule_log.size(bucket)
-                schedule_log.append(bucket, b"".join(recs))
+                schedule_log.append(bucket, b"".join(recs), ids[bucket])
                 done.append((bucket, before))
         except StorageError:
             for bucket, before in done:

@@ -190,11 +190,11 @@ def test_a_failed_pass_rolls_back_every_bucket_and_its_retry_appends_each_record
     real_append = node.store.schedule_log.append
     calls = []
 
-    def append_until_the_disk_fills(bucket, data):
+    def append_until_the_disk_fills(bucket, data, ids=None):
         calls.append(bucket)
         if len(calls) == 3:
             raise DiskFull("no space left on device")
-        return real_append(bucket, data)
+        return real_append(bucket, data, ids)
 
     monkeypatch.setattr(node.store.schedule_log, "append", append_until_the_disk_fills)
     with pytest.raises(DiskFull):

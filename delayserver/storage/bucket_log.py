@@ -87,7 +87,7 @@ class BucketLog:
         self._dirty: set[int] = set()
         self._max_open = max_open
         self._new_files = False
-        # Indexes following the log: `appended(bucket, pos, data)`, `truncated(bucket, size)`,
+        # Indexes following the log: `appended(bucket, pos, data, ids)`, `truncated(bucket, size)`,
         # `removed(bucket)` (storage/id_index.py).
         self.listeners: list = []
         # Whether reads that never wait for the disk (RWF_NOWAIT) work here (see `read_cached`).
@@ -138,10 +138,13 @@ class BucketLog:
             os.close(old)
         return fd
 
-    def append(self, bucket: int, data: bytes) -> int:
+    def append(self, bucket: int, data: bytes, ids: list | None = None) -> int:
         """Append encoded records to the bucket's segment in one write; returns their offset.
 
-        Does not fsync (see `sync`). Raises DiskFull / StorageError with the segment intact.
+        `ids`, when the caller knows them: ``(offset within data, schedule_time, message id
+        bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`, handed to the listeners
+        so that they need not parse the records again. Does not fsync (see `sync`). Raises
+        DiskFull / StorageError with the segment intact.
         """
         self._check_writable()
         pos = self.size(bucket)
@@ -149,7 +152,7 @@ class BucketLog:
         self.sizes[bucket] = pos + len(data)
         self._dirty.add(bucket)
         for listener in self.listeners:
-            listener.appended(bucket, pos, data)
+            listener.appended(bucket, pos, data, ids)
         return pos
 
     def sync(self) -> None:

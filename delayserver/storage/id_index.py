@@ -9,7 +9,8 @@
   records, 16 bytes per dispatch record.
 
 Both follow their log through `BucketLog.listeners`: an append at the indexed end of a bucket is
-indexed at once (the records are parsed from the bytes just written), a truncation drops what it
+indexed at once (the id index takes each record's time and id from the replayer, which has them in
+hand; otherwise the records are parsed from the bytes just written), a truncation drops what it
 cut. A bucket present when the node starts is indexed from its segment in slices (`build_step`,
 driven by `serve`, and `ensure` for a lookup that cannot wait): the node starts at once, and the
 index never holds the event loop for longer than one slice.
@@ -179,6 +180,12 @@ class SortedRuns:
         if len(self._tail_keys) >= TAIL_KEYS:
             self.seal()
 
+    def extend(self, keys: list[int]) -> None:
+        """`add` of each key (an index without values)."""
+        self._tail_keys.extend(keys)
+        if len(self._tail_keys) >= TAIL_KEYS:
+            self.seal()
+
     def seal(self) -> None:
         """Turn the tail into a sorted run, merging small runs inline."""
         if not self._tail_keys:
@@ -282,13 +289,21 @@ class _LogIndex:
 
     # --- following the log --------------------------------------------------------------------
 
-    def appended(self, bucket: int, pos: int, data) -> None:
+    def appended(self, bucket: int, pos: int, data, ids: list | None = None) -> None:
+        """`data` was appended at `pos`; `ids` as `BucketLog.append` takes them, or None."""
         b = self.buckets.get(bucket)
         if b is None:
             b = self.buckets[bucket] = _Bucket(self.with_values)
         if pos != b.covered:
             return  # an older part is not indexed yet: the build reads this too, from the segment
+        if ids is not None and self._add_ids(b, pos, ids):
+            b.covered = pos + len(data)
+            return
         self._index(bucket, b, data, pos, checked=True)
+
+    def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
+        """Index the records of an append from their ids; False when this index needs the records."""
+        return False
 
     def truncated(self, bucket: int, size: int) -> None:
         b = self.buckets.get(bucket)
@@ -502,7 +517,14 @@ class IdIndex(_LogIndex):
             at = s + SCHEDULED_CANCEL_HEAD.size
         else:
             return
-        self._keep(b, key_hash(sched, bytes(data[at : at + idlen])) << OFFSET_BITS | offset)
+        self._keep(b, key_hash(sched, bytes(data[at : min(at + idlen, e)])) << OFFSET_BITS | offset)
+
+    def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
+        keys = [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, sched, mid in ids]
+        b.runs.extend(keys)
+        if b.collecting:
+            b.unsaved.extend(keys)
+        return True
 
     @staticmethod
     def _keep(b: _Bucket, key: int) -> None:

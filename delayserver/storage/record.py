@@ -69,6 +69,8 @@ HEADER_SIZE = HEADER.size
 MESSAGE_HEAD = struct.Struct(">qqQHBBII")
 CANCEL_HEAD = struct.Struct(">qqQB")
 OFFSET = struct.Struct(">Q")
+_pack_offset, _OFFSET_SIZE = OFFSET.pack, OFFSET.size
+_pack_header_offset = struct.Struct(">IIBQ").pack  # a record header, then an OFFSET: one pack
 SCHEDULED_HEAD = struct.Struct(">QqqQHBBII")  # OFFSET + MESSAGE_HEAD, for one-call decoding
 SCHEDULED_CANCEL_HEAD = struct.Struct(">QqqQB")
 DISPATCH_HEAD = struct.Struct(">QqB")
@@ -80,6 +82,7 @@ TXN_PARK_HEAD = struct.Struct(">qqQBB")
 EPOCH_HEAD = struct.Struct(">Q")
 HEADER_ITEM = struct.Struct(">H")
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
+_unpack_message_head = MESSAGE_HEAD.unpack_from
 _SCHEDULED_HEAD_SIZE = SCHEDULED_HEAD.size
 _pack_item_len = HEADER_ITEM.pack
 _HEADER_ITEM_OVERHEAD = 2 * HEADER_ITEM.size
@@ -109,6 +112,7 @@ class RecordType(enum.IntEnum):
 
 
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
+_crc = _crc32c.crc32c
 VALID_TYPES = frozenset(int(t) for t in RecordType)
 #: The crc seed of each type byte (None: not a record type), indexed faster than a dict is looked up.
 _SEED_BY_TYPE = tuple(_TYPE_CRC.get(t) for t in range(256))
@@ -452,20 +456,27 @@ def dispatch_schedule_offset(buf, start: int = 0) -> int:
     return DISPATCH_HEAD.unpack_from(buf, start)[0]
 
 
-@_decoding
-def message_log_head(buf, start: int, rtype: int) -> tuple[int, int, str | None]:
-    """``(schedule_time, sequence, message_id)`` of a MESSAGE or CANCEL payload at `start`; the id
-    only for a CANCEL (None for a MESSAGE, whose id replay does not need)."""
-    if rtype == RecordType.MESSAGE:
-        _, sched, seq, _, idlen, *_ = MESSAGE_HEAD.unpack_from(buf, start)
-        return sched, seq, None
-    if rtype == RecordType.CANCEL:
-        _, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
-        pos = start + CANCEL_HEAD.size
-        return sched, seq, bytes(buf[pos : pos + idlen]).decode("utf-8")
-    if rtype in TRANSACTION_TYPES:
-        _, sched, seq = _TXN_PREFIX.unpack_from(buf, start)
-        return sched, seq, None
+def message_log_head(buf, start: int, rtype: int) -> tuple[int, int, int, int]:
+    """``(schedule_time, sequence, id_start, id_end)`` of a message_log payload at `start`: where its
+    message id lies in `buf` for a MESSAGE, COMMIT or CANCEL (the span is empty for the other
+    transactional records; it is as the payload says, unchecked against the payload's end).
+
+    Raises RecordError for a payload too short for its head or a type not in message_log. Once per
+    replayed record: decoded by hand, without the `_decoding` wrapper's extra calls."""
+    try:
+        if rtype == RecordType.MESSAGE or rtype == RecordType.COMMIT:  # a COMMIT is a MESSAGE payload
+            head = _unpack_message_head(buf, start)
+            pos = start + _MESSAGE_HEAD_SIZE
+            return head[1], head[2], pos, pos + head[4]
+        if rtype == RecordType.CANCEL:
+            _, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
+            pos = start + CANCEL_HEAD.size
+            return sched, seq, pos, pos + idlen
+        if rtype in TRANSACTION_TYPES:
+            _, sched, seq = _TXN_PREFIX.unpack_from(buf, start)
+            return sched, seq, start, start
+    except struct.error as e:
+        raise RecordError(start, f"undecodable message_log_head payload: {e}") from None
     raise RecordError(start, f"record type {rtype} is not in message_log")
 
 
@@ -478,11 +489,11 @@ def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple
     """The schedule_log record of a message_log MESSAGE or CANCEL `payload`, without copying it:
     ``(size, head)`` where the record is `head` followed by `payload` as it is, and `size` its
     length in bytes. The crc is carried over the two pieces."""
-    kind = SCHEDULED_TYPE[rtype]
-    offset = OFFSET.pack(message_log_offset)
-    crc = checksum_continue(checksum(kind, offset), payload)
-    length = OFFSET.size + len(payload)
-    return HEADER_SIZE + length, HEADER.pack(crc, length, kind) + offset
+    kind = RecordType.SCHEDULED_CANCEL if rtype == RecordType.CANCEL else SCHEDULED_TYPE[rtype]
+    offset = _pack_offset(message_log_offset)
+    crc = _crc(payload, value=_crc(offset, value=_TYPE_CRC[kind]))
+    length = _OFFSET_SIZE + len(payload)
+    return HEADER_SIZE + length, _pack_header_offset(crc, length, kind, message_log_offset)
 
 
 @attrs.frozen

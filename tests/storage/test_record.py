@@ -243,7 +243,9 @@ def test_record_heads_agree_with_the_full_decoders():
     message = bytearray(encode_message(Message("m-1", "s", b"body", T, {"k": "v"}, store_time=5)))
     set_sequence(message, 77)
     assert decode_message(bytes(message)).sequence == 77
-    assert message_log_head(message, 0, RecordType.MESSAGE) == (T, 77, None)
+    head_size = len(message) - len(b"m-1s") - len(encode_headers({"k": "v"})) - len(b"body")
+    assert message_log_head(message, 0, RecordType.MESSAGE) == (T, 77, head_size, head_size + 3)
+    assert message[head_size : head_size + 3] == b"m-1"
     record = record_header(RecordType.MESSAGE, message) + message
     assert record == encode_record(RecordType.MESSAGE, bytes(message)) and record_size(record, 0) == len(record)
 
@@ -255,7 +257,8 @@ def test_record_heads_agree_with_the_full_decoders():
     cancel = bytearray(encode_cancel(Cancel("m-1", T, 6)))
     set_sequence(cancel, 78)
     assert decode_cancel(bytes(cancel)).sequence == 78
-    assert message_log_head(cancel, 0, RecordType.CANCEL) == (T, 78, "m-1")
+    _, _, at, end = message_log_head(cancel, 0, RecordType.CANCEL)
+    assert message_log_head(cancel, 0, RecordType.CANCEL)[:2] == (T, 78) and cancel[at:end] == b"m-1"
     _, head = scheduled_record_head(901, RecordType.CANCEL, cancel)
     (rtype, start, stop) = parse_record(head + cancel, 0)
     assert rtype == RecordType.SCHEDULED_CANCEL
