@@ -44,17 +44,18 @@ class Replayer:
     def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
                  on_disk_full: Callable[[], None] = lambda: None,
-                 on_record: Callable[[int, bytes, int, int, bool], None] | None = None,
+                 on_records: Callable[[bytes, list[tuple[int, int, int]], bool], None] | None = None,
                  transactions: HalfMessages | None = None):
         """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
         holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
         when a schedule append or a checkpoint finds the disk full (the node releases its disk
-        reserve and refuses new messages, so that replay and delivery go on). `on_record(rtype,
-        data, payload_start, payload_end, own)`: called for each message_log record replayed (the
-        dedupe table, the schedules); `own` is true for a batch this node's receiver wrote (taken
-        from `recent_batch`)."""
+        reserve and refuses new messages, so that replay and delivery go on). `on_records(data,
+        records, own)`: called once per replay pass that appended, with ``(type, payload_start,
+        payload_end)`` of each MESSAGE, CANCEL, COMMIT and SCHEDULE record of `data` it replayed,
+        in log order (the dedupe table, the schedules follow them); `own` is true for a batch this
+        node's receiver wrote (taken from `recent_batch`)."""
         self.store = store
-        self.on_record = on_record
+        self.on_records = on_records
         self.ticks = ticks
         self.offset = offset
         self.max_sequence = max_sequence
@@ -76,7 +77,7 @@ class Replayer:
     def open(cls, store: Store, ticks, *, max_bytes: int = 8 << 20,
              recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
              on_disk_full: Callable[[], None] = lambda: None,
-             on_record: Callable[[int, bytes, int, int, bool], None] | None = None,
+             on_records: Callable[[bytes, list[tuple[int, int, int]], bool], None] | None = None,
              transactions: HalfMessages | None = None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
@@ -84,7 +85,7 @@ class Replayer:
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append. `recent_batch`, `on_disk_full` and `on_record` are the constructor's.
+        the replay cannot append. `recent_batch`, `on_disk_full` and `on_records` are the constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -109,7 +110,7 @@ class Replayer:
                 schedule_log.truncate(bucket, kept)
         schedule_log.sync()
         self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
-                   recent_batch=recent_batch, on_disk_full=on_disk_full, on_record=on_record,
+                   recent_batch=recent_batch, on_disk_full=on_disk_full, on_records=on_records,
                    transactions=transactions)
         self.transactions.restore(cp.get("transactions"))
         end = store.message_log.end_offset
@@ -133,29 +134,28 @@ class Replayer:
         view = memoryview(data)
         scale = self.store.segment_scale_ms
         per_bucket: dict[int, list[bytes]] = {}
-        # Per bucket, (offset within its append, schedule_time, message id) of each record: the
-        # id index takes its keys from here instead of parsing the appended records again.
-        ids: dict[int, list[tuple[int, int, memoryview]]] = {}
+        # Per bucket, (offset within its append, schedule_log type, schedule_time, message id) of
+        # each record: the indexes take their keys from here instead of parsing the records again.
+        ids: dict[int, list[tuple[int, int, int, memoryview]]] = {}
         starts: dict[int, int] = {}
         sizes: dict[int, int] = {}
         notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
         txn_notes = []  # (message_log offset, type, payload start, payload end) of transactional records
         end = self.offset
-        on_record = self.on_record
+        followed: list[tuple[int, int, int]] = []  # what on_records gets
         own = recent is not None
-        followed = 0
+        changes = 0  # SCHEDULE records: followed, not scheduled
         # MessageLog.read checked every record it returned: walk the headers only.
         sizes_of, max_sequence = self.store.schedule_log.size, self.max_sequence
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
                 break
-            if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_record), not scheduled
+            if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_records), not scheduled
                 max_sequence = max(max_sequence, schedule_change_sequence(data, s))
-                if on_record is not None:
-                    on_record(rtype, data, s, e, own)
+                followed.append((rtype, s, e))
+                changes += 1
                 end = base + e
-                followed += 1
                 continue
             if rtype == RecordType.EPOCH:  # a batch's frame: nothing to schedule
                 end = base + e
@@ -174,6 +174,7 @@ class Replayer:
             # The schedule record is a head then the message_log payload as it is: no copy.
             payload = view[s:e]
             size, head = scheduled_record_head(off, rtype, payload)
+            kind = RecordType.SCHEDULED_CANCEL if rtype == RecordType.CANCEL else RecordType.SCHEDULED
             recs = per_bucket.get(bucket)
             if recs is None:
                 recs = per_bucket[bucket] = []
@@ -181,7 +182,7 @@ class Replayer:
                 sizes[bucket] = starts[bucket] = sizes_of(bucket)
             at = sizes[bucket]
             mid = view[id_at : min(id_end, e)]
-            ids[bucket].append((at - starts[bucket], sched, mid))
+            ids[bucket].append((at - starts[bucket], kind, sched, mid))
             if rtype == RecordType.CANCEL:
                 try:
                     notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
@@ -193,11 +194,12 @@ class Replayer:
             recs += (head, payload)
             if seq > max_sequence:
                 max_sequence = seq
-            if on_record is not None:
-                on_record(rtype, data, s, e, own)
+            followed.append((rtype, s, e))
             end = base + e
         self.max_sequence = max_sequence
         self._append_all(per_bucket, ids)
+        if self.on_records is not None and followed:
+            self.on_records(data, followed, own)
         for off, rtype, s, e in txn_notes:
             try:
                 self.transactions.apply(off, rtype, data, s, e)
@@ -207,7 +209,7 @@ class Replayer:
         self.offset = end
         count = len(notes) + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
         self.replayed += count
-        return count + followed
+        return count + changes
 
     def _tell_ticks(self, notes: list, now: int) -> None:
         """Tell the tick manager what was appended, in log order. Runs of MESSAGE and COMMIT

@@ -81,3 +81,11 @@ def test_status_bench_compares_each_window_with_statuses_with_the_two_around_it(
     rates, changes = window_changes(acks, start, length, 3)
     assert rates == [10_000.0, 9_000.0, 10_000.0]
     assert changes == [pytest.approx(-0.1)]
+
+
+def test_storage_bench_replays_every_record_with_the_id_index_following(tmp_path):
+    from bench import storage
+
+    figures = storage.bench_replay(tmp_path / "replay", 2 * storage.BATCH)
+    assert figures.records == 2 * storage.BATCH and figures.bytes > 2 * storage.BATCH * len(storage.BODY)
+    assert not (tmp_path / "replay").exists()

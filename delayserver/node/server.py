@@ -107,7 +107,7 @@ class DelayServer:
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
             self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
-            on_record=self._follow_record, transactions=self.halves)
+            on_records=self._follow_records, transactions=self.halves)
         self.durable = Wakeup()
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
@@ -312,13 +312,15 @@ class DelayServer:
         """Where message_log is needed from to rebuild the dedupe table and the schedules at start."""
         return [self.schedules.saved_offset, *([self.dedupe.saved_offset] if self.dedupe.table.enabled else [])]
 
-    def _follow_record(self, rtype: int, data, s: int, e: int, own: bool) -> None:
-        """Every replayed message_log record: the dedupe table and the schedules follow it. A batch
-        this node wrote itself is in the dedupe table already (a send is remembered when it is
-        acknowledged, a move when it is stored): it is not decoded a second time."""
-        if self.dedupe.table.enabled and not own:
-            self.dedupe.table.feed_record(rtype, data, s, e)
-        self.schedules.feed_record(rtype, data, s, e)
+    def _follow_records(self, data, records: list[tuple[int, int, int]], own: bool) -> None:
+        """The message_log records of a replay pass: the dedupe table and the schedules follow
+        them. A batch this node wrote itself is in the dedupe table already (a send is remembered
+        when it is acknowledged, a move when it is stored): it is not decoded a second time."""
+        table = self.dedupe.table
+        if table.enabled and not own:
+            for rtype, s, e in records:
+                table.feed_record(rtype, data, s, e)
+        self.schedules.feed_records(data, records)
 
     async def _save_followers(self) -> None:
         """Save the dedupe table and the schedules, covering message_log up to replay's offset."""

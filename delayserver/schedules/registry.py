@@ -1,7 +1,7 @@
 """The schedules of a node and where each one has got to, followed from message_log.
 
 Two kinds of message_log record move it, in log order, on a master and on its slaves alike (the
-replayer hands every record to `feed_record`):
+replayer hands the records of each pass to `feed_records`):
 
 - SCHEDULE records, the changes: ``{"op": "put", "schedule": {...}, "from": ms}`` (create or
   replace; occurrences start after `from`, the time of the change, or the schedule's start),
@@ -77,8 +77,17 @@ class Registry:
 
     # --- following message_log ----------------------------------------------------------------
 
+    def feed_records(self, data, records: list[tuple[int, int, int]]) -> None:
+        """Apply ``(type, payload_start, payload_end)`` records of `data`, in order (the replayer's
+        hook, once per pass). Most are messages of no schedule: told by their id's first bytes."""
+        prefix, at, stop = _PREFIX, _MESSAGE_HEAD_SIZE, _MESSAGE_HEAD_SIZE + len(_PREFIX)
+        message = RecordType.MESSAGE
+        for rtype, s, e in records:
+            if rtype != message or data[s + at : s + stop] == prefix:
+                self.feed_record(rtype, data, s, e)
+
     def feed_record(self, rtype: int, data, s: int, e: int) -> None:
-        """Apply one message_log record whose payload is `data[s:e]` (the replayer's hook)."""
+        """Apply one message_log record whose payload is `data[s:e]`."""
         if rtype == RecordType.SCHEDULE:
             self.apply(decode_schedule_change(data, s, e).change)
         elif rtype == RecordType.MESSAGE:

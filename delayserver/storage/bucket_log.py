@@ -141,8 +141,8 @@ class BucketLog:
     def append(self, bucket: int, data: bytes, ids: list | None = None) -> int:
         """Append encoded records to the bucket's segment in one write; returns their offset.
 
-        `ids`, when the caller knows them: ``(offset within data, schedule_time, message id
-        bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`, handed to the listeners
+        `ids`, when the caller knows them: ``(offset within data, record type, schedule_time,
+        message id bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`, handed to the listeners
         so that they need not parse the records again. Does not fsync (see `sync`). Raises
         DiskFull / StorageError with the segment intact.
         """

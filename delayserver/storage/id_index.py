@@ -520,7 +520,7 @@ class IdIndex(_LogIndex):
         self._keep(b, key_hash(sched, bytes(data[at : min(at + idlen, e)])) << OFFSET_BITS | offset)
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
-        keys = [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, sched, mid in ids]
+        keys = [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, _, sched, mid in ids]
         b.runs.extend(keys)
         if b.collecting:
             b.unsaved.extend(keys)

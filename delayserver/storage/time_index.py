@@ -49,6 +49,13 @@ class TimeIndex(IdIndex):
         if rtype == RecordType.SCHEDULED:
             self._keep(b, time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset))
 
+    def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
+        scale, scheduled = self.scale_ms, RecordType.SCHEDULED
+        for at, rtype, sched, _ in ids:
+            if rtype == scheduled:
+                self._keep(b, (sched % scale) << OFFSET_BITS | (pos + at))  # time_key, inline
+        return True
+
     def _drop_from(self, b: _Bucket, size: int) -> None:
         b.runs.drop_where(lambda keys, vals: (keys & np.uint64(OFFSET_MASK)) < np.uint64(size))
 
