@@ -5,7 +5,7 @@
   per batch (group commit). Also the append alone, of batches already encoded.
 - replay: those batches replayed from message_log into schedule_log (`Replayer.replay_once`, no
   fsync), taken from memory as a node replays the batches its receiver just wrote, with the id
-  index following the segments as a node's does; the messages fall due an hour ahead, as
+  and time indexes following the segments as a node's do; the messages fall due an hour ahead, as
   `ops/bench ingest` sends them, so the wheel holds none of them.
 - read: a whole schedule_log segment read as the tick manager loads it (`BucketLog.read` in 4 MiB
   chunks) and walked with `iter_records` (crc checked), each record decoded two ways:
@@ -33,6 +33,7 @@ from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.id_index import IdIndex
 from delayserver.storage.message_log import MessageLog
 from delayserver.storage.store import Store
+from delayserver.storage.time_index import TimeIndex
 from delayserver.wheel.tick_manager import TickManager
 from delayserver.storage.record import (
     RecordType, decode_scheduled, encode_message_fields, encode_record, encode_scheduled, iter_records, scheduled_key,
@@ -99,6 +100,7 @@ def bench_replay(directory: Path, records: int) -> Figures:
         written[store.message_log.append(data)] = data
     ticks = TickManager(store, now_ms=BUCKET)
     index = IdIndex(store.schedule_log)
+    times = TimeIndex(store.schedule_log, store.segment_scale_ms)
     replayer = Replayer(store, ticks, recent_batch=lambda offset: (written[offset], offset))
     end = store.message_log.end_offset
     watch = Stopwatch()
@@ -106,7 +108,7 @@ def bench_replay(directory: Path, records: int) -> Figures:
     while replayed := replayer.replay_once(BUCKET, end):
         count += replayed
     figures = watch.figures(count, end)
-    assert count == records and index.entries() == records, (count, index.entries())
+    assert count == records and index.entries() == times.entries() == records, (count, index.entries())
     store.close()
     shutil.rmtree(directory)
     return figures
@@ -172,7 +174,7 @@ def main(argv: list[str]) -> None:
         ):
             report(name, best(lambda: bench_append(root / str(next(runs)), count, fsync=fsync,
                                                    pre_encoded=pre_encoded)), target)
-        report("replay: into schedule_log, id index following", best(lambda: bench_replay(root / str(next(runs)),
+        report("replay: into schedule_log, indexes following", best(lambda: bench_replay(root / str(next(runs)),
                                                                                           records)))
         write_schedule_segment(root / "schedule_log", records)
         for name, decode in (
