@@ -71,7 +71,8 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from typing import Any, Mapping, Sequence
+import types
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import attrs
 import crc32c as _crc32c
@@ -268,17 +269,20 @@ class FrameDecoder:
 # --- values carried by payloads ---------------------------------------------------------------
 
 
-@attrs.frozen
-class SendItem:
+# SendItem and SendResult are made once per message on both sides of the hot path: named tuples,
+# immutable as a frozen attrs class is, are built without its per-field object.__setattr__ calls.
+_NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
+
+
+class SendItem(NamedTuple):
     message_id: str
     subject: str
     time: TimeSpec
     body: bytes = b""
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    headers: Mapping[str, str] = _NO_HEADERS
 
 
-@attrs.frozen
-class SendResult:
+class SendResult(NamedTuple):
     code: int
     message: str
     schedule_time: int
