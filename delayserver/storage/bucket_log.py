@@ -142,9 +142,9 @@ class BucketLog:
         """Append encoded records to the bucket's segment in one write; returns their offset.
 
         `ids`, when the caller knows them: ``(offset within data, record type, schedule_time,
-        message id bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`, handed to the listeners
-        so that they need not parse the records again. Does not fsync (see `sync`). Raises
-        DiskFull / StorageError with the segment intact.
+        message id bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`, handed to
+        the listeners so that they need not parse the records again. Does not fsync (see `sync`).
+        Raises DiskFull / StorageError with the segment intact.
         """
         self._check_writable()
         pos = self.size(bucket)

@@ -9,9 +9,9 @@
   records, 16 bytes per dispatch record.
 
 Both follow their log through `BucketLog.listeners`: an append at the indexed end of a bucket is
-indexed at once (the id index takes each record's time and id from the replayer, which has them in
-hand; otherwise the records are parsed from the bytes just written), a truncation drops what it
-cut. A bucket present when the node starts is indexed from its segment in slices (`build_step`,
+indexed at once (the id index and the time index, storage/time_index.py, take each record's type,
+time and id from the replayer, which has them in hand; otherwise the records are parsed from the
+bytes just written), a truncation drops what it cut. A bucket present when the node starts is indexed from its segment in slices (`build_step`,
 driven by `serve`, and `ensure` for a lookup that cannot wait): the node starts at once, and the
 index never holds the event loop for longer than one slice.
 
