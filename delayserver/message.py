@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import re
 import urllib.parse
+from typing import NamedTuple
 
 import attrs
 
@@ -273,6 +274,8 @@ class TimeSpec:
         Raises ValueError when more than one is given, and BadScheduleTime for a value that is
         not a whole number (1.5 ms is refused, not rounded) or does not fit in 64 bits.
         """
+        if deliver_at is None and delay_level is None and type(delay) is int and MIN_I64 <= delay <= MAX_I64:
+            return cls(TimeKind.DELAY, delay)  # the usual spec, once per message a client sends
         given = [(k, v) for k, v in ((TimeKind.AT, deliver_at), (TimeKind.DELAY, delay),
                                      (TimeKind.LEVEL, delay_level)) if v is not None]
         if len(given) > 1:
@@ -293,8 +296,7 @@ def _quote_id(message_id: str) -> str:
     return urllib.parse.quote(message_id, safe="").replace("~", "%7E")
 
 
-@attrs.frozen
-class Handle:
+class Handle(NamedTuple):
     """What a producer keeps to cancel or query a message later, from any process.
 
     Its text form is ``<schedule_time>:<message id>``: the time in decimal epoch milliseconds, the
