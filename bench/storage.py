@@ -32,12 +32,12 @@ from delayserver.replayer import Replayer
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.id_index import IdIndex
 from delayserver.storage.message_log import MessageLog
-from delayserver.storage.store import Store
-from delayserver.storage.time_index import TimeIndex
-from delayserver.wheel.tick_manager import TickManager
 from delayserver.storage.record import (
     RecordType, decode_scheduled, encode_message_fields, encode_record, encode_scheduled, iter_records, scheduled_key,
 )
+from delayserver.storage.store import Store
+from delayserver.storage.time_index import TimeIndex
+from delayserver.wheel.tick_manager import TickManager
 
 BATCH = 256
 BODY = bytes(range(256)) * 4

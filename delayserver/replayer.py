@@ -173,8 +173,7 @@ class Replayer:
             bucket = sched - sched % scale
             # The schedule record is a head then the message_log payload as it is: no copy.
             payload = view[s:e]
-            size, head = scheduled_record_head(off, rtype, payload)
-            kind = RecordType.SCHEDULED_CANCEL if rtype == RecordType.CANCEL else RecordType.SCHEDULED
+            size, head, kind = scheduled_record_head(off, rtype, payload)
             recs = per_bucket.get(bucket)
             if recs is None:
                 recs = per_bucket[bucket] = []

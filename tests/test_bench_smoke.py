@@ -83,7 +83,7 @@ def test_status_bench_compares_each_window_with_statuses_with_the_two_around_it(
     assert changes == [pytest.approx(-0.1)]
 
 
-def test_storage_bench_replays_every_record_with_the_id_index_following(tmp_path):
+def test_storage_bench_replays_every_record_with_the_indexes_following(tmp_path):
     from bench import storage
 
     figures = storage.bench_replay(tmp_path / "replay", 2 * storage.BATCH)

@@ -11,9 +11,10 @@
 Both follow their log through `BucketLog.listeners`: an append at the indexed end of a bucket is
 indexed at once (the id index and the time index, storage/time_index.py, take each record's type,
 time and id from the replayer, which has them in hand; otherwise the records are parsed from the
-bytes just written), a truncation drops what it cut. A bucket present when the node starts is indexed from its segment in slices (`build_step`,
-driven by `serve`, and `ensure` for a lookup that cannot wait): the node starts at once, and the
-index never holds the event loop for longer than one slice.
+bytes just written), a truncation drops what it cut. A bucket present when the node starts is
+indexed from its segment in slices (`build_step`, driven by `serve`, and `ensure` for a lookup
+that cannot wait): the node starts at once, and the index never holds the event loop for longer
+than one slice.
 
 The id index is also saved, per bucket, in a worker thread each time a bucket has grown by
 `SAVE_EVERY` records: a sorted file `DATA_DIR/index/<bucket>.idx` (a header with the segment offset
@@ -520,10 +521,7 @@ class IdIndex(_LogIndex):
         self._keep(b, key_hash(sched, bytes(data[at : min(at + idlen, e)])) << OFFSET_BITS | offset)
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
-        keys = [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, _, sched, mid in ids]
-        b.runs.extend(keys)
-        if b.collecting:
-            b.unsaved.extend(keys)
+        self._keep_all(b, [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, _, sched, mid in ids])
         return True
 
     @staticmethod
@@ -532,6 +530,13 @@ class IdIndex(_LogIndex):
         b.runs.add(key)
         if b.collecting:
             b.unsaved.append(key)
+
+    @staticmethod
+    def _keep_all(b: _Bucket, keys: list[int]) -> None:
+        """`_keep` of each key, in one call."""
+        b.runs.extend(keys)
+        if b.collecting:
+            b.unsaved.extend(keys)
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
         b.runs.drop_where(lambda keys, vals: (keys & np.uint64(OFFSET_MASK)) < np.uint64(size))

@@ -485,15 +485,15 @@ SCHEDULED_TYPE = {RecordType.MESSAGE: RecordType.SCHEDULED, RecordType.CANCEL: R
                   RecordType.COMMIT: RecordType.SCHEDULED}
 
 
-def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple[int, bytes]:
-    """The schedule_log record of a message_log MESSAGE or CANCEL `payload`, without copying it:
-    ``(size, head)`` where the record is `head` followed by `payload` as it is, and `size` its
-    length in bytes. The crc is carried over the two pieces."""
-    kind = RecordType.SCHEDULED_CANCEL if rtype == RecordType.CANCEL else SCHEDULED_TYPE[rtype]
+def scheduled_record_head(message_log_offset: int, rtype: int, payload) -> tuple[int, bytes, int]:
+    """The schedule_log record of a message_log MESSAGE, COMMIT or CANCEL `payload`, without
+    copying it: ``(size, head, kind)`` where the record is `head` followed by `payload` as it is,
+    `size` its length in bytes and `kind` its type. The crc is carried over the two pieces."""
+    kind = SCHEDULED_TYPE[rtype]
     offset = _pack_offset(message_log_offset)
     crc = _crc(payload, value=_crc(offset, value=_TYPE_CRC[kind]))
     length = _OFFSET_SIZE + len(payload)
-    return HEADER_SIZE + length, _pack_header_offset(crc, length, kind, message_log_offset)
+    return HEADER_SIZE + length, _pack_header_offset(crc, length, kind, message_log_offset), kind
 
 
 @attrs.frozen

@@ -51,9 +51,7 @@ class TimeIndex(IdIndex):
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
         scale, scheduled = self.scale_ms, RecordType.SCHEDULED
-        for at, rtype, sched, _ in ids:
-            if rtype == scheduled:
-                self._keep(b, (sched % scale) << OFFSET_BITS | (pos + at))  # time_key, inline
+        self._keep_all(b, [time_key(sched, scale, pos + at) for at, rtype, sched, _ in ids if rtype == scheduled])
         return True
 
     def _drop_from(self, b: _Bucket, size: int) -> None:

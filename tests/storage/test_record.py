@@ -249,7 +249,8 @@ def test_record_heads_agree_with_the_full_decoders():
     record = record_header(RecordType.MESSAGE, message) + message
     assert record == encode_record(RecordType.MESSAGE, bytes(message)) and record_size(record, 0) == len(record)
 
-    size, head = scheduled_record_head(900, RecordType.MESSAGE, message)
+    size, head, kind = scheduled_record_head(900, RecordType.MESSAGE, message)
+    assert kind == RecordType.SCHEDULED
     scheduled = head + message
     assert scheduled == encode_record(RecordType.SCHEDULED, encode_scheduled(900, bytes(message)))
     assert size == len(scheduled) and scheduled_time(scheduled, HEADER_SIZE) == T
@@ -259,7 +260,8 @@ def test_record_heads_agree_with_the_full_decoders():
     assert decode_cancel(bytes(cancel)).sequence == 78
     _, _, at, end = message_log_head(cancel, 0, RecordType.CANCEL)
     assert message_log_head(cancel, 0, RecordType.CANCEL)[:2] == (T, 78) and cancel[at:end] == b"m-1"
-    _, head = scheduled_record_head(901, RecordType.CANCEL, cancel)
+    _, head, kind = scheduled_record_head(901, RecordType.CANCEL, cancel)
+    assert kind == RecordType.SCHEDULED_CANCEL
     (rtype, start, stop) = parse_record(head + cancel, 0)
     assert rtype == RecordType.SCHEDULED_CANCEL
     assert cancel_key((head + cancel)[start:stop]) == (T, "m-1") == scheduled_key(scheduled, HEADER_SIZE)[1::2]
