@@ -206,6 +206,32 @@ def test_a_failed_pass_rolls_back_every_bucket_and_its_retry_appends_each_record
     node.crash()
 
 
+def test_the_followers_get_each_record_once_even_when_a_pass_is_rolled_back(tmp_path, monkeypatch):
+    """The dedupe table and the schedules follow what replay appended: a pass that a full disk rolls
+    back hands them nothing, and its retry hands each record once."""
+    node = Node(tmp_path, START_MS)
+    node.send(three_buckets(12))
+    followed = []
+    node.replayer.on_records = lambda data, records, own: followed.extend(
+        (rtype, bytes(data[s:e])) for rtype, s, e in records)
+    real_append = node.store.schedule_log.append
+    calls = []
+
+    def append_until_the_disk_fills(bucket, data, ids=None):
+        calls.append(bucket)
+        if len(calls) == 2:
+            raise DiskFull("no space left on device")
+        return real_append(bucket, data, ids)
+
+    monkeypatch.setattr(node.store.schedule_log, "append", append_until_the_disk_fills)
+    with pytest.raises(DiskFull):
+        node.replay()
+    assert followed == []
+    node.replay_all()
+    assert len(followed) == 12 and len(set(followed)) == 12
+    node.crash()
+
+
 async def test_serve_replays_new_data_and_checkpoints_every_interval(tmp_path, autojump_clock):
     node = Node(tmp_path, START_MS)
     clock = TrioClock(START_MS)
