@@ -385,6 +385,7 @@ class DedupeTable:
         window, or its handle moved) is at its later position."""
         count = sum(len(part) for part in parts)
         self._stores, self._scheds, self._hashes = array("q"), array("q"), array("I")
+        parts = [part for part in parts if len(part)] or parts[:1]  # a chunk of no entries only moved the offset
         if len(parts) == 1:
             self._stores, self._scheds = parts[0].stores, parts[0].scheds
         else:
@@ -398,7 +399,7 @@ class DedupeTable:
             # An ASCII id's length in characters is its length in bytes: no id is decoded.
             self._saved = _Saved(parts)
             for part in parts:
-                self._hashes.frombytes(part.hashes.tobytes())
+                self._hashes.frombytes(memoryview(part.hashes).cast("B"))
             self._keys = [None] * count
             self._positions = {}
             return
@@ -565,6 +566,19 @@ def _bitmap(sorted_: np.ndarray) -> tuple[int, bytes]:
     return int(shift), bitmap.tobytes()
 
 
+def _merged(parts: list[_Columns]) -> tuple[np.ndarray, np.ndarray]:
+    """(order, sorted hashes) of the entries of `parts`, positions counted across them: the later
+    parts (journal chunks, smaller than the file together) sorted, then merged into the first
+    part's sorted run in one pass, equal hashes in position order."""
+    first = parts[0]
+    hashes = np.concatenate([part.hashes for part in parts[1:]])
+    rank = np.argsort(hashes, kind="stable")
+    later = hashes[rank]
+    at = first.sorted.searchsorted(later, side="right")
+    order = np.insert(first.order, at, (rank + len(first)).astype(np.uint32))
+    return order, np.insert(first.sorted, at, later)
+
+
 class _Saved:
     """The keys of the entries a table read back at start (positions 0 .. n - 1), as columns: the
     ids' ASCII text and where each starts, and the positions in the order of their hashes
@@ -573,34 +587,47 @@ class _Saved:
     dict's then)."""
 
     def __init__(self, parts: list[_Columns]):
-        self.text = b"".join(part.text for part in parts)
+        parts = [part for part in parts if len(part)]  # a chunk of no entries only moved the offset
+        self.text = parts[0].text if len(parts) == 1 else b"".join(part.text for part in parts)
         lengths = np.concatenate([part.lengths for part in parts]) if parts else np.zeros(0, np.uint8)
-        self.starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, dtype=np.int64, out=self.starts[1:])
-        hashes = np.concatenate([part.hashes for part in parts]) if parts else np.zeros(0, np.uint32)
-        firsts = itertools.accumulate((len(part) for part in parts), initial=0)
-        order = np.concatenate([part.order + np.uint32(first) for part, first in zip(parts, firsts)]) if parts \
-            else np.zeros(0, np.uint32)
-        if len(parts) > 1:  # sorted runs, one per part: merged (equal hashes stay in position order)
-            order = order[np.argsort(hashes[order], kind="stable")]
-            self.sorted = hashes[order]
+        self.starts = np.empty(len(lengths) + 1, dtype=np.int64)
+        self.starts[0] = 0
+        # Widened first: a cumsum that converts as it adds takes ten times as long.
+        np.cumsum(lengths.astype(np.int64), out=self.starts[1:])
+        if not parts:
+            self.order, self.sorted = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+        elif len(parts) == 1:
+            self.order, self.sorted = parts[0].order, parts[0].sorted
         else:
-            self.sorted = parts[0].sorted if parts else np.zeros(0, np.uint32)
-        self.order = order
+            self.order, self.sorted = _merged(parts)
         self._search = self.sorted.searchsorted
         self._shift, self._bitmap = _bitmap(self.sorted)
         self.current = np.ones(len(lengths), dtype=bool)
-        # Keys saved more than once: only the last is current. They share a hash, so they are
-        # neighbours in hash order (with the rare other key of the same hash).
-        same = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
-        for i in same.tolist():
-            for j in range(i + 1, len(order)):
-                if self.sorted[j] != self.sorted[i]:
-                    break
-                p, q = int(order[i]), int(order[j])
-                if self.current[p] and self._bytes(p) == self._bytes(q):
-                    self.current[p] = False  # q, later, replaces it
-                    break
+        self.current[self._replaced()] = False
+
+    def _replaced(self) -> list[int]:
+        """The positions of keys saved again later (read back, or a handle moved): only the last
+        is current. They share a hash, so they are neighbours in hash order, in position order
+        (with the rare other key of the same hash)."""
+        sorted_ = self.sorted
+        same = np.flatnonzero(sorted_[1:] == sorted_[:-1])
+        if not len(same):
+            return []
+        members = np.union1d(same, same + 1)  # every entry whose hash another entry has too
+        positions = self.order[members].astype(np.int64)
+        hashes = sorted_[members].tolist()
+        text = self.text
+        keys = [text[a:b] for a, b in zip(self.starts[positions].tolist(), self.starts[positions + 1].tolist())]
+        positions = positions.tolist()
+        replaced, later, run = [], set(), None
+        for k in range(len(members) - 1, -1, -1):  # each run of one hash from its last entry
+            if hashes[k] != run:
+                run, later = hashes[k], set()
+            if keys[k] in later:
+                replaced.append(positions[k])
+            else:
+                later.add(keys[k])
+        return replaced
 
     def __len__(self) -> int:
         return len(self.current)

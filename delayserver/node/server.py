@@ -148,7 +148,17 @@ class DelayServer:
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Recover, start every service, listen; `task_status.started(port)` once serving."""
-        self._open()  # Replayer.open has replayed all of message_log before anything loads
+        # No automatic collection until what recovery builds is frozen below: a full collection
+        # in the middle of a start walked the dedupe table's millions of entries (113 ms at ten
+        # million), and everything built here lives as long as the node.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._open()  # Replayer.open has replayed all of message_log before anything loads
+        except BaseException:
+            if collecting:
+                gc.enable()
+            raise
         c = self.config
         trio.lowlevel.add_instrument(self.loop_watch)
         gc.callbacks.append(self.loop_watch.on_gc)
@@ -195,12 +205,16 @@ class DelayServer:
                 # the schedules, the replayer's state): kept out of the collector's generations,
                 # a full collection no longer walks millions of entries on the event loop.
                 gc.freeze()
+                if collecting:
+                    gc.enable()
                 log.info("serving on %s:%d, data in %s", c.listen[0], self.port, c.data_dir)
                 task_status.started(self.port)
         finally:
             trio.lowlevel.remove_instrument(self.loop_watch)
             gc.callbacks.remove(self.loop_watch.on_gc)
             gc.unfreeze()  # what was frozen is collectable again once the node stops
+            if collecting:
+                gc.enable()
             await self.sender.aclose()
             self.parked.close()
             self.store.close()

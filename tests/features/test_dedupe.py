@@ -200,6 +200,45 @@ def format_3_file(path, entries: list[tuple[str, int, int]], offset: int) -> Non
     path.write_bytes(struct.pack(">8sQQIQ", b"DSDEDUP3", offset, len(entries), crc32c.crc32c(body), 12345) + body)
 
 
+async def test_journal_chunks_merge_into_the_files_order_of_hashes(tmp_path):
+    """The chunks read back at start are sorted and merged into the file's order of the hashes,
+    not the whole table sorted again: every key is found, at its latest handle, through chunks
+    with new ids, handles moved in the file and in earlier chunks, and a chunk of no entries
+    (a save that only moved the offset)."""
+    import random
+
+    from delayserver.dedupe import Dedupe
+
+    rng = random.Random(7)
+    dedupe = Dedupe(HOUR, tmp_path)
+    expected = {}
+
+    def remember(key, sched, store):
+        dedupe.table.remember(key, sched, store)
+        expected[key] = sched
+
+    for i in range(5000):
+        remember(f"order-{rng.getrandbits(40):x}-{i}", T0 + HOUR + i, T0)
+    await dedupe.save(T0, 100)
+    keys = list(expected)
+    for round_ in range(1, 4):
+        for i in range(300):
+            remember(f"new-{round_}-{i}", T0 + 2 * HOUR + i, T0 + round_)
+        for key in rng.sample(sorted(expected), 200):  # the file's keys and earlier chunks' too
+            remember(key, T0 + 3 * HOUR + round_, T0 + round_)
+        await dedupe.save(T0 + round_, 100 + round_)
+    await dedupe.save(T0 + 4, 200)  # nothing changed: a chunk that only moves the offset
+    assert journal_entries(dedupe)[-1] == 0 and len(journal_entries(dedupe)) == 4
+
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 200 and again.table._positions == {}
+    saved = again.table._saved
+    assert (saved.sorted[1:] >= saved.sorted[:-1]).all() and sorted(saved.order.tolist()) == list(range(len(saved)))
+    assert len(again.table) == len(expected) == 5900
+    assert all(again.table.find(key, T0 + 5) == sched for key, sched in expected.items())
+    assert again.table.find("order-absent", T0 + 5) is None and keys[0] in expected
+
+
 async def test_the_journal_of_a_table_file_of_the_format_before_is_read_too(tmp_path):
     """After an upgrade, the ids in the old journal's chunks are still known: the cleaner may
     already have dropped the message_log they came from."""
@@ -456,6 +495,48 @@ async def test_what_recovery_built_is_kept_out_of_the_collectors_generations(tmp
         assert not any(o is keys for o in gc.get_objects())  # frozen: in no generation
 
     await run_node(tmp_path, look)
+
+
+async def test_no_automatic_collection_runs_while_recovery_builds_the_node(tmp_path, monkeypatch):
+    """Recovery builds millions of entries that live as long as the node; a full collection in the
+    middle of a start walked them all (113 ms with ten million dedupe ids) before they were
+    frozen. The collector is off from recovery until then, and on again once serving."""
+    import gc
+
+    async def sends(server):
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+            await producer.send_many([Message("orders", b"x", delay=HOUR, message_id=f"m{i}") for i in range(200)])
+
+    await run_node(tmp_path, sends)
+    phase, during_start = ["before"], []
+    recover, freeze = DelayServer._open, gc.freeze
+
+    def watched_open(server):
+        phase[0] = "recovering"
+        recover(server)
+
+    def watched_freeze():
+        phase[0] = "frozen"
+        freeze()
+
+    def watch(event, info):
+        if event == "start" and phase[0] == "recovering":
+            during_start.append(info["generation"])
+
+    async def look(server):
+        assert phase[0] == "frozen" and gc.isenabled()
+
+    monkeypatch.setattr(DelayServer, "_open", watched_open)
+    monkeypatch.setattr(gc, "freeze", watched_freeze)
+    threshold = gc.get_threshold()
+    gc.set_threshold(5, 1, 1)  # a collection every few allocations, were the collector on
+    gc.callbacks.append(watch)
+    try:
+        await run_node(tmp_path, look)
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*threshold)
+    assert during_start == [] and gc.isenabled()
 
 
 async def a_saved_table(root, count: int, offset: int):
