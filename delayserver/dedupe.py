@@ -590,10 +590,11 @@ class _Saved:
         parts = [part for part in parts if len(part)]  # a chunk of no entries only moved the offset
         self.text = parts[0].text if len(parts) == 1 else b"".join(part.text for part in parts)
         lengths = np.concatenate([part.lengths for part in parts]) if parts else np.zeros(0, np.uint8)
-        self.starts = np.empty(len(lengths) + 1, dtype=np.int64)
+        width = np.int32 if len(self.text) < 1 << 31 else np.int64  # 4 bytes per id where they do
+        self.starts = np.empty(len(lengths) + 1, dtype=width)
         self.starts[0] = 0
         # Widened first: a cumsum that converts as it adds takes ten times as long.
-        np.cumsum(lengths.astype(np.int64), out=self.starts[1:])
+        np.cumsum(lengths.astype(width), out=self.starts[1:])
         if not parts:
             self.order, self.sorted = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
         elif len(parts) == 1:
