@@ -684,10 +684,10 @@ class Dedupe:
         self._base_bytes = 0
         self.journal_bytes = 0  # the journal's valid length: what the next chunk follows
 
-    def recover(self, message_log, now_ms: int, chunk_bytes: int = 8 << 20) -> None:
-        """Load the saved table and its journal, then feed message_log from the offset they cover
-        to the end."""
-        self.saved_offset = offset = message_log.resume_offset(self.load(), str(self.path))
+    def recover(self, message_log, now_ms: int, chunk_bytes: int = 8 << 20, load=None) -> None:
+        """Load the saved table and its journal (`load`: what gives the offset they cover when it
+        has read them, `self.load` by default), then feed message_log from that offset to the end."""
+        self.saved_offset = offset = message_log.resume_offset((load or self.load)(), str(self.path))
         for data in message_log.read_from(offset, chunk_bytes):
             self.table.feed(data, 0, len(data))
         self.table.expire(now_ms)

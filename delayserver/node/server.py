@@ -8,6 +8,7 @@ SIGTERM path: stop accepting, finish the batch, flush, replay, checkpoint.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import gc
 import hmac
@@ -82,6 +83,15 @@ class DelayServer:
         c = self.config
         c.data_dir.mkdir(parents=True, exist_ok=True)
         install_pending(c.data_dir)  # a snapshot of the master, taken by the slave before a restart
+        self.dedupe = Dedupe(c.dedupe_window_ms, c.data_dir / "checkpoint")
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dedupe-load") as pool:
+            # The saved dedupe table is read while message_log's tail is checked: its copies and
+            # checksums run outside the interpreter's lock (half a second at ten million ids).
+            loading = pool.submit(self.dedupe.load) if self.dedupe.table.enabled else None
+            self._open_rest(loading)
+
+    def _open_rest(self, loading: concurrent.futures.Future | None) -> None:
+        c = self.config
         self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
                                 message_log_segment_bytes=c.message_log_segment_bytes)
         disk_full = not self.store.take_reserve_at_start(c.reserve_bytes)
@@ -100,9 +110,8 @@ class DelayServer:
         recent = RecentBatches()
         self.disk = DiskSpace(self.store, c.reserve_bytes, full=disk_full)
         self.halves = HalfMessages(scale)
-        self.dedupe = Dedupe(c.dedupe_window_ms, self.store.checkpoint_dir)
-        if self.dedupe.table.enabled:
-            self.dedupe.recover(self.store.message_log, self.clock.now_ms())
+        if loading is not None:
+            self.dedupe.recover(self.store.message_log, self.clock.now_ms(), load=loading.result)
         self.schedules = ScheduleRegistry(self.store.checkpoint_dir)
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
