@@ -215,14 +215,64 @@ class BucketLog:
             return self.read(bucket, start, end)
         return bytes(buf) if n == len(buf) else None  # one copy, as os.pread makes
 
-    def read_record(self, bucket: int, offset: int, guess: int = 512, *,
-                    cached_only: bool = False) -> tuple[int, bytes, int, int] | None:
+    def read_record(self, bucket: int, offset: int, guess: int = 512) -> tuple[int, bytes, int, int]:
         """(rtype, data, payload start, payload end) of the whole, checked record at `offset`.
 
         One read of `guess` bytes covers most records whole; a bigger one takes a second read.
-        With `cached_only`, None when the record is not all in the page cache (`read_cached`).
         Raises CorruptSegment when there is no whole valid record there."""
-        return _record_at(self.read_cached if cached_only else self.read, self.path, bucket, offset, guess)
+        return _record_at(self.read, self.path, bucket, offset, guess)
+
+    def read_records_at(self, bucket: int, offsets: list[int], guess: int = 512, *, cached_only: bool = False,
+                        span: int = 1 << 16) -> list:
+        """Per offset of `offsets` (in any order), the record there as `read_record` gives it, or
+        the CorruptSegment (the others are still read); with `cached_only`, None for a record not
+        all in the page cache.
+
+        Offsets near each other share one read of at most `span` bytes: a bucket's records lie in
+        the order they arrived, which for messages of one delay is the order they fall due, so a
+        tick's due records are mostly neighbours (one read, and one copy, per record before). A
+        record the shared read does not hold whole is read on its own."""
+        read = self.read_cached if cached_only else self.read
+        out: list = [None] * len(offsets)
+        order = sorted(range(len(offsets)), key=offsets.__getitem__)
+        i = 0
+        while i < len(order):
+            first = last = offsets[order[i]]
+            j = i + 1
+            while j < len(order):
+                offset = offsets[order[j]]
+                if offset - last > guess or offset + guess - first > span:
+                    break
+                last = offset
+                j += 1
+            data = read(bucket, first, last + guess) if j - i > 1 else None
+            for k in order[i:j]:
+                offset = offsets[k]
+                try:
+                    out[k] = self._record_in(data, offset - first, bucket, offset) if data is not None else None
+                    if out[k] is None:
+                        out[k] = _record_at(read, self.path, bucket, offset, guess)
+                except CorruptSegment as e:
+                    out[k] = e
+            i = j
+        return out
+
+    def _record_in(self, data: bytes, at: int, bucket: int, offset: int):
+        """(rtype, data, payload start, payload end) of the record at `at` of `data` (read from
+        `offset` of the bucket's segment), or None when `data` does not hold it whole."""
+        if at + HEADER_SIZE > len(data):
+            return None
+        end = at + record_size(data, at)
+        if end > len(data):
+            return None
+        try:
+            parsed = parse_record(data, at, end)
+        except RecordError as e:
+            raise CorruptSegment(self.path(bucket), offset, e.reason) from None
+        if parsed is None:
+            return None
+        rtype, start, stop = parsed
+        return rtype, data, start, stop
 
     def range_reader(self, bucket: int, start: int, end: int):
         """A function for a worker thread returning `read(bucket, start, end)`, from a descriptor of

@@ -27,10 +27,6 @@ from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.wheel")
 
-#: `_read`'s answer for a record not in the page cache.
-_NOT_CACHED = object()
-
-
 @attrs.define(eq=False)
 class Due:
     """One due message the sender holds; `message` is None while it waits in a backlog (it is read
@@ -89,10 +85,11 @@ class DueQueue:
         refs = ticks.take(limit)
         reads = {}
         misses = []
-        for ref in refs:
-            read = self._read(ref, cached_only=True)
-            if read is _NOT_CACHED:
+        for ref, read in zip(refs, ticks.read_messages(refs, cached_only=True)):
+            if read is None:
                 misses.append(ref)
+            elif isinstance(read, CorruptSegment):
+                reads[ref] = self._corrupt(ref, read)
             else:
                 reads[ref] = read
         if misses:
@@ -129,12 +126,11 @@ class DueQueue:
         due.message = read[3] if read is not None else None
         return due.message
 
-    def _read(self, ref: int, cached_only: bool = False):
+    def _read(self, ref: int):
         try:
-            read = self._ticks.read_message(ref, cached_only=cached_only)
+            return self._ticks.read_message(ref)
         except CorruptSegment as e:
             return self._corrupt(ref, e)
-        return _NOT_CACHED if read is None else read
 
     def _corrupt(self, ref: int, error: CorruptSegment) -> None:
         if self._on_corrupt is None:

@@ -496,21 +496,38 @@ class TickManager:
             if self.loading_bucket is not None and bucket < self.loading_bucket:
                 self.cancels.pop(bucket, None)
 
-    def read_message(self, ref: int, *, cached_only: bool = False):
+    def read_message(self, ref: int):
         """(bucket, offset, message_log_offset, Message) for a ref, from schedule_log.
 
         One read of READ_GUESS_BYTES covers most records whole; a bigger one takes a second read.
-        With `cached_only`, None when the record is not in the page cache (reading it would wait
-        for the disk: see `disk_reader`). Raises CorruptSegment if the record there is damaged or
-        cut short.
+        Raises CorruptSegment if the record there is damaged or cut short. (`read_messages` reads
+        many, from the page cache only if asked: see `disk_reader` for the others.)
         """
         bucket, offset = self.split(ref)
-        read = self.store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES, cached_only=cached_only)
-        if read is None:
-            return None
-        _, data, s, e = read
+        _, data, s, e = self.store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
         mlo, message = decode_scheduled(data, s, e)
         return bucket, offset, mlo, message
+
+    def read_messages(self, refs: list[int], *, cached_only: bool = False) -> list:
+        """`read_message` of each of `refs`, in order, with neighbouring records of a bucket read
+        together (`BucketLog.read_records_at`): per ref its answer, None (`cached_only`: not in the
+        page cache), or the CorruptSegment."""
+        by_bucket: dict[int, list[int]] = {}
+        for k, ref in enumerate(refs):
+            by_bucket.setdefault(ref >> OFFSET_BITS, []).append(k)
+        out: list = [None] * len(refs)
+        schedule_log = self.store.schedule_log
+        for index, ks in by_bucket.items():
+            bucket = self._buckets[index]
+            offsets = [refs[k] & OFFSET_MASK for k in ks]
+            records = schedule_log.read_records_at(bucket, offsets, READ_GUESS_BYTES, cached_only=cached_only)
+            for k, offset, record in zip(ks, offsets, records):
+                if record is None or isinstance(record, CorruptSegment):
+                    out[k] = record
+                else:
+                    _, data, s, e = record
+                    out[k] = (bucket, offset, *decode_scheduled(data, s, e))
+        return out
 
     def disk_reader(self, refs: list[int]):
         """A function for a worker thread that reads the messages of `refs` as `read_message` does,

@@ -144,3 +144,36 @@ def test_bucket_stats_count_scheduled_dispatched_cancelled_and_pending(tmp_path)
     assert bucket_stats(store.schedule_log, store.dispatch_log, B1).scheduled == 0
     assert set(store.dispatched(B0)) == {offsets[0], offsets[2], offsets[4]}
     store.close()
+
+
+@pytest.mark.parametrize("cached_only", [False, True])
+def test_records_read_together_answer_as_read_one_by_one(tmp_path, cached_only):
+    """Neighbouring records share one read (a tick's due records mostly lie side by side): each
+    offset, in any order, gets the record `read_record` gives, a record bigger than the guess or
+    far from the others is read on its own, and a damaged one is answered as its CorruptSegment
+    while the others are still read."""
+    import random
+
+    log = BucketLog.open(tmp_path)
+    offsets = [log.append(B0, scheduled_record(i, message_log_offset=i, body_bytes=9000 if i == 7 else 32))
+               for i in range(200)]
+    log.append(B0, b"\0" * 70_000)  # a gap wider than one shared read
+    offsets += [log.append(B0, scheduled_record(i, message_log_offset=i)) for i in range(200, 210)]
+    log.sync()
+    path = tmp_path / "202611221600.log"
+    flip_bit(path, offsets[50] + 30)
+    wanted = random.Random(3).sample(range(210), 210)
+    reads = []
+    original = log.read_cached if cached_only else log.read
+    setattr(log, "read_cached" if cached_only else "read",
+            lambda bucket, start=0, end=None: reads.append((start, end)) or original(bucket, start, end))
+    got = log.read_records_at(B0, [offsets[i] for i in wanted], 512, cached_only=cached_only)
+    for i, record in zip(wanted, got):
+        if i == 50:
+            assert isinstance(record, CorruptSegment) and record.offset == offsets[50]
+            continue
+        rtype, data, s, e = record
+        assert rtype == RecordType.SCHEDULED and decode_scheduled(data, s, e) == (i, message(i, body_bytes=9000 if i == 7 else 32))
+    assert len(reads) < 20, reads  # not one read per record
+    assert all(end - start <= 1 << 16 for start, end in reads)
+    log.close()
