@@ -1,5 +1,6 @@
 """`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]
-[--rate R[,R...] [--seconds S]]`: end-to-end delivery of messages falling due at a steady rate.
+[--rate R[,R...] [--seconds S]] [--in-order]`: end-to-end delivery of messages falling due at a
+steady rate.
 
 `--rate` runs the workload at each given rate (messages falling due per second, over a window of
 `--seconds`, default 10; spool only unless --transports says otherwise) and prints, per transport,
@@ -14,7 +15,9 @@ started by the benchmark on a free port. `--bridge` also measures the trio -> as
 the RabbitMQ and NATS transports make once per batch. A load
 generator process sends the workload (see `workload.py`: by default 100,000 messages of 256 B due
 uniformly over 10 s, that is 10,000 msg/s falling due) and every send is acknowledged before the
-first message falls due, so the figures are delivery alone. Once the window has passed and
+first message falls due, so the figures are delivery alone. The messages arrive in random order
+of their delivery times; with `--in-order`, in the order they fall due, as with one fixed delay
+(order timeouts), where a tick's due records lie side by side in schedule_log. Once the window has passed and
 everything has arrived, the benchmark reads what was delivered (the spool files, or XRANGE over
 the stream) and prints:
 
@@ -48,6 +51,8 @@ import json
 import tempfile
 import time
 from pathlib import Path
+
+import attrs
 
 from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, mib, now_ms,
@@ -356,8 +361,8 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
 RATE_TARGET_P99_MS = 10
 
 
-def rate_workload(rate: int, seconds: float) -> Workload:
-    return Workload(n=int(rate * seconds), window_ms=int(seconds * 1000))
+def rate_workload(rate: int, seconds: float, in_order: bool = False) -> Workload:
+    return Workload(n=int(rate * seconds), window_ms=int(seconds * 1000), in_order=in_order)
 
 
 def meets_rate_target(r: dict) -> bool:
@@ -367,7 +372,7 @@ def meets_rate_target(r: dict) -> bool:
             and r["dispatch"]["p99"] <= RATE_TARGET_P99_MS and not r["dispatch"]["early"])
 
 
-def rate_sweep(rates: list[int], seconds: float, transports: list[str]) -> None:
+def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order: bool = False) -> None:
     """One run per (transport, rate); then, per transport, the highest rate that met the target and
     the server CPU per delivered message at each rate."""
     for transport in transports:
@@ -375,7 +380,7 @@ def rate_sweep(rates: list[int], seconds: float, transports: list[str]) -> None:
             raise SystemExit(f"unknown transport {transport!r}")
         summary = []
         for rate in rates:
-            w = rate_workload(rate, seconds)
+            w = rate_workload(rate, seconds, in_order)
             r = run_deliver(transport, w)
             print(report(transport, w, r), flush=True)
             ok = meets_rate_target(r)
@@ -402,11 +407,13 @@ def main(argv: list[str]) -> None:
                         help="messages falling due per second (one run per rate, each transport); prints the "
                              f"highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms")
     parser.add_argument("--seconds", type=float, default=10.0, help="the window's length with --rate (default 10)")
+    parser.add_argument("--in-order", action="store_true",
+                        help="messages sent in the order they fall due (as with one fixed delay), not in random order")
     args = parser.parse_args(argv)
-    w = QUICK if args.quick else FULL
+    w = attrs.evolve(QUICK if args.quick else FULL, in_order=args.in_order)
     if args.rate:
         transports = args.transports.split(",") if args.transports != ",".join(TRANSPORTS) else ["spool"]
-        return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports)
+        return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports, args.in_order)
     print(f"deliver benchmark on {environment_note()}; flush=sync", flush=True)
     if args.bucket_load:
         print(report("spool", w, run_deliver("spool", w, args.bucket_load), args.bucket_load), flush=True)

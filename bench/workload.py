@@ -36,6 +36,9 @@ class Workload:
     batch: int = 64
     body_bytes: int = 256
     seed: int = 1
+    #: Delivery times rising with the id, so that messages arrive in the order they fall due (as
+    #: with one fixed delay: order timeouts); by default they arrive in random order.
+    in_order: bool = False
 
     @property
     def due_per_s(self) -> float:
@@ -51,12 +54,13 @@ class Workload:
     def schedule(self, t0_ms: int) -> list[int]:
         """Delivery time (epoch ms) of each message, in id order."""
         rng = random.Random(self.seed)
-        return [t0_ms + int(rng.random() * self.window_ms) for _ in range(self.n)]
+        times = [t0_ms + int(rng.random() * self.window_ms) for _ in range(self.n)]
+        return sorted(times) if self.in_order else times
 
     def describe(self) -> str:
         return (f"{self.n:,} messages of {self.body_bytes} B due uniformly over {self.window_ms / 1000:g} s "
                 f"({self.due_per_s:,.0f} msg/s falling due), sent beforehand by {self.producers} producers "
-                f"in batches of {self.batch}")
+                f"in batches of {self.batch}" + (", in the order they fall due" if self.in_order else ""))
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))

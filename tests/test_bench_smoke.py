@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import attrs
 import pytest
 
 from bench.brokers import nats_executable, rabbitmq_installed
@@ -34,6 +35,15 @@ def test_deliver_measures_every_message(transport):
     assert r["dispatch"]["early"] == 0
     assert (r["arrival"] is not None) == (transport in ("redis", "nats"))
     assert f"deliver {transport}:" in report(transport, TINY, r)
+
+
+def test_deliver_in_order_sends_the_same_times_in_the_order_they_fall_due():
+    ordered = attrs.evolve(TINY, in_order=True)
+    times = ordered.schedule(1_000)
+    assert times == sorted(TINY.schedule(1_000)) and times != TINY.schedule(1_000)
+    assert Workload.from_json(ordered.to_json()) == ordered
+    r = run_deliver("spool", ordered)
+    assert (r["acked"], r["delivered"], r["missing"], r["dispatch"]["early"]) == (300, 300, 0, 0)
 
 
 def test_compare_runs_both_systems_and_their_kill_runs():

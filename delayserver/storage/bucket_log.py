@@ -235,11 +235,11 @@ class BucketLog:
         read = self.read_cached if cached_only else self.read
         out: list = [None] * len(offsets)
         order = sorted(range(len(offsets)), key=offsets.__getitem__)
-        i = 0
-        while i < len(order):
+        n, i = len(order), 0
+        while i < n:
             first = last = offsets[order[i]]
             j = i + 1
-            while j < len(order):
+            while j < n:
                 offset = offsets[order[j]]
                 if offset - last > guess or offset + guess - first > span:
                     break
@@ -249,9 +249,8 @@ class BucketLog:
             for k in order[i:j]:
                 offset = offsets[k]
                 try:
-                    out[k] = self._record_in(data, offset - first, bucket, offset) if data is not None else None
-                    if out[k] is None:
-                        out[k] = _record_at(read, self.path, bucket, offset, guess)
+                    record = None if data is None else self._record_in(data, offset - first, bucket, offset)
+                    out[k] = _record_at(read, self.path, bucket, offset, guess) if record is None else record
                 except CorruptSegment as e:
                     out[k] = e
             i = j
