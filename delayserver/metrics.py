@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import time
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from delayserver.storage.segment import storage_failures
 
@@ -60,6 +62,11 @@ class RecentHistogram:
     def observe(self, value: float) -> None:
         self._current()[bisect.bisect_left(self.bounds, value)] += 1
 
+    def observe_many(self, values) -> None:
+        counts, bounds = self._current(), self.bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+
     def counts(self, within_s: int | None = None) -> list[int]:
         """Per bound (the last one: over the highest bound), over the last `within_s` seconds."""
         self._current()
@@ -71,15 +78,44 @@ class RecentHistogram:
         return total
 
 
+class BatchHistogram(Collector):
+    """A histogram with one label, observed a batch at a time: each value costs one bisection
+    into its label's counts (prometheus-client's `Histogram.observe` takes a lock and walks the
+    bounds, per value: 2.6 us of a delivered message's server CPU went to the two lateness
+    histograms). Exposed at scrape time as a histogram family of the same name and shape."""
+
+    def __init__(self, name: str, documentation: str, label: str, bounds: tuple[float, ...]):
+        self.name, self.documentation, self.label, self.bounds = name, documentation, label, bounds
+        self._by_value: dict[str, tuple[list[int], list[float]]] = {}  # label value -> (counts per bound, [sum])
+
+    def observe_many(self, label_value: str, values) -> None:
+        entry = self._by_value.get(label_value)
+        if entry is None:
+            entry = self._by_value[label_value] = ([0] * (len(self.bounds) + 1), [0.0])
+        counts, bounds = entry[0], self.bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # the first bound the value is under or at
+        entry[1][0] += sum(values)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        for label_value, (counts, total) in self._by_value.items():
+            cumulative = list(itertools.accumulate(counts))
+            buckets = [(floatToGoString(bound), n) for bound, n in zip(self.bounds, cumulative)]
+            family.add_metric([label_value], buckets + [("+Inf", cumulative[-1])], total[0])
+        yield family
+
+
 class NodeMetrics:
     """The registry of one node; `register_node(node)` adds the collector that reads the rest from
     the node's services (a `NodeView`) at scrape time."""
 
     def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.lateness = Histogram(
+        self.lateness = BatchHistogram(
             "delayserver_lateness_seconds", "Delivery time minus schedule time of delivered messages.",
-            ["broker_group"], buckets=LATENESS_BUCKETS, registry=self.registry)
+            "broker_group", LATENESS_BUCKETS)
+        self.registry.register(self.lateness)
         self.ack_latency = Histogram(
             "delayserver_ack_latency_seconds",
             "From a send request's arrival to its acknowledgement (durable), per request.",
@@ -88,11 +124,9 @@ class NodeMetrics:
 
     def delivered(self, group: str, lateness_ms: list[int]) -> None:
         """The sender's hook: these messages were acknowledged by `group`."""
-        child = self.lateness.labels(group)
-        recent = self.recent_lateness
-        for ms in lateness_ms:
-            child.observe(ms / 1000)
-            recent.observe(ms / 1000)
+        seconds = [ms / 1000 for ms in lateness_ms]
+        self.lateness.observe_many(group, seconds)
+        self.recent_lateness.observe_many(seconds)
 
     def acknowledged(self, api: str, seconds: float) -> None:
         """The message operations' hook: a send request through `api` was answered."""

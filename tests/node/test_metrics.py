@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -126,3 +127,36 @@ async def test_every_metric_the_grafana_dashboard_queries_is_exported(tmp_path, 
     # sample yet: no bucket pending, no slave).
     exported = set(families) | {s.name for f in families.values() for s in f.samples}
     assert wanted - exported == set()
+
+
+def test_the_lateness_histogram_observed_in_batches_scrapes_as_prometheus_clients_own():
+    """Lateness is counted a batch at a time (a bisection per value, no lock): what a scrape shows
+    is what prometheus-client's Histogram shows for the same values, bound for bound, per group,
+    values on a bound included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from delayserver.metrics import LATENESS_BUCKETS, NodeMetrics
+
+    ours = NodeMetrics()
+    registry = CollectorRegistry()
+    reference = Histogram("delayserver_lateness_seconds", "Delivery time minus schedule time of delivered messages.",
+                          ["broker_group"], buckets=LATENESS_BUCKETS, registry=registry)
+    batches = {"spool": [0, 1, 2, 3, 5, 10, 25, 49, 50, 51, 999, 1000, 60_000, 61_000],
+               "redis": [7] * 5 + [250, 2500]}
+    for group, lateness_ms in batches.items():
+        ours.delivered(group, lateness_ms)
+        ours.delivered(group, lateness_ms[:3])
+        for ms in lateness_ms + lateness_ms[:3]:
+            reference.labels(group).observe(ms / 1000)
+
+    def samples(registry):
+        families = text_string_to_metric_families(generate_latest(registry).decode())
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in families
+                      if f.name == "delayserver_lateness_seconds" for s in f.samples if not s.name.endswith("_created"))
+
+    mine, theirs = samples(ours.registry), samples(registry)
+    assert [s[:2] for s in mine] == [s[:2] for s in theirs] and len(mine) == 2 * (len(LATENESS_BUCKETS) + 3)
+    for (name, _, got), (_, _, expected) in zip(mine, theirs):
+        # The sums add a batch at a time, in another order: equal but for float rounding.
+        assert got == (pytest.approx(expected) if name.endswith("_sum") else expected)
+    assert ours.recent_lateness.counts()[0] == 4  # 0 and 1 ms, in the whole batch and its first three
