@@ -45,7 +45,7 @@ from delayserver.sender.groups import (
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
-from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
+from delayserver.storage.record import encode_dispatch_records
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
@@ -452,9 +452,8 @@ class Sender:
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
         per_bucket: dict[int, list[bytes]] = {}
-        for d in acked:
-            dispatch = Dispatch(d.schedule_offset, now, group.name, d.message_log_offset)
-            rec = encode_record(RecordType.DISPATCH, encode_dispatch(dispatch))
+        records = encode_dispatch_records(now, group.name, [(d.schedule_offset, d.message_log_offset) for d in acked])
+        for d, rec in zip(acked, records):
             per_bucket.setdefault(d.bucket, []).append(rec)
         dispatch_log = self.store.dispatch_log
         while per_bucket:

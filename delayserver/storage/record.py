@@ -515,6 +515,27 @@ def encode_dispatch(d: Dispatch) -> bytes:
     return head + OFFSET.pack(d.message_log_offset) if d.message_log_offset >= 0 else head
 
 
+def encode_dispatch_records(dispatch_time: int, broker_group: str, offsets) -> list[bytes]:
+    """The whole DISPATCH records (header and payload) of deliveries to `broker_group` at
+    `dispatch_time`, one per (schedule_offset, message_log_offset) of `offsets`: the bytes of
+    `encode_record(DISPATCH, encode_dispatch(...))`, with one struct for the batch's fixed part
+    (the sender's path: one per delivered message)."""
+    group = broker_group.encode("utf-8")
+    if not 1 <= len(group) <= 255:
+        raise ValueError("broker group name must be 1 to 255 bytes")
+    whole = struct.Struct(f">QqB{len(group)}sQ")  # DISPATCH_HEAD, the group, OFFSET
+    pack, crc, seed, header = whole.pack, _crc32c.crc32c, _TYPE_CRC[RecordType.DISPATCH], HEADER.pack
+    records = []
+    for schedule_offset, message_log_offset in offsets:
+        if message_log_offset < 0:  # a record without it, as encode_dispatch writes one
+            records.append(encode_record(RecordType.DISPATCH, encode_dispatch(
+                Dispatch(schedule_offset, dispatch_time, broker_group, message_log_offset))))
+            continue
+        payload = pack(schedule_offset, dispatch_time, len(group), group, message_log_offset)
+        records.append(header(crc(payload, value=seed), len(payload), RecordType.DISPATCH) + payload)
+    return records
+
+
 @_decoding
 def decode_dispatch(buf, start: int = 0, end: int | None = None) -> Dispatch:
     end = len(buf) if end is None else end

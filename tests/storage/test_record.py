@@ -124,6 +124,18 @@ def test_dispatch_round_trips_for_any_valid_fields(offset, when, group):
     assert decode_dispatch(encode_dispatch(d)) == d
 
 
+@settings(max_examples=60, deadline=None)
+@given(offsets=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(-1, 2**63 - 1)), max_size=5), when=times,
+       group=utf8_text(255))
+def test_dispatch_records_of_a_batch_are_the_bytes_of_one_record_each(offsets, when, group):
+    """The sender encodes a batch's dispatch records with one struct: byte for byte what the
+    codec writes for each, with or without its message_log offset."""
+    from delayserver.storage.record import encode_dispatch_records
+
+    assert encode_dispatch_records(when, group, offsets) == [
+        encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(offset, when, group, mlo))) for offset, mlo in offsets]
+
+
 @pytest.mark.parametrize("mid", ["", "x" * (MAX_ID_BYTES + 1), "é" * 64 + "x", "\ud800", None, 12, b"bytes"])
 def test_bad_message_id_is_refused(mid):
     with pytest.raises(BadMessageId):
