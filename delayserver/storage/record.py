@@ -400,14 +400,19 @@ def encode_scheduled(message_log_offset: int, message_payload: bytes) -> bytes:
     return OFFSET.pack(message_log_offset) + message_payload
 
 
-@_decoding
 def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, Message]:
-    """``(message_log_offset, message)`` of a SCHEDULED payload; raises RecordError as decode_message."""
-    buf, start, end = _as_bytes(buf, start, end)
-    # One unpack for the offset and the message's fixed fields: this is the delivery path.
-    offset, store, sched, seq, flags, idlen, slen, hlen, blen = SCHEDULED_HEAD.unpack_from(buf, start)
-    return offset, _message_at(buf, start + _SCHEDULED_HEAD_SIZE, end, store, sched, seq, flags,
-                               idlen, slen, hlen, blen)
+    """``(message_log_offset, message)`` of a SCHEDULED payload; raises RecordError as decode_message.
+    Once per delivered message: decoded without the `_decoding` wrapper's extra calls."""
+    try:
+        data, at, end = _as_bytes(buf, start, end)
+        # One unpack for the offset and the message's fixed fields.
+        offset, store, sched, seq, flags, idlen, slen, hlen, blen = SCHEDULED_HEAD.unpack_from(data, at)
+        return offset, _message_at(data, at + _SCHEDULED_HEAD_SIZE, end, store, sched, seq, flags,
+                                   idlen, slen, hlen, blen)
+    except RecordError:
+        raise
+    except (struct.error, ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+        raise RecordError(start, f"undecodable scheduled payload: {e}") from None
 
 
 @_decoding

@@ -226,6 +226,20 @@ def test_unknown_type_and_oversized_length_are_record_errors():
         parse_record(struct.pack(">IIB", 0, MAX_PAYLOAD_BYTES + 1, RecordType.MESSAGE), 0)
 
 
+def test_a_scheduled_payload_that_does_not_decode_is_a_record_error_at_its_start():
+    """The delivery path's decoder, written without the generic wrapper, raises as the others do:
+    a RecordError at the payload's start, for a payload cut short, one with bytes to spare, and
+    an id that is not UTF-8."""
+    payload = encode_scheduled(7, encode_message(Message("id", "s", b"body", T)))
+    bad_id = bytearray(payload)
+    bad_id[8 + 36] = 0xFF  # the id's first byte, after the offset (8 bytes) and the message head (36)
+    for buf in (b"xx" + payload[:20], b"xx" + payload + b"!", b"xx" + bytes(bad_id)):
+        with pytest.raises(RecordError, match="undecodable scheduled payload") as info:
+            decode_scheduled(buf, 2, len(buf))
+        assert info.value.offset == 2
+    assert decode_scheduled(b"xx" + payload, 2) == (7, Message("id", "s", b"body", T))
+
+
 def test_payload_that_does_not_add_up_is_a_value_error():
     payload = encode_message(Message("id", "s", b"body", T, {"k": "v"}))
     with pytest.raises(ValueError):
