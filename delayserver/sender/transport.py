@@ -13,7 +13,7 @@ import abc
 import enum
 import ssl
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import attrs
 
@@ -27,9 +27,9 @@ from delayserver.sender.groups import BrokerGroupSpec, TransportKind
 TRANSPORT_THREADS = 8
 
 
-@attrs.frozen
-class OutboundMessage:
-    """One due message on its way to a broker. Times are epoch ms; `attempt` is 1 on the first try."""
+class OutboundMessage(NamedTuple):
+    """One due message on its way to a broker. Times are epoch ms; `attempt` is 1 on the first try.
+    A named tuple: one is built per delivered message (a frozen attrs class pays a call per field)."""
 
     message_id: str
     subject: str
