@@ -54,6 +54,54 @@ def _record_at(read, path_of, bucket: int, offset: int, guess: int):
     return rtype, data, start, end
 
 
+#: The most one shared read of neighbouring records takes (`read_records_at`).
+SHARED_READ_BYTES = 1 << 16
+
+
+def _records_at(read, path_of, bucket: int, offsets: list[int], guess: int, span: int) -> list:
+    """`BucketLog.read_records_at` through `read(bucket, start, end)` (None: not in memory)."""
+    out: list = [None] * len(offsets)
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    n, i = len(order), 0
+    while i < n:
+        first = last = offsets[order[i]]
+        j = i + 1
+        while j < n:
+            offset = offsets[order[j]]
+            if offset - last > guess or offset + guess - first > span:
+                break
+            last = offset
+            j += 1
+        data = read(bucket, first, last + guess) if j - i > 1 else None
+        for k in order[i:j]:
+            offset = offsets[k]
+            try:
+                record = None if data is None else _record_in(data, offset - first, path_of, bucket, offset)
+                out[k] = _record_at(read, path_of, bucket, offset, guess) if record is None else record
+            except CorruptSegment as e:
+                out[k] = e
+        i = j
+    return out
+
+
+def _record_in(data: bytes, at: int, path_of, bucket: int, offset: int):
+    """(rtype, data, payload start, payload end) of the record at `at` of `data` (read from
+    `offset` of the bucket's segment), or None when `data` does not hold it whole."""
+    if at + HEADER_SIZE > len(data):
+        return None
+    end = at + record_size(data, at)
+    if end > len(data):
+        return None
+    try:
+        parsed = parse_record(data, at, end)
+    except RecordError as e:
+        raise CorruptSegment(path_of(bucket), offset, e.reason) from None
+    if parsed is None:
+        return None
+    rtype, start, stop = parsed
+    return rtype, data, start, stop
+
+
 @contextlib.contextmanager
 def _own_descriptor(path: Path, size: int):
     """`read(bucket, start, end)` over a descriptor of its own, up to `size` (for worker threads)."""
@@ -223,7 +271,7 @@ class BucketLog:
         return _record_at(self.read, self.path, bucket, offset, guess)
 
     def read_records_at(self, bucket: int, offsets: list[int], guess: int = 512, *, cached_only: bool = False,
-                        span: int = 1 << 16) -> list:
+                        span: int = SHARED_READ_BYTES) -> list:
         """Per offset of `offsets` (in any order), the record there as `read_record` gives it, or
         the CorruptSegment (the others are still read); with `cached_only`, None for a record not
         all in the page cache.
@@ -232,46 +280,7 @@ class BucketLog:
         the order they arrived, which for messages of one delay is the order they fall due, so a
         tick's due records are mostly neighbours (one read, and one copy, per record before). A
         record the shared read does not hold whole is read on its own."""
-        read = self.read_cached if cached_only else self.read
-        out: list = [None] * len(offsets)
-        order = sorted(range(len(offsets)), key=offsets.__getitem__)
-        n, i = len(order), 0
-        while i < n:
-            first = last = offsets[order[i]]
-            j = i + 1
-            while j < n:
-                offset = offsets[order[j]]
-                if offset - last > guess or offset + guess - first > span:
-                    break
-                last = offset
-                j += 1
-            data = read(bucket, first, last + guess) if j - i > 1 else None
-            for k in order[i:j]:
-                offset = offsets[k]
-                try:
-                    record = None if data is None else self._record_in(data, offset - first, bucket, offset)
-                    out[k] = _record_at(read, self.path, bucket, offset, guess) if record is None else record
-                except CorruptSegment as e:
-                    out[k] = e
-            i = j
-        return out
-
-    def _record_in(self, data: bytes, at: int, bucket: int, offset: int):
-        """(rtype, data, payload start, payload end) of the record at `at` of `data` (read from
-        `offset` of the bucket's segment), or None when `data` does not hold it whole."""
-        if at + HEADER_SIZE > len(data):
-            return None
-        end = at + record_size(data, at)
-        if end > len(data):
-            return None
-        try:
-            parsed = parse_record(data, at, end)
-        except RecordError as e:
-            raise CorruptSegment(self.path(bucket), offset, e.reason) from None
-        if parsed is None:
-            return None
-        rtype, start, stop = parsed
-        return rtype, data, start, stop
+        return _records_at(self.read_cached if cached_only else self.read, self.path, bucket, offsets, guess, span)
 
     def range_reader(self, bucket: int, start: int, end: int):
         """A function for a worker thread returning `read(bucket, start, end)`, from a descriptor of
@@ -291,14 +300,8 @@ class BucketLog:
         path, size = self.path(bucket), self.size(bucket)
 
         def read(offsets: list[int], guess: int) -> list:
-            out = []
             with _own_descriptor(path, size) as pread:
-                for offset in offsets:
-                    try:
-                        out.append(_record_at(pread, lambda _: path, bucket, offset, guess))
-                    except CorruptSegment as e:
-                        out.append(e)
-            return out
+                return _records_at(pread, lambda _: path, bucket, offsets, guess, SHARED_READ_BYTES)
 
         return read
 

@@ -176,4 +176,9 @@ def test_records_read_together_answer_as_read_one_by_one(tmp_path, cached_only):
         assert rtype == RecordType.SCHEDULED and decode_scheduled(data, s, e) == (i, message(i, body_bytes=9000 if i == 7 else 32))
     assert len(reads) < 20, reads  # not one read per record
     assert all(end - start <= 1 << 16 for start, end in reads)
+    # A worker thread's reader (records not in the page cache) answers the same.
+    in_thread = log.records_reader(B0)([offsets[i] for i in wanted], 512)
+    assert [type(r) for r in in_thread] == [type(r) for r in got]
+    assert [r[1][r[2]:r[3]] for r in in_thread if not isinstance(r, CorruptSegment)] == \
+        [r[1][r[2]:r[3]] for r in got if not isinstance(r, CorruptSegment)]
     log.close()
