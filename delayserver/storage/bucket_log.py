@@ -59,7 +59,8 @@ SHARED_READ_BYTES = 1 << 16
 
 
 def _records_at(read, path_of, bucket: int, offsets: list[int], guess: int, span: int) -> list:
-    """`BucketLog.read_records_at` through `read(bucket, start, end)` (None: not in memory)."""
+    """`BucketLog.read_records_at` through `read(bucket, start, end)` (None: not all in memory,
+    and then None for every record of that read)."""
     out: list = [None] * len(offsets)
     order = sorted(range(len(offsets)), key=offsets.__getitem__)
     n, i = len(order), 0
@@ -72,7 +73,12 @@ def _records_at(read, path_of, bucket: int, offsets: list[int], guess: int, span
                 break
             last = offset
             j += 1
-        data = read(bucket, first, last + guess) if j - i > 1 else None
+        data = None
+        if j - i > 1:
+            data = read(bucket, first, last + guess)
+            if data is None:  # not all in memory: the whole run is left to a read that may wait
+                i = j
+                continue
         for k in order[i:j]:
             offset = offsets[k]
             try:

@@ -182,3 +182,16 @@ def test_records_read_together_answer_as_read_one_by_one(tmp_path, cached_only):
     assert [r[1][r[2]:r[3]] for r in in_thread if not isinstance(r, CorruptSegment)] == \
         [r[1][r[2]:r[3]] for r in got if not isinstance(r, CorruptSegment)]
     log.close()
+
+
+def test_a_shared_read_not_all_in_memory_leaves_its_whole_run_to_a_read_that_may_wait(tmp_path):
+    """When the shared read of neighbours finds part of its range out of the page cache, every
+    record of the run is answered "not in memory" (the due queue reads them in a worker thread):
+    reading them one by one after it would race the read-ahead that miss started."""
+    log = BucketLog.open(tmp_path)
+    offsets = [log.append(B0, scheduled_record(i)) for i in range(5)]
+    log.sync()
+    real = log.read_cached
+    log.read_cached = lambda bucket, start=0, end=None: None if end - start > 512 else real(bucket, start, end)
+    assert log.read_records_at(B0, offsets, 512, cached_only=True) == [None] * 5
+    log.close()
