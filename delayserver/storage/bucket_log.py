@@ -39,19 +39,15 @@ def _record_at(read, path_of, bucket: int, offset: int, guess: int):
         return None
     if len(data) < HEADER_SIZE:
         raise CorruptSegment(path_of(bucket), offset, "no record here")
-    need = record_size(data, 0)
-    if need > len(data):
-        data = read(bucket, offset, offset + need)
+    record = _record_in(data, 0, path_of, bucket, offset)
+    if record is None:  # bigger than the guess: read it whole
+        data = read(bucket, offset, offset + record_size(data, 0))
         if data is None:
             return None
-    try:
-        parsed = parse_record(data, 0, min(need, len(data)))
-    except RecordError as e:
-        raise CorruptSegment(path_of(bucket), offset, e.reason) from None
-    if parsed is None:
-        raise CorruptSegment(path_of(bucket), offset, "record cut short")
-    rtype, start, end = parsed
-    return rtype, data, start, end
+        record = _record_in(data, 0, path_of, bucket, offset)
+        if record is None:
+            raise CorruptSegment(path_of(bucket), offset, "record cut short")
+    return record
 
 
 #: The most one shared read of neighbouring records takes (`read_records_at`).

@@ -76,6 +76,15 @@ _BEYOND = 1 << 62  # past every offset: no more to skip
 SETTLED_READ_ON_LOOP_BYTES = 64 << 10
 
 
+def _message_of(bucket: int, offset: int, record):
+    """(bucket, offset, message_log_offset, Message) of a record as `read_records_at` answers it;
+    None (not in memory) and a CorruptSegment as they are."""
+    if record is None or isinstance(record, CorruptSegment):
+        return record
+    _, data, s, e = record
+    return (bucket, offset, *decode_scheduled(data, s, e))
+
+
 class TickManager:
     """Synchronous core: loading, can_add, firing, cancels. Time is always passed in."""
 
@@ -512,50 +521,40 @@ class TickManager:
         """`read_message` of each of `refs`, in order, with neighbouring records of a bucket read
         together (`BucketLog.read_records_at`): per ref its answer, None (`cached_only`: not in the
         page cache), or the CorruptSegment."""
-        by_bucket: dict[int, list[int]] = {}
-        for k, ref in enumerate(refs):
-            by_bucket.setdefault(ref >> OFFSET_BITS, []).append(k)
         out: list = [None] * len(refs)
-        schedule_log = self.store.schedule_log
-        for index, ks in by_bucket.items():
-            bucket = self._buckets[index]
-            offsets = [refs[k] & OFFSET_MASK for k in ks]
-            records = schedule_log.read_records_at(bucket, offsets, READ_GUESS_BYTES, cached_only=cached_only)
-            for k, offset, record in zip(ks, offsets, records):
-                if record is None or isinstance(record, CorruptSegment):
-                    out[k] = record
-                else:
-                    _, data, s, e = record
-                    out[k] = (bucket, offset, *decode_scheduled(data, s, e))
+        for bucket, indexes, offsets in self._by_bucket(refs):
+            records = self.store.schedule_log.read_records_at(bucket, offsets, READ_GUESS_BYTES,
+                                                              cached_only=cached_only)
+            for k, offset, record in zip(indexes, offsets, records):
+                out[k] = _message_of(bucket, offset, record)
         return out
 
     def disk_reader(self, refs: list[int]):
-        """A function for a worker thread that reads the messages of `refs` as `read_message` does,
-        from descriptors of its own: {ref: (bucket, offset, message_log_offset, Message) or the
-        CorruptSegment}; a ref whose segment it cannot open is left out."""
-        by_bucket: dict[int, list[tuple[int, int]]] = {}
-        for ref in refs:
-            bucket, offset = self.split(ref)
-            by_bucket.setdefault(bucket, []).append((ref, offset))
-        readers = [(bucket, self.store.schedule_log.records_reader(bucket), items)
-                   for bucket, items in by_bucket.items()]
+        """A function for a worker thread that reads the messages of `refs` as `read_messages`
+        does, from descriptors of its own: {ref: (bucket, offset, message_log_offset, Message) or
+        the CorruptSegment}; a ref whose segment it cannot open is left out."""
+        readers = [(bucket, indexes, offsets, self.store.schedule_log.records_reader(bucket))
+                   for bucket, indexes, offsets in self._by_bucket(refs)]
 
         def read() -> dict:
             out = {}
-            for bucket, reader, items in readers:
+            for bucket, indexes, offsets, reader in readers:
                 try:
-                    records = reader([offset for _, offset in items], READ_GUESS_BYTES)
+                    records = reader(offsets, READ_GUESS_BYTES)
                 except OSError:
                     continue
-                for (ref, offset), record in zip(items, records):
-                    if isinstance(record, CorruptSegment):
-                        out[ref] = record
-                    else:
-                        _, data, s, e = record
-                        out[ref] = (bucket, offset, *decode_scheduled(data, s, e))
+                for k, offset, record in zip(indexes, offsets, records):
+                    out[refs[k]] = _message_of(bucket, offset, record)
             return out
 
         return read
+
+    def _by_bucket(self, refs: list[int]) -> list[tuple[int, list[int], list[int]]]:
+        """(bucket, indexes into `refs`, their schedule offsets) per bucket the refs name."""
+        by_index: dict[int, list[int]] = {}
+        for k, ref in enumerate(refs):
+            by_index.setdefault(ref >> OFFSET_BITS, []).append(k)
+        return [(self._buckets[index], ks, [refs[k] & OFFSET_MASK for k in ks]) for index, ks in by_index.items()]
 
     @property
     def loaded(self) -> int:
