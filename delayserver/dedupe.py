@@ -587,20 +587,16 @@ class _Saved:
     dict's then)."""
 
     def __init__(self, parts: list[_Columns]):
-        parts = [part for part in parts if len(part)]  # a chunk of no entries only moved the offset
+        """`parts`: at least one; none empty but the only one (`DedupeTable.restore` leaves out
+        journal chunks of no entries)."""
         self.text = parts[0].text if len(parts) == 1 else b"".join(part.text for part in parts)
-        lengths = np.concatenate([part.lengths for part in parts]) if parts else np.zeros(0, np.uint8)
+        lengths = np.concatenate([part.lengths for part in parts])
         width = np.int32 if len(self.text) < 1 << 31 else np.int64  # 4 bytes per id where they do
         self.starts = np.empty(len(lengths) + 1, dtype=width)
         self.starts[0] = 0
         # Widened first: a cumsum that converts as it adds takes ten times as long.
         np.cumsum(lengths.astype(width), out=self.starts[1:])
-        if not parts:
-            self.order, self.sorted = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
-        elif len(parts) == 1:
-            self.order, self.sorted = parts[0].order, parts[0].sorted
-        else:
-            self.order, self.sorted = _merged(parts)
+        self.order, self.sorted = (parts[0].order, parts[0].sorted) if len(parts) == 1 else _merged(parts)
         self._search = self.sorted.searchsorted
         self._shift, self._bitmap = _bitmap(self.sorted)
         self.current = np.ones(len(lengths), dtype=bool)
