@@ -40,6 +40,13 @@ def percentile(sorted_values: list[int], q: float) -> int:
     return sorted_values[rank]
 
 
+def _tally(counts: list[int], bounds: tuple[float, ...], values) -> None:
+    """Count each of `values` at the first of `bounds` it is under or at (the last slot: over
+    them all), as a Prometheus histogram's `le` buckets do."""
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1
+
+
 class RecentHistogram:
     """Counts of values per bound over the last `window_s` seconds, in `slice_s` slices: what the
     console shows as "lateness of the last minutes" and the delivery rate. Bounded memory."""
@@ -60,12 +67,10 @@ class RecentHistogram:
         return self._slices[-1][1]
 
     def observe(self, value: float) -> None:
-        self._current()[bisect.bisect_left(self.bounds, value)] += 1
+        self.observe_many((value,))
 
     def observe_many(self, values) -> None:
-        counts, bounds = self._current(), self.bounds
-        for value in values:
-            counts[bisect.bisect_left(bounds, value)] += 1
+        _tally(self._current(), self.bounds, values)
 
     def counts(self, within_s: int | None = None) -> list[int]:
         """Per bound (the last one: over the highest bound), over the last `within_s` seconds."""
@@ -86,23 +91,22 @@ class BatchHistogram(Collector):
 
     def __init__(self, name: str, documentation: str, label: str, bounds: tuple[float, ...]):
         self.name, self.documentation, self.label, self.bounds = name, documentation, label, bounds
-        self._by_value: dict[str, tuple[list[int], list[float]]] = {}  # label value -> (counts per bound, [sum])
+        self._counts: dict[str, list[int]] = {}  # label value -> count per bound, then over the last
+        self._sums: dict[str, float] = {}
 
     def observe_many(self, label_value: str, values) -> None:
-        entry = self._by_value.get(label_value)
-        if entry is None:
-            entry = self._by_value[label_value] = ([0] * (len(self.bounds) + 1), [0.0])
-        counts, bounds = entry[0], self.bounds
-        for value in values:
-            counts[bisect.bisect_left(bounds, value)] += 1  # the first bound the value is under or at
-        entry[1][0] += sum(values)
+        counts = self._counts.get(label_value)
+        if counts is None:
+            counts = self._counts[label_value] = [0] * (len(self.bounds) + 1)
+        _tally(counts, self.bounds, values)
+        self._sums[label_value] = self._sums.get(label_value, 0.0) + sum(values)
 
     def collect(self):
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
-        for label_value, (counts, total) in self._by_value.items():
+        for label_value, counts in self._counts.items():
             cumulative = list(itertools.accumulate(counts))
             buckets = [(floatToGoString(bound), n) for bound, n in zip(self.bounds, cumulative)]
-            family.add_metric([label_value], buckets + [("+Inf", cumulative[-1])], total[0])
+            family.add_metric([label_value], buckets + [("+Inf", cumulative[-1])], self._sums[label_value])
         yield family
 
 
