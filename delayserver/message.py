@@ -274,14 +274,15 @@ class TimeSpec:
         Raises ValueError when more than one is given, and BadScheduleTime for a value that is
         not a whole number (1.5 ms is refused, not rounded) or does not fit in 64 bits.
         """
-        if deliver_at is None and delay_level is None and type(delay) is int and MIN_I64 <= delay <= MAX_I64:
-            return cls(TimeKind.DELAY, delay)  # the usual spec, once per message a client sends
-        given = [(k, v) for k, v in ((TimeKind.AT, deliver_at), (TimeKind.DELAY, delay),
-                                     (TimeKind.LEVEL, delay_level)) if v is not None]
-        if len(given) > 1:
-            raise ValueError("give at most one of deliver_at, delay, delay_level")
-        kind, value = given[0] if given else (TimeKind.DELAY, 0)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if deliver_at is None and delay_level is None:  # the usual spec, once per message sent
+            kind, value = TimeKind.DELAY, 0 if delay is None else delay
+        else:
+            given = [(k, v) for k, v in ((TimeKind.AT, deliver_at), (TimeKind.DELAY, delay),
+                                         (TimeKind.LEVEL, delay_level)) if v is not None]
+            if len(given) > 1:
+                raise ValueError("give at most one of deliver_at, delay, delay_level")
+            kind, value = given[0]
+        if type(value) is not int and (isinstance(value, bool) or not isinstance(value, int)):
             raise BadScheduleTime(f"{kind.name.lower()} must be a whole number, got {value!r}")
         if not MIN_I64 <= value <= MAX_I64:
             raise BadScheduleTime(f"{kind.name.lower()} {value} is out of range")
