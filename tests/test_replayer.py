@@ -179,6 +179,20 @@ def test_a_checkpoint_past_the_end_of_message_log_stops_the_open(tmp_path):
         Node(tmp_path, START_MS)
 
 
+def fill_the_disk_at_append(node, monkeypatch, nth: int) -> None:
+    """Make the `nth` schedule_log append of `node` fail with DiskFull (the others go through)."""
+    real_append = node.store.schedule_log.append
+    calls = []
+
+    def append_until_the_disk_fills(bucket, data, ids=None):
+        calls.append(bucket)
+        if len(calls) == nth:
+            raise DiskFull("no space left on device")
+        return real_append(bucket, data, ids)
+
+    monkeypatch.setattr(node.store.schedule_log, "append", append_until_the_disk_fills)
+
+
 def test_a_failed_pass_rolls_back_every_bucket_and_its_retry_appends_each_record_once(tmp_path, monkeypatch):
     clean = Node(tmp_path / "clean", START_MS)
     clean.send(three_buckets(12))
@@ -187,16 +201,7 @@ def test_a_failed_pass_rolls_back_every_bucket_and_its_retry_appends_each_record
 
     node = Node(tmp_path / "full", START_MS)
     node.send(three_buckets(12))
-    real_append = node.store.schedule_log.append
-    calls = []
-
-    def append_until_the_disk_fills(bucket, data, ids=None):
-        calls.append(bucket)
-        if len(calls) == 3:
-            raise DiskFull("no space left on device")
-        return real_append(bucket, data, ids)
-
-    monkeypatch.setattr(node.store.schedule_log, "append", append_until_the_disk_fills)
+    fill_the_disk_at_append(node, monkeypatch, 3)
     with pytest.raises(DiskFull):
         node.replay()
     assert node.replayer.offset == 0 and len(node.ticks.wheel) == 0
@@ -214,16 +219,7 @@ def test_the_followers_get_each_record_once_even_when_a_pass_is_rolled_back(tmp_
     followed = []
     node.replayer.on_records = lambda data, records, own: followed.extend(
         (rtype, bytes(data[s:e])) for rtype, s, e in records)
-    real_append = node.store.schedule_log.append
-    calls = []
-
-    def append_until_the_disk_fills(bucket, data, ids=None):
-        calls.append(bucket)
-        if len(calls) == 2:
-            raise DiskFull("no space left on device")
-        return real_append(bucket, data, ids)
-
-    monkeypatch.setattr(node.store.schedule_log, "append", append_until_the_disk_fills)
+    fill_the_disk_at_append(node, monkeypatch, 2)
     with pytest.raises(DiskFull):
         node.replay()
     assert followed == []
