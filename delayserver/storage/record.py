@@ -512,10 +512,15 @@ class Dispatch:
     message_log_offset: int = -1
 
 
-def encode_dispatch(d: Dispatch) -> bytes:
-    group = d.broker_group.encode("utf-8")
+def _group_bytes(broker_group: str) -> bytes:
+    group = broker_group.encode("utf-8")
     if not 1 <= len(group) <= 255:
         raise ValueError("broker group name must be 1 to 255 bytes")
+    return group
+
+
+def encode_dispatch(d: Dispatch) -> bytes:
+    group = _group_bytes(d.broker_group)
     head = DISPATCH_HEAD.pack(d.schedule_offset, d.dispatch_time, len(group)) + group
     return head + OFFSET.pack(d.message_log_offset) if d.message_log_offset >= 0 else head
 
@@ -525,9 +530,7 @@ def encode_dispatch_records(dispatch_time: int, broker_group: str, offsets) -> l
     `dispatch_time`, one per (schedule_offset, message_log_offset) of `offsets`: the bytes of
     `encode_record(DISPATCH, encode_dispatch(...))`, with one struct for the batch's fixed part
     (the sender's path: one per delivered message)."""
-    group = broker_group.encode("utf-8")
-    if not 1 <= len(group) <= 255:
-        raise ValueError("broker group name must be 1 to 255 bytes")
+    group = _group_bytes(broker_group)
     whole = struct.Struct(f">QqB{len(group)}sQ")  # DISPATCH_HEAD, the group, OFFSET
     pack, crc, seed, header = whole.pack, _crc32c.crc32c, _TYPE_CRC[RecordType.DISPATCH], HEADER.pack
     records = []
