@@ -54,7 +54,7 @@ def _record_at(read, path_of, bucket: int, offset: int, guess: int):
 SHARED_READ_BYTES = 1 << 16
 
 
-def _records_at(read, path_of, bucket: int, offsets: list[int], guess: int, span: int) -> list:
+def _records_at(read, path_of, bucket: int, offsets: list[int], guess: int) -> list:
     """`BucketLog.read_records_at` through `read(bucket, start, end)` (None: not all in memory,
     and then None for every record of that read)."""
     out: list = [None] * len(offsets)
@@ -65,7 +65,7 @@ def _records_at(read, path_of, bucket: int, offsets: list[int], guess: int, span
         j = i + 1
         while j < n:
             offset = offsets[order[j]]
-            if offset - last > guess or offset + guess - first > span:
+            if offset - last > guess or offset + guess - first > SHARED_READ_BYTES:
                 break
             last = offset
             j += 1
@@ -272,17 +272,17 @@ class BucketLog:
         Raises CorruptSegment when there is no whole valid record there."""
         return _record_at(self.read, self.path, bucket, offset, guess)
 
-    def read_records_at(self, bucket: int, offsets: list[int], guess: int = 512, *, cached_only: bool = False,
-                        span: int = SHARED_READ_BYTES) -> list:
+    def read_records_at(self, bucket: int, offsets: list[int], guess: int = 512, *,
+                        cached_only: bool = False) -> list:
         """Per offset of `offsets` (in any order), the record there as `read_record` gives it, or
         the CorruptSegment (the others are still read); with `cached_only`, None for a record not
         all in the page cache.
 
-        Offsets near each other share one read of at most `span` bytes: a bucket's records lie in
+        Offsets near each other share one read of at most SHARED_READ_BYTES: a bucket's records lie in
         the order they arrived, which for messages of one delay is the order they fall due, so a
         tick's due records are mostly neighbours (one read, and one copy, per record before). A
         record the shared read does not hold whole is read on its own."""
-        return _records_at(self.read_cached if cached_only else self.read, self.path, bucket, offsets, guess, span)
+        return _records_at(self.read_cached if cached_only else self.read, self.path, bucket, offsets, guess)
 
     def range_reader(self, bucket: int, start: int, end: int):
         """A function for a worker thread returning `read(bucket, start, end)`, from a descriptor of
@@ -303,7 +303,7 @@ class BucketLog:
 
         def read(offsets: list[int], guess: int) -> list:
             with _own_descriptor(path, size) as pread:
-                return _records_at(pread, lambda _: path, bucket, offsets, guess, SHARED_READ_BYTES)
+                return _records_at(pread, lambda _: path, bucket, offsets, guess)
 
         return read
 
