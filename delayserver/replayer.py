@@ -31,13 +31,13 @@ from delayserver.storage.record import (
     TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
     scheduled_record_head,
 )
-from delayserver.storage.store import Store
+from delayserver.storage.store import REPLAY_CHECKPOINT, Store
 from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
 
 log = logging.getLogger("delayserver.replayer")
 
-CHECKPOINT_NAME = "replay.json"
+CHECKPOINT_NAME = REPLAY_CHECKPOINT
 
 
 class Replayer:

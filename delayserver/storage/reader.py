@@ -69,7 +69,8 @@ def raise_unless_incomplete(damage: Damage) -> None:
         raise damage.error()
 
 
-def _valid_record_at(buf, pos: int) -> bool:
+def valid_record_at(buf, pos: int) -> bool:
+    """Whether a whole valid record starts at `pos` of `buf`."""
     end = len(buf)
     if pos + HEADER_SIZE > end or buf[pos + _TYPE_AT] not in VALID_TYPES:
         return False
@@ -94,7 +95,7 @@ def find_valid_record_after(buf, pos: int) -> int | None:
     """
     for match in _TYPE_BYTE.finditer(buf, pos + 1 + _TYPE_AT):
         candidate = match.start() - _TYPE_AT
-        if _valid_record_at(buf, candidate):
+        if valid_record_at(buf, candidate):
             return candidate
     return None
 
@@ -230,9 +231,11 @@ def _ignore(damage: Damage) -> None:
     pass
 
 
-def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | None = None) -> ScanResult:
+def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | None = None,
+         base: int = 0) -> ScanResult:
     """Walk every record of a segment image and classify its end (recovery's view of
     `read_records`): where the valid records end, how many there are, and the torn tail.
+    Offsets are `base` + offsets into `buf` (`base`: where `buf` starts in its file).
 
     Raises CorruptSegment for damage followed by valid data, or for any damage when
     `allow_torn_tail` is False (a sealed segment has no tail that may be torn).
@@ -245,8 +248,8 @@ def scan(buf, path, *, allow_torn_tail: bool = True, power_loss_window: int | No
     counts the whole records dropped with it). Damage before that point stays corruption.
     """
     found: list[Damage] = []
-    count = sum(1 for _ in read_records(buf, path, sealed=not allow_torn_tail, report=found.append))
-    return _classified_end(buf, found, count, allow_torn_tail, power_loss_window)
+    count = sum(1 for _ in read_records(buf, path, base=base, sealed=not allow_torn_tail, report=found.append))
+    return _classified_end(buf, found, count, allow_torn_tail, power_loss_window, base)
 
 
 def scan_offsets(buf, path, rtype: int, offset_of, *, power_loss_window: int | None = None,
@@ -271,15 +274,16 @@ def scan_offsets(buf, path, rtype: int, offset_of, *, power_loss_window: int | N
 
 
 def _classified_end(buf, found: list, count: int, allow_torn_tail: bool,
-                    power_loss_window: int | None) -> ScanResult:
+                    power_loss_window: int | None, base: int = 0) -> ScanResult:
     """`scan`'s verdict on where a walk of `count` records that met the damage in `found` ends."""
     if not found:
-        return ScanResult(len(buf), count, 0)
+        return ScanResult(base + len(buf), count, 0)
     damage = found[0]
     if damage.torn:
         return ScanResult(damage.offset, count, damage.length, damage.reason)
     if allow_torn_tail and power_loss_window is not None:
-        valid_end, dropped = last_valid_end(buf, damage.offset)
+        valid_end, dropped = last_valid_end(buf, damage.offset - base)
+        valid_end += base
         if damage.offset >= valid_end - power_loss_window:
             return ScanResult(damage.offset, count, damage.length,
                               f"{damage.reason}, then {dropped} valid records written after the last durable "

@@ -35,8 +35,8 @@ from delayserver.storage.record import (
 )
 from delayserver.storage.reader import Damage, find_valid_record_after, read_records
 from delayserver.storage.segment import fsync_dir, fsync_fd, read_file
+from delayserver.storage.store import REPLAY_CHECKPOINT
 
-REPLAY_CHECKPOINT = "replay.json"
 
 
 @attrs.define

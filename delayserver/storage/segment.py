@@ -24,7 +24,7 @@ import attrs
 
 from delayserver import failpoints
 from delayserver.storage.errors import CorruptSegment, DiskFull, FsyncFailed, StorageError
-from delayserver.storage.reader import scan
+from delayserver.storage.reader import scan, valid_record_at
 
 log = logging.getLogger("delayserver.storage")
 
@@ -157,8 +157,12 @@ class Segment:
 
     @classmethod
     def open(cls, path: Path, *, create: bool = True, recover: bool = True, sealed: bool = False,
-             power_loss_window: int | None = None) -> "Segment":
+             power_loss_window: int | None = None, durable_to: int = 0) -> "Segment":
         """Open (and with `recover`, scan) a segment; a torn tail is truncated and logged.
+
+        `durable_to`: an offset a checkpoint names that was written after an fsync covered the
+        file up to it. No power loss damaged what lies before it, so the walk starts there when
+        a valid record does (or the file ends there); else it starts at the file's start.
 
         Raises CorruptSegment when damage is not a torn tail (see `scan`).
         """
@@ -166,9 +170,13 @@ class Segment:
         fd = os.open(path, flags, 0o644)
         try:
             size = os.fstat(fd).st_size
-            if recover and size:
-                result = scan(read_file(path), path, allow_torn_tail=not sealed,
-                              power_loss_window=power_loss_window)
+            start = durable_to if 0 < durable_to <= size else 0
+            buf = read_file(path, start) if recover and size else b""
+            if start and buf and not valid_record_at(buf, 0):  # not where a record starts
+                start, buf = 0, read_file(path)
+            if buf:
+                result = scan(buf, path, allow_torn_tail=not sealed, power_loss_window=power_loss_window,
+                              base=start)
                 if result.torn_bytes:
                     log.warning(
                         "%s: torn tail at offset %d (%s): truncating %d bytes%s",

@@ -16,7 +16,9 @@ import attrs
 
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.buckets import DEFAULT_SCALE_MS, check_scale
-from delayserver.storage.checkpoint import read_checkpoint, remove_stale_temp_files, write_checkpoint
+from delayserver.storage.checkpoint import (
+    CorruptCheckpoint, read_checkpoint, remove_stale_temp_files, write_checkpoint,
+)
 from delayserver.storage.errors import StorageError
 from delayserver.storage.message_log import DEFAULT_MAX_UNSYNCED_BYTES, DEFAULT_SEGMENT_BYTES, MessageLog
 from delayserver.storage.quarantine import forget as forget_quarantines, list_quarantined, quarantine_error
@@ -36,6 +38,20 @@ DISPATCH_POWER_LOSS_WINDOW = 8 << 20
 RESERVE_HEADROOM = 1 << 20
 #: The checkpoint that records how the data directory is laid out (its segment_scale).
 LAYOUT_NAME = "layout.json"
+#: The replayer's checkpoint (replayer.py); its message_log offset was durable when it was written.
+REPLAY_CHECKPOINT = "replay.json"
+
+
+def _replayed_offset(path: Path) -> int:
+    """The message_log offset replay's checkpoint names (replay reads only what an fsync covered,
+    and the checkpoint is written after it read it), or 0: none, or damaged (which the replayer
+    reports when it opens)."""
+    try:
+        data = read_checkpoint(path) or {}
+    except CorruptCheckpoint:
+        return 0
+    offset = data.get("message_log_offset", 0)
+    return offset if isinstance(offset, int) else 0
 
 
 class LayoutMismatch(StorageError):
@@ -87,7 +103,8 @@ class Store:
         return cls(
             root,
             segment_scale_ms,
-            MessageLog.open(root / "message_log", message_log_segment_bytes, max_unsynced_bytes),
+            MessageLog.open(root / "message_log", message_log_segment_bytes, max_unsynced_bytes,
+                            durable_to=_replayed_offset(root / "checkpoint" / REPLAY_CHECKPOINT)),
             BucketLog.open(root / "schedule_log"),
             BucketLog.open(root / "dispatch_log", power_loss_window=DISPATCH_POWER_LOSS_WINDOW),
         )

@@ -28,7 +28,7 @@ from delayserver.storage.record import (
     decode_txn_park,
 )
 from delayserver.storage.segment import read_file
-from delayserver.storage.store import LAYOUT_NAME
+from delayserver.storage.store import LAYOUT_NAME, REPLAY_CHECKPOINT
 from delayserver.wakeup import Wakeup
 
 #: Resolutions remembered for idempotent answers to a repeated COMMIT or ROLLBACK.
@@ -221,7 +221,7 @@ def read_half_messages(data_dir) -> HalfMessages:
     root = Path(data_dir)
     layout = read_checkpoint(root / "checkpoint" / LAYOUT_NAME) or {}
     halves = HalfMessages(layout.get("segment_scale_ms", DEFAULT_SCALE_MS))
-    cp = read_checkpoint(root / "checkpoint" / "replay.json") or {}
+    cp = read_checkpoint(root / "checkpoint" / REPLAY_CHECKPOINT) or {}
     halves.restore(cp.get("transactions"))
     halves.to_park.clear()
     offset = cp.get("message_log_offset", 0)

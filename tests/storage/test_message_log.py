@@ -160,6 +160,39 @@ def test_bit_flip_inside_the_active_segment_raises_corrupt_segment_on_open(log_d
     assert (info.value.path, info.value.offset) == (active, offsets[0])
 
 
+def one_segment(tmp_path, count):
+    """A message_log of `count` records in one segment, closed: the segment and its record offsets."""
+    log = MessageLog.open(tmp_path, 1 << 20)
+    log.append(b"".join(message_record(i) for i in range(count)))
+    log.sync()
+    log.close()
+    (path,) = segments(tmp_path)
+    return path, record_offsets(path)
+
+
+def test_the_last_segment_is_walked_from_the_durable_offset_a_checkpoint_names(tmp_path):
+    path, offsets = one_segment(tmp_path, 6)
+    flip_bit(path, offsets[1] + 20)  # before the durable offset: no power loss reaches it
+    truncate(path, offsets[5] + 7)  # a torn tail after it
+    log = MessageLog.open(tmp_path, 1 << 20, durable_to=offsets[3])
+    assert log.end_offset == offsets[5]  # the torn tail is cut as by a whole walk
+    assert [mid for _, mid in read_all(log, offsets[3])] == ["m-3", "m-4"]
+    with pytest.raises(CorruptSegment) as info:  # the damage before it is found when it is read
+        read_all(log)
+    assert info.value.offset == offsets[1]
+    log.close()
+
+
+@pytest.mark.parametrize("where", ["inside_a_record", "past_the_end", "none"])
+def test_without_a_record_at_the_durable_offset_the_whole_segment_is_walked(tmp_path, where):
+    path, offsets = one_segment(tmp_path, 6)
+    flip_bit(path, offsets[1] + 20)
+    durable_to = {"inside_a_record": offsets[3] + 5, "past_the_end": offsets[-1] + 1, "none": 0}[where]
+    with pytest.raises(CorruptSegment) as info:
+        MessageLog.open(tmp_path, 1 << 20, durable_to=durable_to, max_unsynced_bytes=16)
+    assert info.value.offset == offsets[1]
+
+
 def damage_in_place(path, offsets, kind):
     """Damage a sealed segment without changing its size; returns the offset of the bad record."""
     if kind == "bit_flip_in_first_record":

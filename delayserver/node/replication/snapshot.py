@@ -27,6 +27,7 @@ from delayserver.storage.checkpoint import write_checkpoint
 from delayserver.storage.message_log import segment_name
 from delayserver.storage.reader import Damage, read_records
 from delayserver.storage.segment import fsync_dir
+from delayserver.storage.store import REPLAY_CHECKPOINT
 
 log = logging.getLogger("delayserver.replication")
 
@@ -36,7 +37,6 @@ MANIFEST = "manifest.json"
 LOGS = {wire.SCHEDULE_LOG: "schedule_log", wire.DISPATCH_LOG: "dispatch_log"}
 #: What an install replaces: derived from the old segments, or the segments themselves.
 REPLACED = ("message_log", "schedule_log", "dispatch_log", "index", "quarantine")
-REPLAY_CHECKPOINT = "replay.json"
 
 
 async def download(conn, node_id: str, data_dir: Path, segment_scale_ms: int) -> dict:
