@@ -121,6 +121,34 @@ def _append_chunk(path: Path, added, saved_id: int, start: int, covered: int) ->
     return len(keys)
 
 
+def _read_keys_file(path: Path):
+    """(magic, covered, count, crc, fingerprint, file id or None, keys) of a saved file whose head
+    is sound, the keys read into their array as saved (big-endian bytes, not yet checked against
+    the crc); None when the head is not sound or the file does not hold `count` keys. One copy of
+    the keys from the page cache: tens of MB at millions of messages."""
+    with open(path, "rb") as f:
+        raw = f.read(_SAVED_HEAD.size + _SAVED_ID.size)
+        if len(raw) < _SAVED_HEAD.size:
+            return None
+        magic, covered, count, crc, head = _SAVED_HEAD.unpack_from(raw, 0)
+        if magic not in (_SAVED_MAGIC, _SAVED_MAGIC_2):
+            return None
+        saved_id = None
+        at = _SAVED_HEAD.size
+        if magic == _SAVED_MAGIC_2:
+            if len(raw) < at + _SAVED_ID.size:
+                return None
+            (saved_id,) = _SAVED_ID.unpack_from(raw, at)
+            at += _SAVED_ID.size
+        if os.fstat(f.fileno()).st_size != at + 8 * count:
+            return None
+        f.seek(at)
+        keys = np.fromfile(f, dtype=np.uint64, count=count)
+        if len(keys) != count:
+            return None
+    return magic, covered, count, crc, head, saved_id, keys
+
+
 def _read_chunks(raw: bytes, saved_id: int, covered: int) -> tuple[list[np.ndarray], int, bool]:
     """The keys of the journal's chunks that chain onto a file of id `saved_id` covering up to
     `covered`, what they cover, and whether that was all of it; reading stops at the first chunk
@@ -414,23 +442,20 @@ class IdIndex(_LogIndex):
     def _read_saved(self, bucket: int, b: _Bucket) -> None:
         path = self._saved_path(bucket)
         try:
-            raw = path.read_bytes()
+            saved_file = _read_keys_file(path)
         except FileNotFoundError:
             return
         except OSError as e:
             log.warning("%s: not read (%s); the bucket is indexed from its segment", path, e)
             return
-        if len(raw) >= _SAVED_HEAD.size:
-            magic, covered, count, crc, head = _SAVED_HEAD.unpack_from(raw, 0)
-            at = _SAVED_HEAD.size + (_SAVED_ID.size if magic == _SAVED_MAGIC_2 else 0)
-            body = memoryview(raw)[at:]
-            if magic in (_SAVED_MAGIC, _SAVED_MAGIC_2) and len(body) == 8 * count and crc32c(body) == crc \
-                    and head == self._fingerprint(bucket):
-                keys = np.frombuffer(body, dtype=">u8").astype(np.uint64)
+        if saved_file is not None:
+            magic, covered, count, crc, head, saved_id, keys = saved_file
+            if crc32c(keys) == crc and head == self._fingerprint(bucket):
+                keys.byteswap(inplace=True)  # read as saved (big-endian), checked, then made native
                 runs = [(keys, None)] if count else []
                 saved = count
                 if magic == _SAVED_MAGIC_2:
-                    (b.saved_id,) = _SAVED_ID.unpack_from(raw, _SAVED_HEAD.size)
+                    b.saved_id = saved_id
                     b.saved_base = count
                     chunks, covered, whole = _read_chunks(self._read_journal(bucket), b.saved_id, covered)
                     runs += [(k, None) for k in chunks]

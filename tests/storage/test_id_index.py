@@ -272,11 +272,12 @@ async def test_a_saved_index_of_another_segment_or_a_damaged_one_is_ignored(tmp_
     look = Lookup(node.store, tmp_path / "index")
     assert (await look.find(START_MS + 2, "second-life")).state == MessageState.PENDING
     node.crash()
-    look.ids._saved_path(bucket).write_bytes(saved[:-3] + b"xyz")  # damaged
-    node = Node(tmp_path, START_MS)
-    look = Lookup(node.store, tmp_path / "index")
-    assert (await look.find(START_MS + 2, "second-life")).state == MessageState.PENDING
-    node.crash()
+    for damaged in (saved[:-3] + b"xyz", saved[:-3], saved + b"\0", saved[:20]):  # bad crc, length or head
+        look.ids._saved_path(bucket).write_bytes(damaged)
+        node = Node(tmp_path, START_MS)
+        look = Lookup(node.store, tmp_path / "index")
+        assert (await look.find(START_MS + 2, "second-life")).state == MessageState.PENDING
+        node.crash()
 
 
 async def test_a_torn_dispatch_log_tail_does_not_stop_the_index_from_serving(tmp_path):
