@@ -45,6 +45,7 @@ reading one writes the table whole in format 4.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import mmap
@@ -379,10 +380,11 @@ class DedupeTable:
         self.restore([saved])
         return saved.offset
 
-    def restore(self, parts: list[_Columns]) -> None:
+    def restore(self, parts: list[_Columns], pool: concurrent.futures.Executor | None = None) -> None:
         """Take the entries of a saved table file and of the journal chunks that extend it, in
         order, as the table's (it must be empty). A key saved twice (accepted again after its
-        window, or its handle moved) is at its later position."""
+        window, or its handle moved) is at its later position. `pool`: where parts of the work
+        run beside the rest (`_Saved`)."""
         count = sum(len(part) for part in parts)
         self._stores, self._scheds, self._hashes = array("q"), array("q"), array("I")
         parts = [part for part in parts if len(part)] or parts[:1]  # a chunk of no entries only moved the offset
@@ -395,13 +397,14 @@ class DedupeTable:
         self._base = self._head = 0
         self._updates = []
         self.saved_to = count
-        if all(part.hashes is not None and part.text.isascii() for part in parts):
+        if all(part.hashes is not None and part.ascii for part in parts):
             # An ASCII id's length in characters is its length in bytes: no id is decoded.
-            self._saved = _Saved(parts)
+            self._saved = _Saved(parts, pool)
             for part in parts:
                 self._hashes.frombytes(memoryview(part.hashes).cast("B"))
             self._keys = [None] * count
             self._positions = {}
+            self._saved.ready()
             return
         keys = [key for part in parts for key in part.keys()]
         self._hashes.extend(key_hash(key.encode("utf-8")) for key in keys)
@@ -477,27 +480,47 @@ def read_journal(raw: bytes, base: int, hashed: bool = True):
     return chunks, pos
 
 
-def _decode_saved(raw: bytes) -> _Columns | None:
+def _decode_saved(raw: bytes, pool: concurrent.futures.Executor | None = None) -> _Columns | None:
     """The entries of a saved table (their `offset` is the one it covers), or None when it is
-    damaged."""
+    damaged. With `pool`, the body's crc is taken there while this thread decodes it (the crc runs
+    outside the interpreter's lock: 0.08 s of hundreds of MB)."""
     head = _HEAD if raw[:8] in (_MAGIC, _MAGIC_V3) else _HEAD_V2
     if len(raw) < head.size:
         return None
     magic, offset, count, crc = head.unpack_from(raw, 0)[:4]
     body = memoryview(raw)[head.size :]
-    if magic not in (_MAGIC, _MAGIC_V3, _MAGIC_V2) or crc32c.crc32c(body) != crc:
+    if magic not in (_MAGIC, _MAGIC_V3, _MAGIC_V2):
         return None
-    return _Columns.decode(body, count, magic == _MAGIC, offset)
+    checked = _beside(pool, crc32c.crc32c, body)
+    columns = _Columns.decode(body, count, magic == _MAGIC, offset)
+    return columns if checked.result() == crc else None
+
+
+class _Done:
+    """A result at hand, with a future's `result` (`_beside` without a pool)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _beside(pool: concurrent.futures.Executor | None, fn, *args):
+    """`fn(*args)` submitted to `pool` to run beside the caller's work, or run now without one."""
+    return pool.submit(fn, *args) if pool is not None else _Done(fn(*args))
 
 
 class _Columns:
     """The entries of a table file or a journal chunk, as saved (module docstring)."""
 
-    def __init__(self, stores: array, scheds: array, lengths, hashes, order, sorted_, text: bytes, offset: int):
+    def __init__(self, stores: array, scheds: array, lengths, hashes, order, sorted_, text, offset: int,
+                 ascii_: bool):
         self.stores, self.scheds, self.lengths = stores, scheds, lengths
         # numpy uint32 arrays, or None (format 3 and before)
         self.hashes, self.order, self.sorted = hashes, order, sorted_
-        self.text, self.offset = text, offset
+        # `text`: bytes-like (read-only: a slice of it is hashable), all ASCII when `ascii`
+        self.text, self.offset, self.ascii = text, offset, ascii_
 
     def __len__(self) -> int:
         return len(self.stores)
@@ -521,29 +544,39 @@ class _Columns:
                                       for at in (17 * count, 21 * count, 25 * count))
             if count and order.max() >= count:
                 return None
-        text = bytes(body[fixed * count :])
-        if text.isascii():
+        # The ids' text stays where it was read (a table file is mapped, not copied: 160 MB at ten
+        # million ids); the mapping lives as long as the entries read back.
+        text = body[fixed * count :]
+        ascii_ = _is_ascii(text)
+        if ascii_:
             if int(lengths.sum(dtype=np.int64)) != len(text):
                 return None
         else:
             try:
-                decoded = text.decode("utf-8")
+                decoded = str(text, "utf-8")
             except UnicodeDecodeError:
                 return None
             if int(lengths.sum(dtype=np.int64)) != len(decoded):
                 return None
-        return cls(stores, scheds, lengths, hashes, order, sorted_, text, offset)
+        return cls(stores, scheds, lengths, hashes, order, sorted_, text, offset, ascii_)
 
     def keys(self) -> list[str]:
         """The ids, one string each (the slow way, for a text that is not all ASCII)."""
-        text = self.text.decode("utf-8")
+        text = str(self.text, "utf-8")
         ends = list(itertools.accumulate(self.lengths.tolist()))
         return [text[e - n : e] for e, n in zip(ends, self.lengths.tolist())]
 
 
+def _is_ascii(text) -> bool:
+    """Whether bytes-like `text` is all ASCII (a numpy reduction: outside the interpreter's lock)."""
+    return not len(text) or int(np.frombuffer(text, dtype=np.uint8).max()) < 0x80
+
+
 def _map(path: Path):
-    """The file's bytes, mapped: read through the page cache, without a copy of the whole file
-    (what is kept of it is copied out by the decoding). An empty file reads as b""."""
+    """The file's bytes, mapped read-only: read through the page cache, without a copy of the
+    whole file (the ids' text is kept in the mapping; the rest is copied out by the decoding). A
+    save replaces the file by a rename, never rewriting it in place but for the head's offset, so
+    the mapping keeps what was read. An empty file reads as b""."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
@@ -586,9 +619,10 @@ class _Saved:
     replaced: the same key saved again (read back), or accepted again after its window (the
     dict's then)."""
 
-    def __init__(self, parts: list[_Columns]):
+    def __init__(self, parts: list[_Columns], pool: concurrent.futures.Executor | None = None):
         """`parts`: at least one; none empty but the only one (`DedupeTable.restore` leaves out
-        journal chunks of no entries)."""
+        journal chunks of no entries). With `pool`, the bitmap is built there while the rest is
+        read back; `ready` waits for it, and must be called before the first `find`."""
         self.text = parts[0].text if len(parts) == 1 else b"".join(part.text for part in parts)
         lengths = np.concatenate([part.lengths for part in parts])
         width = np.int32 if len(self.text) < 1 << 31 else np.int64  # 4 bytes per id where they do
@@ -598,9 +632,14 @@ class _Saved:
         np.cumsum(lengths.astype(width), out=self.starts[1:])
         self.order, self.sorted = (parts[0].order, parts[0].sorted) if len(parts) == 1 else _merged(parts)
         self._search = self.sorted.searchsorted
-        self._shift, self._bitmap = _bitmap(self.sorted)
+        self._building = _beside(pool, _bitmap, self.sorted)
+        self._shift, self._bitmap = 0, b""
         self.current = np.ones(len(lengths), dtype=bool)
         self.current[self._replaced()] = False
+
+    def ready(self) -> None:
+        """Take the bitmap built beside the rest of the read-back."""
+        self._shift, self._bitmap = self._building.result()
 
     def _replaced(self) -> list[int]:
         """The positions of keys saved again later (read back, or a handle moved): only the last
@@ -633,7 +672,7 @@ class _Saved:
         return self.text[self.starts[position] : self.starts[position + 1]]
 
     def key(self, position: int) -> str:
-        return self._bytes(position).decode("ascii")
+        return str(self._bytes(position), "ascii")
 
     def find(self, raw: bytes) -> int | None:
         """The position of the current entry whose key's UTF-8 is `raw`, or None."""
@@ -690,7 +729,8 @@ class Dedupe:
 
     def load(self) -> int | None:
         """Read the table file and the journal chunks that extend it; the message_log offset they
-        cover, or None when there is no usable table file."""
+        cover, or None when there is no usable table file. Its checksums and the bitmap run in a
+        second thread beside the copies (both mostly outside the interpreter's lock)."""
         try:
             raw = _map(self.path)
         except FileNotFoundError:
@@ -698,7 +738,11 @@ class Dedupe:
         except OSError as e:
             log.warning("%s: not read (%s); rebuilding the dedupe table from message_log", self.path, e)
             return None
-        saved = _decode_saved(raw)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dedupe-check") as pool:
+            return self._read_back(raw, pool)
+
+    def _read_back(self, raw, pool: concurrent.futures.Executor) -> int | None:
+        saved = _decode_saved(raw, pool)
         if saved is None:
             log.warning("%s: damaged; rebuilding the dedupe table from message_log", self.path)
             return None
@@ -724,7 +768,7 @@ class Dedupe:
             for columns, offset in chunks:
                 parts.append(columns)
                 self.saved_offset = offset
-        self.table.restore(parts)
+        self.table.restore(parts, pool)
         return self.saved_offset
 
     async def save(self, now_ms: int, replay_offset: int, slice_entries: int = 32768) -> None:
