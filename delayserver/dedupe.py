@@ -719,6 +719,12 @@ class Dedupe:
         self._base_bytes = 0
         self.journal_bytes = 0  # the journal's valid length: what the next chunk follows
 
+    @classmethod
+    def read(cls, window_ms: int, checkpoint_dir: Path) -> tuple[Dedupe, int | None]:
+        """A node's table with its saved entries read back (`load`), and the offset they cover."""
+        dedupe = cls(window_ms, checkpoint_dir)
+        return dedupe, dedupe.load() if dedupe.table.enabled else None
+
     def recover(self, message_log, now_ms: int, chunk_bytes: int = 8 << 20, load=None) -> None:
         """Load the saved table and its journal (`load`: what gives the offset they cover when it
         has read them, `self.load` by default), then feed message_log from that offset to the end."""

@@ -63,8 +63,11 @@ MAX_BYTES_BEFORE_AUTH = 64 << 10
 
 
 class DelayServer:
-    def __init__(self, config: Config, clock=None):
+    def __init__(self, config: Config, clock=None, dedupe_read: concurrent.futures.Future | None = None):
+        """`dedupe_read`: `Dedupe.read` of this node's table started by the caller (the command
+        line starts it before it imports this module); else `serve` starts it."""
         self.config = config
+        self._dedupe_read = dedupe_read
         self.clock = clock or WallClock()
         self.connections = 0
         self.port: int | None = None
@@ -83,14 +86,15 @@ class DelayServer:
         c = self.config
         c.data_dir.mkdir(parents=True, exist_ok=True)
         install_pending(c.data_dir)  # a snapshot of the master, taken by the slave before a restart
-        self.dedupe = Dedupe(c.dedupe_window_ms, c.data_dir / "checkpoint")
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dedupe-load") as pool:
-            # The saved dedupe table is read while message_log's tail is checked: its copies and
-            # checksums run outside the interpreter's lock (half a second at ten million ids).
-            loading = pool.submit(self.dedupe.load) if self.dedupe.table.enabled else None
-            self._open_rest(loading)
+            # The saved dedupe table is read while the store and its indexes are opened: its copies
+            # and checksums run mostly outside the interpreter's lock (0.4 s at ten million ids).
+            # (A snapshot's install leaves the table's files alone: read before it, they are the same.)
+            reading = self._dedupe_read or pool.submit(Dedupe.read, c.dedupe_window_ms, c.data_dir / "checkpoint")
+            self._dedupe_read = None  # read once: a later start reads afresh
+            self._open_rest(reading)
 
-    def _open_rest(self, loading: concurrent.futures.Future | None) -> None:
+    def _open_rest(self, reading: concurrent.futures.Future) -> None:
         c = self.config
         self.store = Store.open(c.data_dir, segment_scale_ms=c.segment_scale_ms,
                                 message_log_segment_bytes=c.message_log_segment_bytes)
@@ -110,8 +114,9 @@ class DelayServer:
         recent = RecentBatches()
         self.disk = DiskSpace(self.store, c.reserve_bytes, full=disk_full)
         self.halves = HalfMessages(scale)
-        if loading is not None:
-            self.dedupe.recover(self.store.message_log, self.clock.now_ms(), load=loading.result)
+        self.dedupe, saved = reading.result()
+        if self.dedupe.table.enabled:
+            self.dedupe.recover(self.store.message_log, self.clock.now_ms(), load=lambda: saved)
         self.schedules = ScheduleRegistry(self.store.checkpoint_dir)
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
@@ -230,10 +235,7 @@ class DelayServer:
 
     async def _serve_http(self, nursery) -> None:
         """Metrics (prometheus-client) and, with http_listen, the HTTP API and console."""
-        from delayserver.node.http.app import create_app, metrics_app
         from delayserver.node.http.backlog import Backlog
-        from delayserver.node.http.ops import ServerOps
-        from delayserver.node.http.serve import serve_asgi
 
         c = self.config
         view = NodeView(c, self.clock, self.port, self.store, self.receiver, self.disk, self.replayer, self.ticks,
@@ -241,8 +243,14 @@ class DelayServer:
                         connections=lambda: self.connections, loop_watch=self.loop_watch)
         self.backlog = Backlog(c.data_dir, self.clock, c.segment_scale_ms)
         self.metrics.register_node(view, self.backlog)
-        if c.metrics_listen is not None or c.http_listen is not None:
-            await nursery.start(self.backlog.serve)
+        if c.metrics_listen is None and c.http_listen is None:
+            return
+        # Only now: the ASGI framework and server take a tenth of a second to import.
+        from delayserver.node.http.app import create_app, metrics_app
+        from delayserver.node.http.ops import ServerOps
+        from delayserver.node.http.serve import serve_asgi
+
+        await nursery.start(self.backlog.serve)
         if c.metrics_listen is not None:
             self.metrics_port = await nursery.start(serve_asgi, metrics_app(self.metrics), *c.metrics_listen)
         if c.http_listen is not None:

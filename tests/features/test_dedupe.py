@@ -6,12 +6,13 @@ import pytest
 import trio
 
 from delayserver import protocol as p
-from delayserver.client import AsyncProducer, Message
+from delayserver.client import AsyncProducer, Message, Producer
 from delayserver.config import Config
 from delayserver.dedupe import FILE_NAME, DedupeTable, dedupe_key
 from delayserver.message import MessageState, ResultCode, TimeSpec
 from delayserver.node.server import DelayServer
 from delayserver.storage.record import RecordType, decode_message, iter_records
+from tests.procs import ServerProcess
 
 HOUR = 3_600_000
 T0 = 1_795_000_000_000
@@ -689,3 +690,28 @@ async def test_chunks_of_a_replaced_table_file_are_not_applied(tmp_path):
     third = Dedupe(HOUR, tmp_path)
     assert third.load() == 150
     assert third.table.find("ghost", T0 + 2) is None and third.table.find("a", T0 + 2) == T0
+
+
+def test_a_restarted_server_process_still_answers_a_retried_send_with_the_first_handle(tmp_path):
+    """The real process reads its saved table beside its imports (delayserver/cli.py): after a
+    drained stop (table saved) and after a kill -9 (the rest found again in message_log)."""
+    server = ServerProcess(tmp_path / "data")
+    try:
+        server.start()
+        with Producer(server.address) as producer:
+            first = producer.send("q.process", b"a", delay=HOUR, message_id="a")
+        assert server.terminate() == 0
+        assert (tmp_path / "data" / "checkpoint" / FILE_NAME).exists()
+        server.start()
+        with Producer(server.address) as producer:
+            assert producer.send("q.process", b"a", delay=5, message_id="a") == first
+            second = producer.send("q.process", b"b", delay=HOUR, message_id="b")
+        server.kill()
+        server.start()
+        with Producer(server.address) as producer:
+            assert producer.send("q.process", b"a", delay=5, message_id="a") == first
+            assert producer.send("q.process", b"b", delay=5, message_id="b") == second
+        assert server.terminate() == 0
+    finally:
+        server.kill()
+    assert sorted(m.message_id for m in stored_messages(tmp_path / "data")) == ["a", "b"]
