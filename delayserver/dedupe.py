@@ -394,20 +394,22 @@ class DedupeTable:
             for part in parts:
                 self._stores.extend(part.stores)
                 self._scheds.extend(part.scheds)
+                if part.hashes is not None:
+                    self._hashes.extend(part.hashes)
         self._base = self._head = 0
         self._updates = []
         self.saved_to = count
         if all(part.hashes is not None and part.ascii for part in parts):
             # An ASCII id's length in characters is its length in bytes: no id is decoded.
             self._saved = _Saved(parts, pool)
-            for part in parts:
-                self._hashes.frombytes(memoryview(part.hashes).cast("B"))
+            if len(parts) == 1:
+                self._hashes = parts[0].hashes
             self._keys = [None] * count
             self._positions = {}
             self._saved.ready()
             return
         keys = [key for part in parts for key in part.keys()]
-        self._hashes.extend(key_hash(key.encode("utf-8")) for key in keys)
+        self._hashes = array("I", (key_hash(key.encode("utf-8")) for key in keys))
         self._keys = keys
         self._positions = dict(zip(keys, range(count)))
 
@@ -517,7 +519,8 @@ class _Columns:
     def __init__(self, stores: array, scheds: array, lengths, hashes, order, sorted_, text, offset: int,
                  ascii_: bool):
         self.stores, self.scheds, self.lengths = stores, scheds, lengths
-        # numpy uint32 arrays, or None (format 3 and before)
+        # each entry's hash (an array("I")), and the entries' order by hash with the hashes in that
+        # order (numpy uint32 arrays); all None in format 3 and before
         self.hashes, self.order, self.sorted = hashes, order, sorted_
         # `text`: bytes-like (read-only: a slice of it is hashable), all ASCII when `ascii`
         self.text, self.offset, self.ascii = text, offset, ascii_
@@ -531,17 +534,14 @@ class _Columns:
         fixed = 29 if hashed else 17  # bytes per entry before the text
         if len(body) < fixed * count:
             return None
-        stores, scheds = array("q"), array("q")
-        stores.frombytes(body[: 8 * count])
-        scheds.frombytes(body[8 * count : 16 * count])
-        if _LITTLE_ENDIAN:
-            stores.byteswap()
-            scheds.byteswap()
+        stores, scheds = _native(array("q"), body[: 8 * count]), _native(array("q"), body[8 * count : 16 * count])
         lengths = np.frombuffer(body[16 * count : 17 * count], dtype=np.uint8)
         hashes = order = sorted_ = None
         if hashed:
-            hashes, order, sorted_ = (np.frombuffer(body[at : at + 4 * count], dtype=">u4").astype(np.uint32)
-                                      for at in (17 * count, 21 * count, 25 * count))
+            # The table keeps each entry's hash in an array (`DedupeTable._hashes`): made here once.
+            hashes = _native(array("I"), body[17 * count : 21 * count])
+            order, sorted_ = (np.frombuffer(body[at : at + 4 * count], dtype=">u4").astype(np.uint32)
+                              for at in (21 * count, 25 * count))
             if count and order.max() >= count:
                 return None
         # The ids' text stays where it was read (a table file is mapped, not copied: 160 MB at ten
@@ -565,6 +565,14 @@ class _Columns:
         text = str(self.text, "utf-8")
         ends = list(itertools.accumulate(self.lengths.tolist()))
         return [text[e - n : e] for e, n in zip(ends, self.lengths.tolist())]
+
+
+def _native(column: array, data) -> array:
+    """`column` extended with the big-endian values of `data`, in native order."""
+    column.frombytes(data)
+    if _LITTLE_ENDIAN:
+        column.byteswap()
+    return column
 
 
 def _is_ascii(text) -> bool:
@@ -599,12 +607,27 @@ def _bitmap(sorted_: np.ndarray) -> tuple[int, bytes]:
     return int(shift), bitmap.tobytes()
 
 
+def _starts(lengths: np.ndarray, width, step: int = 1 << 18) -> np.ndarray:
+    """Where each id starts in the text, and where the last ends, from the ids' lengths (u8). In
+    slices widened one at a time: a cumsum that converts as it adds takes ten times as long, and a
+    widened copy of the whole column is 40 MB more to fault in at ten million ids."""
+    starts = np.empty(len(lengths) + 1, dtype=width)
+    starts[0] = carry = 0
+    for at in range(0, len(lengths), step):
+        part = starts[at + 1 : at + 1 + step]
+        np.cumsum(lengths[at : at + step].astype(width), out=part)
+        if carry:
+            part += carry
+        carry = int(part[-1])
+    return starts
+
+
 def _merged(parts: list[_Columns]) -> tuple[np.ndarray, np.ndarray]:
     """(order, sorted hashes) of the entries of `parts`, positions counted across them: the later
     parts (journal chunks, smaller than the file together) sorted, then merged into the first
     part's sorted run in one pass, equal hashes in position order."""
     first = parts[0]
-    hashes = np.concatenate([part.hashes for part in parts[1:]])
+    hashes = np.concatenate([np.frombuffer(part.hashes, dtype=np.uint32) for part in parts[1:]])
     rank = np.argsort(hashes, kind="stable")
     later = hashes[rank]
     at = first.sorted.searchsorted(later, side="right")
@@ -626,10 +649,7 @@ class _Saved:
         self.text = parts[0].text if len(parts) == 1 else b"".join(part.text for part in parts)
         lengths = np.concatenate([part.lengths for part in parts])
         width = np.int32 if len(self.text) < 1 << 31 else np.int64  # 4 bytes per id where they do
-        self.starts = np.empty(len(lengths) + 1, dtype=width)
-        self.starts[0] = 0
-        # Widened first: a cumsum that converts as it adds takes ten times as long.
-        np.cumsum(lengths.astype(width), out=self.starts[1:])
+        self.starts = _starts(lengths, width)
         self.order, self.sorted = (parts[0].order, parts[0].sorted) if len(parts) == 1 else _merged(parts)
         self._search = self.sorted.searchsorted
         self._building = _beside(pool, _bitmap, self.sorted)

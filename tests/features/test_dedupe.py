@@ -2,13 +2,14 @@
 real server, across a restart, and the table's own rules."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import trio
 
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message, Producer
 from delayserver.config import Config
-from delayserver.dedupe import FILE_NAME, DedupeTable, dedupe_key
+from delayserver.dedupe import FILE_NAME, DedupeTable, _starts, dedupe_key
 from delayserver.message import MessageState, ResultCode, TimeSpec
 from delayserver.node.server import DelayServer
 from delayserver.storage.record import RecordType, decode_message, iter_records
@@ -715,3 +716,11 @@ def test_a_restarted_server_process_still_answers_a_retried_send_with_the_first_
     finally:
         server.kill()
     assert sorted(m.message_id for m in stored_messages(tmp_path / "data")) == ["a", "b"]
+
+
+@pytest.mark.parametrize("step", [1, 3, 4, 1 << 18])
+def test_the_ids_start_offsets_are_summed_in_slices_without_losing_the_carry(step):
+    lengths = np.array([5, 0, 128, 7, 1, 1, 30, 2, 9, 0], dtype=np.uint8)
+    expected = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    assert _starts(lengths, np.int32, step).tolist() == expected.tolist()
+    assert _starts(lengths[:0], np.int32, step).tolist() == [0]
