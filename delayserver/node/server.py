@@ -88,7 +88,7 @@ class DelayServer:
         install_pending(c.data_dir)  # a snapshot of the master, taken by the slave before a restart
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dedupe-load") as pool:
             # The saved dedupe table is read while the store and its indexes are opened: its copies
-            # and checksums run mostly outside the interpreter's lock (0.4 s at ten million ids).
+            # and checksums run mostly outside the interpreter's lock (0.3 to 0.4 s at ten million ids).
             # (A snapshot's install leaves the table's files alone: read before it, they are the same.)
             reading = self._dedupe_read or pool.submit(Dedupe.read, c.dedupe_window_ms, c.data_dir / "checkpoint")
             self._dedupe_read = None  # read once: a later start reads afresh
