@@ -250,7 +250,7 @@ class SortedRuns:
         # numpy scalars of the runs' type: a Python int would make searchsorted convert the run.
         bounds = np.array([lo, min(hi, (1 << 64) - 1)], dtype=np.uint64)
         for keys, vals in self.runs:
-            i, j = (int(x) for x in keys.searchsorted(bounds))
+            i, j = keys.searchsorted(bounds).tolist()
             for x in range(i, j):
                 out.append((int(keys[x]), 0 if vals is None else int(vals[x])))
         tv = self._tail_vals
@@ -353,7 +353,9 @@ class _LogIndex:
         """Index one slice of the bucket's segment; True while more is left.
 
         Raises CorruptSegment on damage (nothing past it is indexed)."""
-        b = self.buckets.setdefault(bucket, _Bucket(self.with_values))
+        b = self.buckets.get(bucket)
+        if b is None:  # (not setdefault: a status or cancel calls this, and a _Bucket is not free)
+            b = self.buckets[bucket] = _Bucket(self.with_values)
         size = self.log.size(bucket)
         if b.covered >= size:
             return False
