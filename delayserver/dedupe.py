@@ -367,7 +367,7 @@ class DedupeTable:
         """Read a saved table; returns the message_log offset it covers, or None when there is no
         usable file (missing or damaged: logged)."""
         try:
-            raw = path.read_bytes()
+            raw = _map(path)  # the ids' text stays in the mapping (`_Columns.decode`)
         except FileNotFoundError:
             return None
         except OSError as e:
