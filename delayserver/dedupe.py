@@ -31,9 +31,9 @@ retry of that attempt's send is still a duplicate (`dedupe_key`).
 Memory: per id remembered since the node started, a dict entry from the id to its position, a
 list slot, and two 8-byte times in arrays (`DedupeTable`). The ids read back at start stay in the
 columns they were saved in (`_Saved`: the ids' text, their offsets, a hash of each and the order
-of the hashes): no Python object per id, so that ten million ids are read back in about 2 s, not
-the 12 to 14 s it takes to build ten million strings and a dict of them. `ops/bench dedupe`
-measures both.
+of the hashes), the text left in the file's read-only mapping: no Python object per id, so that
+ten million ids are read back in about half a second, not the 12 to 14 s it takes to build ten
+million strings and a dict of them. `ops/bench dedupe` measures both.
 
 File layout (format 4): a head (magic, message_log offset, entry count, crc32c of the body, the
 file's id), then the columns: every store time, every schedule time (big-endian i64), every id's

@@ -38,7 +38,6 @@ from delayserver.storage.segment import fsync_dir, fsync_fd, read_file
 from delayserver.storage.store import REPLAY_CHECKPOINT
 
 
-
 @attrs.define
 class SalvageReport:
     bucket: str
