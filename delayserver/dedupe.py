@@ -145,9 +145,11 @@ class DedupeTable:
         saved = self._saved
         return len(self._positions) + (0 if saved is None else saved.live_from(self._head))
 
-    def _saved_position(self, key: str) -> int | None:
-        """The position of `key` among the entries read back at start, when it is live there."""
-        position = self._saved.find(key.encode("utf-8"))
+    def _saved_position(self, key: str, raw: bytes | None = None, h: int | None = None) -> int | None:
+        """The position of `key` among the entries read back at start, when it is live there.
+        `raw`, `h`: its UTF-8 and `key_hash` of it, when the caller has them."""
+        raw = key.encode("utf-8") if raw is None else raw
+        position = self._saved.find(raw, key_hash(raw) if h is None else h)
         return None if position is None or position < self._head else position
 
     @property
@@ -174,8 +176,11 @@ class DedupeTable:
         handle). One accepted after the window starts a window of its own."""
         position = self._positions.get(message_id)
         saved = position is None and self._saved is not None
-        if saved:
-            position = self._saved_position(message_id)
+        h = None
+        if saved:  # its hash is taken once, for the lookup and to keep
+            raw = message_id.encode("utf-8")
+            h = key_hash(raw)
+            position = self._saved_position(message_id, raw, h)
         if position is not None:
             i = position - self._base
             if store_time - self._stores[i] < self.window_ms:
@@ -189,7 +194,7 @@ class DedupeTable:
         self._keys.append(message_id)
         self._stores.append(store_time)
         self._scheds.append(schedule_time)
-        self._hashes.append(key_hash(message_id.encode("utf-8")))
+        self._hashes.append(key_hash(message_id.encode("utf-8")) if h is None else h)
         self.changes += 1
 
     def expire(self, now_ms: int, limit: int | None = None) -> int:
@@ -694,9 +699,9 @@ class _Saved:
     def key(self, position: int) -> str:
         return str(self._bytes(position), "ascii")
 
-    def find(self, raw: bytes) -> int | None:
-        """The position of the current entry whose key's UTF-8 is `raw`, or None."""
-        h = key_hash(raw)
+    def find(self, raw: bytes, h: int) -> int | None:
+        """The position of the current entry whose key's UTF-8 is `raw` (`h`: its `key_hash`), or
+        None."""
         bit = h >> self._shift
         if not self._bitmap[bit >> 3] >> (bit & 7) & 1:
             return None
