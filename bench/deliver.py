@@ -212,7 +212,7 @@ def save_followers(store, now: int) -> None:
     EpochHistory.open(store.message_log)  # a node's first start reads the log and writes the file
 
     dedupe = Dedupe(attrs.fields(Config).dedupe_window_ms.default, store.checkpoint_dir)
-    dedupe.recover(store.message_log, now)
+    dedupe.recover(store.message_log, now, dedupe.load())
     schedules = ScheduleRegistry(store.checkpoint_dir)
     schedules.recover(store.message_log)
 

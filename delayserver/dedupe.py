@@ -371,19 +371,11 @@ class DedupeTable:
     def load(self, path: Path) -> int | None:
         """Read a saved table; returns the message_log offset it covers, or None when there is no
         usable file (missing or damaged: logged)."""
-        try:
-            raw = _map(path)  # the ids' text stays in the mapping (`_Columns.decode`)
-        except FileNotFoundError:
+        read = _read_table_file(path)
+        if read is None:
             return None
-        except OSError as e:
-            log.warning("%s: not read (%s); rebuilding the dedupe table from message_log", path, e)
-            return None
-        saved = _decode_saved(raw)
-        if saved is None:
-            log.warning("%s: damaged; rebuilding the dedupe table from message_log", path)
-            return None
-        self.restore([saved])
-        return saved.offset
+        self.restore([read[1]])
+        return read[1].offset
 
     def restore(self, parts: list[_Columns], pool: concurrent.futures.Executor | None = None) -> None:
         """Take the entries of a saved table file and of the journal chunks that extend it, in
@@ -391,24 +383,15 @@ class DedupeTable:
         window, or its handle moved) is at its later position. `pool`: where parts of the work
         run beside the rest (`_Saved`)."""
         count = sum(len(part) for part in parts)
-        self._stores, self._scheds, self._hashes = array("q"), array("q"), array("I")
         parts = [part for part in parts if len(part)] or parts[:1]  # a chunk of no entries only moved the offset
-        if len(parts) == 1:
-            self._stores, self._scheds = parts[0].stores, parts[0].scheds
-        else:
-            for part in parts:
-                self._stores.extend(part.stores)
-                self._scheds.extend(part.scheds)
-                if part.hashes is not None:
-                    self._hashes.extend(part.hashes)
+        self._stores, self._scheds = _joined([part.stores for part in parts]), _joined([part.scheds for part in parts])
         self._base = self._head = 0
         self._updates = []
         self.saved_to = count
         if all(part.hashes is not None and part.ascii for part in parts):
             # An ASCII id's length in characters is its length in bytes: no id is decoded.
             self._saved = _Saved(parts, pool)
-            if len(parts) == 1:
-                self._hashes = parts[0].hashes
+            self._hashes = _joined([part.hashes for part in parts])
             self._keys = [None] * count
             self._positions = {}
             self._saved.ready()
@@ -487,6 +470,23 @@ def read_journal(raw: bytes, base: int, hashed: bool = True):
     return chunks, pos
 
 
+def _read_table_file(path: Path, pool: concurrent.futures.Executor | None = None):
+    """(the file's mapped bytes, its entries) of a saved table file, or None when there is none or
+    it is not usable (logged)."""
+    try:
+        raw = _map(path)  # the ids' text stays in the mapping (`_Columns.decode`)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("%s: not read (%s); rebuilding the dedupe table from message_log", path, e)
+        return None
+    saved = _decode_saved(raw, pool)
+    if saved is None:
+        log.warning("%s: damaged; rebuilding the dedupe table from message_log", path)
+        return None
+    return raw, saved
+
+
 def _decode_saved(raw: bytes, pool: concurrent.futures.Executor | None = None) -> _Columns | None:
     """The entries of a saved table (their `offset` is the one it covers), or None when it is
     damaged. With `pool`, the body's crc is taken there while this thread decodes it (the crc runs
@@ -503,19 +503,13 @@ def _decode_saved(raw: bytes, pool: concurrent.futures.Executor | None = None) -
     return columns if checked.result() == crc else None
 
 
-class _Done:
-    """A result at hand, with a future's `result` (`_beside` without a pool)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-def _beside(pool: concurrent.futures.Executor | None, fn, *args):
+def _beside(pool: concurrent.futures.Executor | None, fn, *args) -> concurrent.futures.Future:
     """`fn(*args)` submitted to `pool` to run beside the caller's work, or run now without one."""
-    return pool.submit(fn, *args) if pool is not None else _Done(fn(*args))
+    if pool is not None:
+        return pool.submit(fn, *args)
+    done = concurrent.futures.Future()
+    done.set_result(fn(*args))
+    return done
 
 
 class _Columns:
@@ -570,6 +564,17 @@ class _Columns:
         text = str(self.text, "utf-8")
         ends = list(itertools.accumulate(self.lengths.tolist()))
         return [text[e - n : e] for e, n in zip(ends, self.lengths.tolist())]
+
+
+def _joined(columns: list[array]) -> array:
+    """The parts' column as one array: the only part's own (no copy), or a new one (the parts are
+    left as they are: `_Saved` counts positions by their lengths)."""
+    if len(columns) == 1:
+        return columns[0]
+    joined = array(columns[0].typecode)
+    for column in columns:
+        joined.extend(column)
+    return joined
 
 
 def _native(column: array, data) -> array:
@@ -750,10 +755,10 @@ class Dedupe:
         dedupe = cls(window_ms, checkpoint_dir)
         return dedupe, dedupe.load() if dedupe.table.enabled else None
 
-    def recover(self, message_log, now_ms: int, chunk_bytes: int = 8 << 20, load=None) -> None:
-        """Load the saved table and its journal (`load`: what gives the offset they cover when it
-        has read them, `self.load` by default), then feed message_log from that offset to the end."""
-        self.saved_offset = offset = message_log.resume_offset((load or self.load)(), str(self.path))
+    def recover(self, message_log, now_ms: int, saved: int | None, chunk_bytes: int = 8 << 20) -> None:
+        """Feed message_log from `saved` to its end: the offset the saved table and its journal
+        cover, as `load` (or `read`) gave it when it read them back (None: nothing saved)."""
+        self.saved_offset = offset = message_log.resume_offset(saved, str(self.path))
         for data in message_log.read_from(offset, chunk_bytes):
             self.table.feed(data, 0, len(data))
         self.table.expire(now_ms)
@@ -762,21 +767,11 @@ class Dedupe:
         """Read the table file and the journal chunks that extend it; the message_log offset they
         cover, or None when there is no usable table file. Its checksums and the bitmap run in a
         second thread beside the copies (both mostly outside the interpreter's lock)."""
-        try:
-            raw = _map(self.path)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            log.warning("%s: not read (%s); rebuilding the dedupe table from message_log", self.path, e)
-            return None
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dedupe-check") as pool:
-            return self._read_back(raw, pool)
+            read = _read_table_file(self.path, pool)
+            return None if read is None else self._read_back(*read, pool)
 
-    def _read_back(self, raw, pool: concurrent.futures.Executor) -> int | None:
-        saved = _decode_saved(raw, pool)
-        if saved is None:
-            log.warning("%s: damaged; rebuilding the dedupe table from message_log", self.path)
-            return None
+    def _read_back(self, raw, saved: _Columns, pool: concurrent.futures.Executor) -> int:
         self.saved_offset = saved.offset
         hashed = raw[:8] == _MAGIC
         # A file of an older format is not extended: the next save writes the table whole.

@@ -116,7 +116,7 @@ class DelayServer:
         self.halves = HalfMessages(scale)
         self.dedupe, saved = reading.result()
         if self.dedupe.table.enabled:
-            self.dedupe.recover(self.store.message_log, self.clock.now_ms(), load=lambda: saved)
+            self.dedupe.recover(self.store.message_log, self.clock.now_ms(), saved)
         self.schedules = ScheduleRegistry(self.store.checkpoint_dir)
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
