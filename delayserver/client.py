@@ -42,7 +42,7 @@ from delayserver.message import (
 )
 from delayserver.meta.wire import parse_address_list
 from delayserver.protocol import SendItem
-from delayserver.trio_util import BackgroundTasks
+from delayserver.trio_util import BackgroundTasks, write_now
 
 log = logging.getLogger("delayserver.client")
 
@@ -308,8 +308,12 @@ class AsyncProducer(BackgroundTasks):
         event, box = trio.Event(), []
         self._waiting[rid] = (event, box)
         try:
-            async with self._send_lock:
-                await stream.send_all(p.encode(p.Frame(command, rid, payload)))
+            data = p.encode(p.Frame(command, rid, payload))
+            if not self._send_lock.locked():
+                data = data[write_now(stream, data):]  # at once, when the kernel takes it all
+            if data:
+                async with self._send_lock:
+                    await stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             self._waiting.pop(rid, None)
             raise ConnectionError(f"connection lost: {e}") from e

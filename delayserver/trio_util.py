@@ -1,9 +1,33 @@
-"""Small trio helpers shared by the clients."""
+"""Small trio helpers shared by the clients and the connection pump."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import trio
+
+
+def write_now(stream: trio.abc.Stream, data: bytes) -> int:
+    """Write to a TCP stream's socket what the kernel takes of `data` at once, without waiting.
+
+    trio's `send_all` passes through the scheduler after every send even when the kernel took it
+    all: one more task step per request and per answer. This writes straight to the socket and
+    returns how many bytes went: all of them, some (a full send buffer), or 0 (a full buffer, a
+    closed stream, or a stream that is not a plain `trio.SocketStream`, TLS among them). The
+    caller sends the rest with `send_all`, under whatever lock keeps its frames whole, and must
+    not call this while another of its sends is under way. Raises trio.BrokenResourceError when
+    the peer reset the connection, as `send_all` would."""
+    if type(stream) is not trio.SocketStream:
+        return 0
+    fd = stream.socket.fileno()
+    if fd < 0:
+        return 0
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as e:
+        raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
 
 
 @contextlib.asynccontextmanager

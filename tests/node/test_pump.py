@@ -141,3 +141,44 @@ async def test_a_gate_may_answer_frames_and_keep_the_connection_outside_until_au
     answers, by = await _pump_frames([meta(1, b"a"), p.Frame(p.Command.AUTH, 2, b"guess"), meta(3, b"b")], gate)
     assert [(f.command, f.request_id) for f in answers] == [(p.Command.META, 1), (p.Command.ERROR, 2)]
     assert by == ["gate", "gate"]
+
+
+async def test_an_answer_the_kernel_takes_in_part_goes_out_whole_before_the_next():
+    """Answers go straight to a TCP socket when nothing else is being sent; one the kernel takes
+    only in part is finished under the send lock, and an answer ready meanwhile waits for it
+    instead of being written into the middle of it."""
+    big = bytes(range(256)) * (8 * 1024)  # 2 MiB: more than the socket's send buffer holds
+    big_answered = trio.Event()
+
+    async def respond(frame: p.Frame) -> bytes:
+        if frame.request_id == 1:
+            big_answered.set()
+            return p.encode(p.Frame(frame.command, 1, big, is_response=True))
+        await big_answered.wait()  # ready while the big answer is still going out
+        return p.encode(p.Frame(frame.command, frame.request_id, b"small:%d" % frame.request_id, is_response=True))
+
+    limits = pump_module.PumpLimits(4096, idle_timeout_s=10, say_timeout=False)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        async def serve():
+            async with listeners[0], await listeners[0].accept() as server:
+                server.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 64 * 1024)
+                await pump_module.pump(server, limits, respond)
+
+        nursery.start_soon(serve)
+        port = listeners[0].socket.getsockname()[1]
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        async with client:
+            # All in one write: the pump starts every answer in the same turn of the loop.
+            await client.send_all(b"".join(p.encode(p.Frame(p.Command.PING, rid, b"")) for rid in (1, 2, 3, 4)))
+            await client.send_eof()
+            decoder = p.FrameDecoder(max_frame_bytes=4 * len(big))
+            with trio.fail_after(10):
+                while chunk := await client.receive_some(65536):
+                    decoder.feed(chunk)
+    answers = []
+    while (frame := decoder.next_frame()) is not p.NEED_DATA:
+        answers.append(frame)
+    assert answers[0].request_id == 1 and answers[0].payload == big
+    assert sorted((f.request_id, f.payload) for f in answers[1:]) == \
+        [(2, b"small:2"), (3, b"small:3"), (4, b"small:4")]
