@@ -229,6 +229,8 @@ class AsyncProducer(BackgroundTasks):
             self._stream = None
 
     async def _connect(self) -> trio.SocketStream:
+        if self._stream is not None:  # connected: no trip through the scheduler for the lock
+            return self._stream
         async with self._connect_lock:
             if self._stream is not None:
                 return self._stream
