@@ -795,6 +795,7 @@ class Dedupe:
                 parts.append(columns)
                 self.saved_offset = offset
         self.table.restore(parts, pool)
+        self._saved_changes = self.table.changes  # as saved: what recovery feeds or expires is not
         return self.saved_offset
 
     async def save(self, now_ms: int, replay_offset: int, slice_entries: int = 32768) -> None:
@@ -813,6 +814,8 @@ class Dedupe:
                 await trio.lowlevel.checkpoint()
             whole = self._base_id is None or not self.saved_offset or not self.path.exists() \
                 or self.journal_bytes > max(self._base_bytes // 2, JOURNAL_MIN_COMPACT_BYTES)
+            if not whole and self._saved_changes == self.table.changes and replay_offset == self.saved_offset:
+                return  # the files hold this table at this offset already (a stop right after a start)
             if not whole and self._saved_changes == self.table.changes and not self.journal_bytes:
                 # Nothing changed since the table file was written: the records replayed since
                 # had no part in the table, so the file covers them too.

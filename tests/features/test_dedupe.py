@@ -571,6 +571,23 @@ async def test_a_save_of_an_unchanged_table_rewrites_only_the_offset_it_covers(t
     assert fresh.load() == 300 and fresh.table.find("new", T0 + 1001) == T0 + 5
 
 
+async def test_a_table_read_back_and_saved_unchanged_at_the_same_offset_writes_nothing(tmp_path):
+    """A node stopped right after it started (no send, no replay) leaves its files as they were:
+    no empty journal chunk, no rewrite."""
+    from delayserver.dedupe import Dedupe
+
+    first = await a_saved_table(tmp_path, 1000, 100)
+    first.table.remember("new", T0 + 5, T0 + 1001)
+    await first.save(T0 + 1001, 200)  # a journal with one chunk
+    files = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in (first.path, first.journal_path)}
+    again = Dedupe(HOUR, tmp_path)
+    assert again.load() == 200
+    await again.save(T0 + 1001, 200)
+    assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in files} == files
+    await again.save(T0 + 1002, 250)  # replay went on: the offset it covers is saved
+    assert Dedupe(HOUR, tmp_path).load() == 250
+
+
 def journal_entries(dedupe) -> list[int]:
     """The entry count of each chunk of the node's journal."""
     from delayserver.dedupe import read_journal
