@@ -312,7 +312,7 @@ class AsyncProducer(BackgroundTasks):
         try:
             data = p.encode(p.Frame(command, rid, payload))
             if not self._send_lock.locked():
-                data = data[write_now(stream, data):]  # at once, when the kernel takes it all
+                data = memoryview(data)[write_now(stream, data):]  # at once, when the kernel takes it all
             if data:
                 async with self._send_lock:
                     await stream.send_all(data)

@@ -150,7 +150,7 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                 written = write_now(stream, data)
                 if written == len(data):
                     return
-                data = data[written:]
+                data = memoryview(data)[written:]  # the rest, without a copy
             with trio.CancelScope(deadline=trio.current_time() + limits.send_timeout_s):
                 async with lock:
                     await stream.send_all(data)
