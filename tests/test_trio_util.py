@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 
 import pytest
 import trio
@@ -43,7 +44,7 @@ async def test_it_leaves_other_streams_and_closed_ones_alone():
 async def test_a_reset_connection_is_a_broken_resource():
     client, server = await _pair()
     async with client:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         await server.aclose()  # linger 0: the peer is reset, not closed (on loopback, at once)
         with pytest.raises(trio.BrokenResourceError):
             write_now(client, b"data")
