@@ -42,7 +42,7 @@ from delayserver.message import (
 )
 from delayserver.meta.wire import parse_address_list
 from delayserver.protocol import SendItem
-from delayserver.trio_util import BackgroundTasks, write_now
+from delayserver.trio_util import BackgroundTasks, send_whole
 
 log = logging.getLogger("delayserver.client")
 
@@ -310,12 +310,7 @@ class AsyncProducer(BackgroundTasks):
         event, box = trio.Event(), []
         self._waiting[rid] = (event, box)
         try:
-            data = p.encode(p.Frame(command, rid, payload))
-            if not self._send_lock.locked():
-                data = memoryview(data)[write_now(stream, data):]  # at once, when the kernel takes it all
-            if data:
-                async with self._send_lock:
-                    await stream.send_all(data)
+            await send_whole(stream, self._send_lock, p.encode(p.Frame(command, rid, payload)))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             self._waiting.pop(rid, None)
             raise ConnectionError(f"connection lost: {e}") from e
@@ -354,8 +349,7 @@ class AsyncProducer(BackgroundTasks):
         reply = p.encode(p.Frame(p.Command.TXN_CHECK, frame.request_id, p.encode_check_response(state),
                                  is_response=True))
         try:
-            async with self._send_lock:
-                await stream.send_all(reply)
+            await send_whole(stream, self._send_lock, reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the server asks again later
 

@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import trio
 
 
-def write_now(stream: trio.abc.Stream, data: bytes) -> int:
-    """Write to a TCP stream's socket what the kernel takes of `data` at once, without waiting.
-
-    trio's `send_all` passes through the scheduler after every send even when the kernel took it
-    all: one more task step per request and per answer. This writes straight to the socket and
-    returns how many bytes went: all of them, some (a full send buffer), or 0 (a full buffer, a
-    closed stream, or a stream that is not a plain `trio.SocketStream`, TLS among them). The
-    caller sends the rest with `send_all`, under whatever lock keeps its frames whole, and must
-    not call this while another of its sends is under way. Raises trio.BrokenResourceError when
-    the peer reset the connection, as `send_all` would."""
+def write_now(stream: trio.abc.Stream, data) -> int:
+    """Write to a TCP stream's socket what the kernel takes of `data` at once, without waiting;
+    how many bytes went: all, some (a full send buffer), or 0 (a full buffer, a closed stream, or
+    a stream that is not a plain `trio.SocketStream`, TLS among them). Raises
+    trio.BrokenResourceError when the peer reset the connection, as `send_all` would. Callers
+    use `send_whole`, which keeps frames whole."""
     if type(stream) is not trio.SocketStream:
         return 0
     fd = stream.socket.fileno()
@@ -28,6 +25,24 @@ def write_now(stream: trio.abc.Stream, data: bytes) -> int:
         return 0
     except OSError as e:
         raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+
+
+async def send_whole(stream: trio.abc.Stream, lock: trio.Lock, data: bytes, timeout_s: float | None = None) -> None:
+    """Send one frame whole, its bytes never mixed with another's sent under the same `lock`.
+
+    trio's `send_all` passes through the scheduler after every send, even when the kernel took it
+    all: one more task step per request and per answer. So while no other frame is being sent,
+    what the kernel takes at once is written straight to the socket (`write_now`); the rest goes
+    through `send_all` under the lock, within `timeout_s` when given (then it returns, the frame
+    cut short: the connection is past using). Raises as `send_all` does."""
+    if not lock.locked():
+        written = write_now(stream, data)
+        if written == len(data):
+            return
+        data = memoryview(data)[written:]  # the rest, without a copy
+    with trio.CancelScope(deadline=math.inf if timeout_s is None else trio.current_time() + timeout_s):
+        async with lock:
+            await stream.send_all(data)
 
 
 @contextlib.asynccontextmanager

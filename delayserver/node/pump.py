@@ -39,7 +39,7 @@ import trio
 from delayserver import protocol as p
 from delayserver.budget import ByteBudget
 from delayserver.message import ResultCode
-from delayserver.trio_util import write_now
+from delayserver.trio_util import send_whole
 
 log = logging.getLogger("delayserver.connections")
 
@@ -144,16 +144,7 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
 
     async def send(data: bytes) -> None:
         try:
-            if not lock.locked():
-                # What the kernel takes at once goes without a trip through the scheduler; the
-                # rest, if any, the usual way, under the lock.
-                written = write_now(stream, data)
-                if written == len(data):
-                    return
-                data = memoryview(data)[written:]  # the rest, without a copy
-            with trio.CancelScope(deadline=trio.current_time() + limits.send_timeout_s):
-                async with lock:
-                    await stream.send_all(data)
+            await send_whole(stream, lock, data, limits.send_timeout_s)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
