@@ -814,9 +814,10 @@ class Dedupe:
                 await trio.lowlevel.checkpoint()
             whole = self._base_id is None or not self.saved_offset or not self.path.exists() \
                 or self.journal_bytes > max(self._base_bytes // 2, JOURNAL_MIN_COMPACT_BYTES)
-            if not whole and self._saved_changes == self.table.changes and replay_offset == self.saved_offset:
+            unchanged = not whole and self._saved_changes == self.table.changes
+            if unchanged and replay_offset == self.saved_offset:
                 return  # the files hold this table at this offset already (a stop right after a start)
-            if not whole and self._saved_changes == self.table.changes and not self.journal_bytes:
+            if unchanged and not self.journal_bytes:
                 # Nothing changed since the table file was written: the records replayed since
                 # had no part in the table, so the file covers them too.
                 try:
