@@ -21,9 +21,9 @@ corruption. Sealed segments were fsynced whole at their roll, so damage in them 
 
 The replay checkpoint's offset is a durable point too: replay reads only what an fsync covered,
 and the checkpoint is written after. The active segment is walked from there at open (when a valid
-record starts there), so a start does not walk a whole segment again, and
-damage before it is never taken for a power-loss tail and cut with the acknowledged records after
-it: like damage in a sealed segment, it is corruption, found when it is read.
+record starts there), so a start does not walk a whole segment again, and damage before it is
+never taken for a power-loss tail and cut with the acknowledged records after it: like damage in
+a sealed segment, it is corruption, found when it is read.
 
 Epochs. Each batch opens with an EPOCH record naming the master epoch that wrote it
 (storage/record.py); `epochs` (storage/epochs.py) indexes where each epoch begins, so that a node
