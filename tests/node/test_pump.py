@@ -109,16 +109,22 @@ async def _pump_frames(frames: list[p.Frame], gate) -> tuple[list[p.Frame], list
                 await pump_module.pump(server, limits, respond, gate=gated)
 
         nursery.start_soon(serve)
-        await client.send_all(b"".join(p.encode(f) for f in frames))
-        await client.send_eof()
-        decoder = p.FrameDecoder()
-        with trio.fail_after(10):
-            while chunk := await client.receive_some(65536):
-                decoder.feed(chunk)
+        answers = await _exchange(client, frames)
+    return answers, by
+
+
+async def _exchange(client, frames: list[p.Frame], max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES) -> list[p.Frame]:
+    """Send `frames` in one write, then EOF; every frame answered until the server closes."""
+    await client.send_all(b"".join(p.encode(f) for f in frames))
+    await client.send_eof()
+    decoder = p.FrameDecoder(max_frame_bytes=max_frame_bytes)
+    with trio.fail_after(10):
+        while chunk := await client.receive_some(65536):
+            decoder.feed(chunk)
     answers = []
     while (frame := decoder.next_frame()) is not p.NEED_DATA:
         answers.append(frame)
-    return answers, by
+    return answers
 
 
 async def test_a_gate_may_answer_frames_and_keep_the_connection_outside_until_auth():
@@ -170,15 +176,8 @@ async def test_an_answer_the_kernel_takes_in_part_goes_out_whole_before_the_next
         client = await trio.open_tcp_stream("127.0.0.1", port)
         async with client:
             # All in one write: the pump starts every answer in the same turn of the loop.
-            await client.send_all(b"".join(p.encode(p.Frame(p.Command.PING, rid, b"")) for rid in (1, 2, 3, 4)))
-            await client.send_eof()
-            decoder = p.FrameDecoder(max_frame_bytes=4 * len(big))
-            with trio.fail_after(10):
-                while chunk := await client.receive_some(65536):
-                    decoder.feed(chunk)
-    answers = []
-    while (frame := decoder.next_frame()) is not p.NEED_DATA:
-        answers.append(frame)
+            answers = await _exchange(client, [p.Frame(p.Command.PING, rid, b"") for rid in (1, 2, 3, 4)],
+                                      max_frame_bytes=4 * len(big))
     assert answers[0].request_id == 1 and answers[0].payload == big
     assert sorted((f.request_id, f.payload) for f in answers[1:]) == \
         [(2, b"small:2"), (3, b"small:3"), (4, b"small:4")]
