@@ -86,9 +86,15 @@ class MessageOperations:
 
     async def status(self, handle: Handle) -> p.StatusResult:
         await self._replayed_past(self.receiver.durable_offset)
-        found = await self.lookup.find(handle.schedule_time, handle.message_id)
-        return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
-                              found.broker_group)
+        return _status_result(await self.lookup.find(handle.schedule_time, handle.message_id))
+
+    def status_now(self, handle: Handle) -> p.StatusResult | None:
+        """`status` when it needs no wait (replay has passed every durable record, the bucket's
+        indexes are built), or None."""
+        if self.replayer.offset < self.receiver.durable_offset:
+            return None
+        found = self.lookup.find_now(handle.schedule_time, handle.message_id)
+        return None if found is None else _status_result(found)
 
     async def cancel(self, handle: Handle) -> p.CancelResult:
         refusal = self.role.write_refusal()
@@ -237,16 +243,42 @@ class ConnectionRequests:
                 return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
             payload = await self._dispatch(frame)
             return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
-        except (p.RemoteProtocolError, DelayServerError) as e:
+        except Exception as e:  # noqa: BLE001 - no request may take the node down
+            return self._failed(frame, e)
+
+    def answer_now(self, frame: p.Frame) -> bytes | None:
+        """The response frame to a STATUS that needs no wait (see `MessageOperations.status_now`),
+        built in line by the connection's pump without a task of its own; None for any other
+        frame, or a status that must wait: `respond` answers those."""
+        if frame.command != p.Command.STATUS or frame.is_response:
+            return None
+        try:
+            handle = p.decode_handle(frame.payload)
+            result = self._requests.operations.status_now(handle)
+            if result is None:
+                return None
+            payload = self._status_response(handle, result)
+            return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
+        except Exception as e:  # noqa: BLE001 - no request may take the node down
+            return self._failed(frame, e)
+
+    def _failed(self, frame: p.Frame, e: Exception) -> bytes:
+        """The ERROR frame for a request that raised `e` (called in its except clause)."""
+        if isinstance(e, (p.RemoteProtocolError, DelayServerError)):
             return _error(frame.request_id, e.code, str(e))
-        except StorageError as e:
+        if isinstance(e, StorageError):
             log.exception("storage error serving a request")
             return _error(frame.request_id, ResultCode.INTERNAL, str(e))
-        except Exception as e:  # noqa: BLE001 - no request may take the node down
-            if not self._logged:
-                self._logged = True
-                log.exception("unexpected error serving %s; answered INTERNAL", frame.command.name)
-            return _error(frame.request_id, ResultCode.INTERNAL, f"internal error: {type(e).__name__}")
+        if not self._logged:
+            self._logged = True
+            log.exception("unexpected error serving %s; answered INTERNAL", frame.command.name)
+        return _error(frame.request_id, ResultCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+    def _status_response(self, handle: Handle, result: p.StatusResult) -> bytes:
+        """A status's payload; a message the logs do not know may be an open half message."""
+        if result.state == MessageState.UNKNOWN and self._requests.transactions is not None:
+            result = self._requests.transactions.status(handle) or result
+        return p.encode_status_response(result)
 
     async def _dispatch(self, frame: p.Frame) -> bytes:
         cmd, ops, master = frame.command, self._requests.operations, self._requests.master
@@ -261,10 +293,7 @@ class ConnectionRequests:
             return p.encode_cancel_response(await ops.cancel(p.decode_handle(frame.payload)))
         if cmd == p.Command.STATUS:
             handle = p.decode_handle(frame.payload)
-            result = await ops.status(handle)
-            if result.state == MessageState.UNKNOWN and self._requests.transactions is not None:
-                result = self._requests.transactions.status(handle) or result
-            return p.encode_status_response(result)
+            return self._status_response(handle, await ops.status(handle))
         if cmd == p.Command.SCHEDULE:
             return p.encode_json(await self._requests.schedules.handle(p.decode_json(frame.payload)))
         if cmd == p.Command.BROWSE:
@@ -295,6 +324,11 @@ class ConnectionRequests:
 
 _TRANSACTION_COMMANDS = frozenset({p.Command.PREPARE, p.Command.COMMIT, p.Command.ROLLBACK, p.Command.TXN_CHECK,
                                    p.Command.PRODUCER_REGISTER})
+
+
+def _status_result(found) -> p.StatusResult:
+    return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
+                          found.broker_group)
 
 
 def _error(request_id: int, code: int, message: str) -> bytes:

@@ -10,6 +10,9 @@ One pump serves every framed connection, the delay server's and the meta server'
   while no other is being sent is written straight to the socket: no trip through the scheduler
   (trio's `send_all` yields after each send), so a request and its answer cost two task steps
   where they cost five;
+- a request that `respond_now` answers at once (a status) is answered in line, while no other
+  request of its connection is in flight: no task, and one pass of the event loop for the request
+  and its answer;
 - an optional `gate` sees every frame, in line, until it lets the connection in (AUTH): it answers
   the frame itself and returns True (let in), False (refused: close) or None (answered, not in
   yet: the next frame goes to the gate too, as the meta server's open requests before AUTH do);
@@ -48,6 +51,7 @@ ABUSE_LOG_PER_MINUTE = 20
 LINGER_BYTES = 64 * 1024 * 1024
 
 Respond = Callable[[p.Frame], Awaitable[bytes]]
+RespondNow = Callable[[p.Frame], bytes | None]
 Gate = Callable[[p.Frame, Callable[[bytes], Awaitable[None]]], Awaitable[bool | None]]
 
 
@@ -133,12 +137,16 @@ def error_frame(request_id: int, code: int, message: str) -> bytes:
 
 async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *, gate: Gate | None = None,
                what: str = "a connection", budget: ByteBudget | None = None,
-               on_send: Callable[[Callable[[bytes], Awaitable[None]]], None] | None = None) -> None:
+               on_send: Callable[[Callable[[bytes], Awaitable[None]]], None] | None = None,
+               respond_now: RespondNow | None = None) -> None:
     """Serve one connection until EOF, a timeout, a protocol error or a refused gate; does not
     close the stream. Requests already read when EOF comes are answered first. `budget`, when
     given, is shared with other connections: the bytes of requests read and not answered yet.
     `on_send`, when given, is called with the connection's send function, so that this side may
-    send requests of its own over it (the server's TXN_CHECK)."""
+    send requests of its own over it (the server's TXN_CHECK). `respond_now`, when given, is
+    offered each frame while no other request of the connection is in flight: the answer it
+    returns is sent in line, with no task (a status the indexes answer at once); when it returns
+    None the frame goes to `respond` as any other."""
     decoder = p.FrameDecoder(max_frame_bytes=limits.max_frame_bytes)
     lock = trio.Lock()
 
@@ -222,6 +230,11 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                         return
                     admitted = verdict is True
                     continue
+                if respond_now is not None and slots.value == limits.max_in_flight:
+                    data = respond_now(frame)  # nothing in flight: no answer to keep order with
+                    if data is not None:
+                        await send(data)
+                        continue
                 if slots.value:
                     slots.acquire_nowait()  # no trip through the scheduler while there is room
                 else:

@@ -391,7 +391,7 @@ class DelayServer:
                 gate = functools.partial(self._authenticate, peer) if self.config.auth_secret else None
                 await pump(stream, self.limits, functools.partial(peer.respond, session=session), gate=gate,
                            what="a producer connection", budget=self.buffered,
-                           on_send=functools.partial(setattr, session, "send"))
+                           on_send=functools.partial(setattr, session, "send"), respond_now=peer.answer_now)
             finally:
                 session.close()
                 self.connections -= 1

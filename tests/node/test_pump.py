@@ -181,3 +181,53 @@ async def test_an_answer_the_kernel_takes_in_part_goes_out_whole_before_the_next
     assert answers[0].request_id == 1 and answers[0].payload == big
     assert sorted((f.request_id, f.payload) for f in answers[1:]) == \
         [(2, b"small:2"), (3, b"small:3"), (4, b"small:4")]
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 256])
+async def test_respond_now_answers_in_line_only_while_nothing_else_of_the_connection_is_in_flight(max_in_flight):
+    """A frame `respond_now` answers goes out without a task, in its turn: a frame read while an
+    earlier request of the same connection is still in flight goes to `respond`, so that with one
+    request at a time the answers keep the requests' order."""
+    client, server = trio.testing.memory_stream_pair()
+    by: list[tuple[str, int]] = []
+
+    async def respond(frame: p.Frame) -> bytes:
+        by.append(("respond", frame.request_id))
+        return p.encode(p.Frame(frame.command, frame.request_id, b"later", is_response=True))
+
+    def respond_now(frame: p.Frame) -> bytes | None:
+        if frame.command != p.Command.STATUS or frame.payload == b"must wait":
+            return None
+        by.append(("now", frame.request_id))
+        return p.encode(p.Frame(frame.command, frame.request_id, b"now", is_response=True))
+
+    spawned = []
+
+    class Spawns(trio.abc.Instrument):
+        def task_spawned(self, task):
+            spawned.append(task.name)
+
+    limits = pump_module.PumpLimits(4096, idle_timeout_s=10, max_in_flight=max_in_flight, say_timeout=False)
+    status = lambda rid, body=b"": p.Frame(p.Command.STATUS, rid, body)  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        async def serve():
+            async with server:
+                await pump_module.pump(server, limits, respond, respond_now=respond_now)
+
+        nursery.start_soon(serve)
+        await trio.testing.wait_all_tasks_blocked()
+        trio.lowlevel.add_instrument(instrument := Spawns())
+        try:
+            # One write: the pump reads all of them in one turn; PING 3 is still in flight when
+            # STATUS 4 is read.
+            answers = await _exchange(client, [status(1), status(2, b"must wait"), p.Frame(p.Command.PING, 3, b""),
+                                               status(4)])
+        finally:
+            trio.lowlevel.remove_instrument(instrument)
+    # (Tasks started in one turn run in an order trio picks.)
+    assert by[0] == ("now", 1) and sorted(by[1:]) == [("respond", 2), ("respond", 3), ("respond", 4)]
+    assert [(f.request_id, f.payload) for f in answers][:1] == [(1, b"now")]
+    assert sorted(f.request_id for f in answers) == [1, 2, 3, 4]
+    if max_in_flight == 1:
+        assert [f.request_id for f in answers] == [1, 2, 3, 4]
+    assert len([n for n in spawned if n.endswith("answer")]) == 3  # none for the status answered in line

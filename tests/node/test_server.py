@@ -110,6 +110,50 @@ async def test_cancel_reports_what_happened_and_a_cancelled_message_is_never_del
     assert status.broker_group == "spool" and status.dispatch_time >= now.schedule_time
 
 
+def _one_frame(data: bytes) -> p.Frame:
+    decoder = p.FrameDecoder()
+    decoder.feed(data)
+    frame = decoder.next_frame()
+    assert decoder.next_frame() is p.NEED_DATA
+    return frame
+
+
+async def test_a_status_answered_in_line_says_what_its_task_would_in_every_state(node, nursery):
+    """The pump answers a status in line when `answer_now` can (no task); its answer is the one
+    `respond` gives, for each state, a half message, a bad handle; and it steps aside (None) while
+    replay is behind what is durable, so a status never misses a message already acknowledged."""
+    prod = await producer_for(node, nursery)
+    pending = await prod.send("s.x", b"x", delay=60_000)
+    cancelled = await prod.send("s.x", b"y", delay=60_000)
+    assert await prod.cancel(cancelled) == CancelOutcome.CANCELLED
+    delivered = await prod.send("s.x", b"z", delay=0)
+    with trio.fail_after(5):
+        while (await prod.status(delivered)).state != MessageState.DELIVERED:
+            await trio.sleep(0.01)
+    half = await prod.prepare("s.x", b"h", group="orders", delay=60_000)
+    unknown = p.Handle(pending.schedule_time, "never-sent")
+    peer = node.requests.connection()
+    states = []
+    for handle in (pending, cancelled, delivered, half, unknown):
+        frame = p.Frame(p.Command.STATUS, 7, p.encode_handle(handle))
+        now = peer.answer_now(frame)
+        assert now is not None and now == await peer.respond(frame)
+        states.append(p.decode_status_response(_one_frame(now).payload).state)
+    assert states == [MessageState.PENDING, MessageState.CANCELLED, MessageState.DELIVERED,
+                      MessageState.PREPARED, MessageState.UNKNOWN]
+    bad = p.Frame(p.Command.STATUS, 8, b"\xff")
+    assert peer.answer_now(bad) == await peer.respond(bad)
+    assert _one_frame(peer.answer_now(bad)).command == p.Command.ERROR
+    assert peer.answer_now(p.Frame(p.Command.PING, 9, b"")) is None
+    frame = p.Frame(p.Command.STATUS, 10, p.encode_handle(pending))
+    durable = node.receiver.durable_offset
+    node.receiver.durable_offset = node.replayer.offset + 1  # no checkpoint until restored
+    try:
+        assert peer.answer_now(frame) is None
+    finally:
+        node.receiver.durable_offset = durable
+
+
 async def test_garbage_gets_an_error_frame_and_the_connection_closes_while_others_are_served(node, nursery):
     prod = await producer_for(node, nursery)
     frames = await raw_exchange(node.port, b"GET / HTTP/1.1\r\n\r\n" + os.urandom(64))
