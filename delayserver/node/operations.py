@@ -89,12 +89,19 @@ class MessageOperations:
         return _status_result(await self.lookup.find(handle.schedule_time, handle.message_id))
 
     def status_now(self, handle: Handle) -> p.StatusResult | None:
-        """`status` when it needs no wait (replay has passed every durable record, the bucket's
-        indexes are built), or None."""
-        if self.replayer.offset < self.receiver.durable_offset:
-            return None
+        """`status` when it needs no wait (the bucket's indexes are built), or None.
+
+        While replay is behind what is durable, only PENDING and DELIVERED are answered at once:
+        what replay has yet to apply may hold an acknowledged send (a message the logs do not
+        show yet, or a second one of the same handle after the first was cancelled), but never
+        an acknowledged cancel or move (both are acknowledged only once replayed), and nothing in
+        message_log undoes a delivery; UNKNOWN and CANCELLED wait for replay, as `status` does."""
         found = self.lookup.find_now(handle.schedule_time, handle.message_id)
-        return None if found is None else _status_result(found)
+        if found is None:
+            return None
+        if found.state not in _ANSWERED_BEFORE_REPLAY and self.replayer.offset < self.receiver.durable_offset:
+            return None
+        return _status_result(found)
 
     async def cancel(self, handle: Handle) -> p.CancelResult:
         refusal = self.role.write_refusal()
@@ -324,6 +331,10 @@ class ConnectionRequests:
 
 _TRANSACTION_COMMANDS = frozenset({p.Command.PREPARE, p.Command.COMMIT, p.Command.ROLLBACK, p.Command.TXN_CHECK,
                                    p.Command.PRODUCER_REGISTER})
+
+
+#: States a status may answer before replay has passed every durable record (`status_now`).
+_ANSWERED_BEFORE_REPLAY = frozenset({MessageState.PENDING, MessageState.DELIVERED})
 
 
 def _status_result(found) -> p.StatusResult:

@@ -120,8 +120,10 @@ def _one_frame(data: bytes) -> p.Frame:
 
 async def test_a_status_answered_in_line_says_what_its_task_would_in_every_state(node, nursery):
     """The pump answers a status in line when `answer_now` can (no task); its answer is the one
-    `respond` gives, for each state, a half message, a bad handle; and it steps aside (None) while
-    replay is behind what is durable, so a status never misses a message already acknowledged."""
+    `respond` gives, for each state, a half message, a bad handle. While replay is behind what is
+    durable it answers only PENDING and DELIVERED (no acknowledged record replay has yet to apply
+    changes those) and steps aside (None) for the rest, so a status never misses a message or a
+    second send of a cancelled handle already acknowledged."""
     prod = await producer_for(node, nursery)
     pending = await prod.send("s.x", b"x", delay=60_000)
     cancelled = await prod.send("s.x", b"y", delay=60_000)
@@ -145,13 +147,16 @@ async def test_a_status_answered_in_line_says_what_its_task_would_in_every_state
     assert peer.answer_now(bad) == await peer.respond(bad)
     assert _one_frame(peer.answer_now(bad)).command == p.Command.ERROR
     assert peer.answer_now(p.Frame(p.Command.PING, 9, b"")) is None
-    frame = p.Frame(p.Command.STATUS, 10, p.encode_handle(pending))
     durable = node.receiver.durable_offset
     node.receiver.durable_offset = node.replayer.offset + 1  # no checkpoint until restored
     try:
-        assert peer.answer_now(frame) is None
+        behind = [peer.answer_now(p.Frame(p.Command.STATUS, 10, p.encode_handle(h)))
+                  for h in (pending, cancelled, delivered, half, unknown)]
     finally:
         node.receiver.durable_offset = durable
+    assert [b is not None for b in behind] == [True, False, True, False, False]
+    assert [p.decode_status_response(_one_frame(b).payload).state for b in behind if b is not None] == \
+        [MessageState.PENDING, MessageState.DELIVERED]
 
 
 async def test_garbage_gets_an_error_frame_and_the_connection_closes_while_others_are_served(node, nursery):
