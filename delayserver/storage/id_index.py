@@ -64,6 +64,8 @@ HASH_BITS = 24
 HASH_MASK = (1 << HASH_BITS) - 1
 #: Keys kept unsorted before they are sealed into a run.
 TAIL_KEYS = 512
+#: Tails up to this many keys are searched key by key; longer ones in numpy.
+TAIL_SCAN_KEYS = 64
 #: Merges up to this many keys are done inline; bigger ones in a worker thread.
 INLINE_MERGE_KEYS = 1 << 16
 #: Bytes of segment parsed per build slice (about a millisecond of parsing).
@@ -253,10 +255,18 @@ class SortedRuns:
             i, j = keys.searchsorted(bounds).tolist()
             for x in range(i, j):
                 out.append((int(keys[x]), 0 if vals is None else int(vals[x])))
-        tv = self._tail_vals
-        for x, key in enumerate(self._tail_keys):
-            if lo <= key < hi:
-                out.append((key, 0 if tv is None else tv[x]))
+        tail, tv = self._tail_keys, self._tail_vals
+        if len(tail) <= TAIL_SCAN_KEYS:
+            hits = [x for x, key in enumerate(tail) if lo <= key < hi]
+        else:  # compared in numpy over the tail's own buffer (a 512-key loop took 30 us)
+            view = np.frombuffer(tail, dtype=np.uint64)
+            inside = view >= bounds[0]
+            if hi < 1 << 64:
+                inside &= view < bounds[1]
+            del view  # the array may not grow while a view of its buffer lives
+            hits = np.flatnonzero(inside).tolist()
+        for x in hits:
+            out.append((tail[x], 0 if tv is None else tv[x]))
         return out
 
     def drop_where(self, keep) -> None:

@@ -101,6 +101,24 @@ async def test_runs_merged_inline_while_a_big_merge_is_in_its_thread_are_kept_an
     assert sorted(keys.tolist()) == list(range(first + id_index.TAIL_KEYS))
 
 
+@pytest.mark.parametrize("tail", [id_index.TAIL_SCAN_KEYS, id_index.TAIL_SCAN_KEYS + 1, id_index.TAIL_KEYS - 1])
+def test_a_tail_is_searched_the_same_key_by_key_or_in_numpy_up_to_the_largest_key(tail):
+    top = (1 << 64) - 1
+    runs = SortedRuns(with_values=True)
+    keys = [top, top - 1, 0, 5, 5] + [7 + i for i in range(tail - 5)]
+    for i, key in enumerate(keys):
+        runs.add(key, i)
+    assert runs.runs == [] and len(runs) == tail
+    assert runs.find(top, 1 << 64) == [(top, 0)]
+    assert runs.find(top - 1, 1 << 70) == [(top, 0), (top - 1, 1)]
+    assert runs.find(top - 1, top) == [(top - 1, 1)]
+    assert runs.find(5, 6) == [(5, 3), (5, 4)]  # equal keys in insertion order
+    assert runs.find(0, 7) == [(0, 2), (5, 3), (5, 4)]
+    assert runs.find(1, 5) == []
+    runs.add(9, 99)  # the tail still grows after a search (no view of its buffer left behind)
+    assert (9, 99) in runs.find(9, 10)
+
+
 def _messages(n: int, rng: random.Random) -> list[tuple[str, int]]:
     return [(f"order-{i}", START_MS + rng.randrange(SCALE_MS)) for i in range(n)]
 
