@@ -28,8 +28,8 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records, message_log_head, schedule_change_sequence,
-    scheduled_record_head,
+    T_CANCEL, T_COMMIT, T_EPOCH, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records,
+    message_log_head, schedule_change_sequence, scheduled_record_head,
 )
 from delayserver.storage.store import REPLAY_CHECKPOINT, Store
 from delayserver.transactions.state import HalfMessages
@@ -151,13 +151,13 @@ class Replayer:
             off = base + pos
             if off >= limit:
                 break
-            if rtype == RecordType.SCHEDULE:  # a schedule change: followed (on_records), not scheduled
+            if rtype == T_SCHEDULE:  # a schedule change: followed (on_records), not scheduled
                 max_sequence = max(max_sequence, schedule_change_sequence(data, s))
                 followed.append((rtype, s, e))
                 changes += 1
                 end = base + e
                 continue
-            if rtype == RecordType.EPOCH:  # a batch's frame: nothing to schedule
+            if rtype == T_EPOCH:  # a batch's frame: nothing to schedule
                 end = base + e
                 continue
             try:
@@ -166,7 +166,7 @@ class Replayer:
                 raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
             if rtype in TRANSACTION_TYPES:
                 txn_notes.append((off, rtype, s, e))
-                if rtype != RecordType.COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
+                if rtype != T_COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
                     max_sequence = max(max_sequence, seq)
                     end = base + e
                     continue
@@ -182,7 +182,7 @@ class Replayer:
             at = sizes[bucket]
             mid = view[id_at : min(id_end, e)]
             ids[bucket].append((at - starts[bucket], kind, sched, mid))
-            if rtype == RecordType.CANCEL:
+            if rtype == T_CANCEL:
                 try:
                     notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
                 except UnicodeDecodeError:
@@ -217,7 +217,7 @@ class Replayer:
         ticks = self.ticks
         run: dict[int, list[tuple[int, int]]] = {}
         for bucket, offset, rtype, sched, mid in notes:
-            if rtype != RecordType.CANCEL:  # MESSAGE or COMMIT
+            if rtype != T_CANCEL:  # MESSAGE or COMMIT
                 entries = run.get(bucket)
                 if entries is None:
                     entries = run[bucket] = []

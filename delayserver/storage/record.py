@@ -111,6 +111,12 @@ class RecordType(enum.IntEnum):
     EPOCH = 12
 
 
+#: Plain ints of the types the per-record loops compare against: `RecordType.X` is a lookup
+#: through the enum's class on every use (about 0.1 us), a module global a dict lookup.
+T_MESSAGE, T_CANCEL, T_COMMIT = int(RecordType.MESSAGE), int(RecordType.CANCEL), int(RecordType.COMMIT)
+T_SCHEDULED, T_SCHEDULED_CANCEL = int(RecordType.SCHEDULED), int(RecordType.SCHEDULED_CANCEL)
+T_SCHEDULE, T_EPOCH = int(RecordType.SCHEDULE), int(RecordType.EPOCH)
+
 _TYPE_CRC = {t: _crc32c.crc32c(bytes([t])) for t in RecordType}
 _crc = _crc32c.crc32c
 VALID_TYPES = frozenset(int(t) for t in RecordType)
@@ -469,11 +475,11 @@ def message_log_head(buf, start: int, rtype: int) -> tuple[int, int, int, int]:
     Raises RecordError for a payload too short for its head or a type not in message_log. Once per
     replayed record: decoded by hand, without the `_decoding` wrapper's extra calls."""
     try:
-        if rtype == RecordType.MESSAGE or rtype == RecordType.COMMIT:  # a COMMIT is a MESSAGE payload
+        if rtype == T_MESSAGE or rtype == T_COMMIT:  # a COMMIT is a MESSAGE payload
             head = _unpack_message_head(buf, start)
             pos = start + _MESSAGE_HEAD_SIZE
             return head[1], head[2], pos, pos + head[4]
-        if rtype == RecordType.CANCEL:
+        if rtype == T_CANCEL:
             _, sched, seq, idlen = CANCEL_HEAD.unpack_from(buf, start)
             pos = start + CANCEL_HEAD.size
             return sched, seq, pos, pos + idlen

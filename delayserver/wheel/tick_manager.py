@@ -49,7 +49,7 @@ import numpy as np
 
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
-    HEADER_SIZE, RecordError, RecordType, cancel_key, record_size, scheduled_time,
+    HEADER_SIZE, T_SCHEDULED, T_SCHEDULED_CANCEL, RecordError, cancel_key, record_size, scheduled_time,
     decode_scheduled, iter_records,
 )
 from delayserver.storage.store import Store
@@ -395,7 +395,7 @@ class TickManager:
                 if deadline is not None and not count % _CLOCK_EVERY and consumed \
                         and time.perf_counter() > deadline:
                     break
-                if rtype == RecordType.SCHEDULED:
+                if rtype == T_SCHEDULED:
                     offset = start + pos
                     while next_skip < offset:
                         at += 1
@@ -406,7 +406,7 @@ class TickManager:
                         self.outstanding[bucket] += 1
                         if not self.wheel.add(sched, ref, now):
                             held.append((sched, ref))
-                elif rtype == RecordType.SCHEDULED_CANCEL:
+                elif rtype == T_SCHEDULED_CANCEL:
                     sched, mid = cancel_key(data, s)
                     self._note_cancel(bucket, start + pos, sched, mid)
                 consumed = e
