@@ -291,7 +291,8 @@ class Receiver:
             results[i] = (_duplicate(when, items[i].message_id) if other.code == ResultCode.OK
                           else SendResult(other.code, other.error, 0, items[i].message_id))
         if table is not None:
-            table.duplicates += sum(r.code == ResultCode.DUPLICATE for r in results)
+            duplicate = ResultCode.DUPLICATE  # (an enum member's lookup, once a batch)
+            table.duplicates += sum(r.code == duplicate for r in results)
         return results
 
     async def append_cancel(self, schedule_time: int, message_id: str) -> tuple[ResultCode, str, int]:

@@ -402,10 +402,11 @@ class Sender:
             self._split(group, batch, results[0].detail, at_once=False)
             return
         acked, failed = [], []
+        ok, refused = Outcome.ACKED, Outcome.REJECTED  # (an enum member's lookup, once a batch)
         for d, result in zip(batch, results):
-            if result.outcome is Outcome.ACKED:
+            if result.outcome is ok:
                 acked.append(d)
-            elif result.outcome is Outcome.REJECTED:
+            elif result.outcome is refused:
                 await self._park(d, group, result.detail, now)
             else:
                 failed.append(d)
