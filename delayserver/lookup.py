@@ -47,39 +47,23 @@ class Lookup:
 
     async def find(self, schedule_time: int, message_id: str) -> Found:
         """What the logs say of a message. Raises CorruptSegment on damage."""
-        store = self.store
-        bucket = bucket_start(schedule_time, store.segment_scale_ms)
-        if bucket not in store.schedule_log.sizes:
-            return Found(MessageState.UNKNOWN)
-        await self.ids.ensure(bucket)
-        offsets, cancels = self._records(bucket, schedule_time, message_id)
-        if not offsets:
-            return Found(MessageState.UNKNOWN)
-        await self.dispatches.ensure(bucket)
-        return self._state(bucket, offsets, cancels)
+        while (found := self.find_now(schedule_time, message_id)) is None:
+            await trio.lowlevel.checkpoint()  # a slice of an index built: let the loop run
+        return found
 
     def find_now(self, schedule_time: int, message_id: str) -> Found | None:
         """`find`'s answer when it needs no wait, or None while an index of the bucket does not
-        cover its segment yet (this call builds one slice of it; `find` builds the rest)."""
+        cover its segment yet (this call builds one slice of it)."""
         store = self.store
         bucket = bucket_start(schedule_time, store.segment_scale_ms)
         if bucket not in store.schedule_log.sizes:
             return Found(MessageState.UNKNOWN)
         if self.ids.build_slice(bucket):
             return None
-        offsets, cancels = self._records(bucket, schedule_time, message_id)
-        if not offsets:
-            return Found(MessageState.UNKNOWN)
-        if self.dispatches.build_slice(bucket):
-            return None
-        return self._state(bucket, offsets, cancels)
-
-    def _records(self, bucket: int, schedule_time: int, message_id: str) -> tuple[list[int], list[int]]:
-        """Offsets of the message's SCHEDULED records and of its cancels, by the id index."""
         offsets: list[int] = []
         cancels: list[int] = []
         for offset in self.ids.candidates(bucket, schedule_time, message_id):
-            rtype, data, s, e = self.store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
+            rtype, data, s, e = store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
             if rtype == RecordType.SCHEDULED:
                 _, sched, _, mid = scheduled_key(data, s)
                 if sched == schedule_time and mid == message_id:
@@ -87,13 +71,13 @@ class Lookup:
             elif rtype == RecordType.SCHEDULED_CANCEL:
                 if cancel_key(data, s) == (schedule_time, message_id):
                     cancels.append(offset)
-        return offsets, cancels
-
-    def _state(self, bucket: int, offsets: list[int], cancels: list[int]) -> Found:
-        """The state of a message with these records, by the dispatch index (built)."""
+        if not offsets:
+            return Found(MessageState.UNKNOWN)
+        if self.dispatches.build_slice(bucket):
+            return None
         positions = [p for p in (self.dispatches.first(bucket, o) for o in offsets) if p is not None]
         if positions:
-            _, data, s, e = self.store.dispatch_log.read_record(bucket, min(positions), READ_GUESS_BYTES)
+            _, data, s, e = store.dispatch_log.read_record(bucket, min(positions), READ_GUESS_BYTES)
             d = decode_dispatch(data, s, e)
             return Found(MessageState.DELIVERED, d.dispatch_time, d.broker_group, tuple(offsets))
         last_cancel = max(cancels, default=-1)
