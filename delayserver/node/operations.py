@@ -246,10 +246,8 @@ class ConnectionRequests:
                 raise p.RemoteProtocolError("a response frame sent to the server")
             transactions = self._requests.transactions
             if frame.command in _TRANSACTION_COMMANDS and transactions is not None:
-                payload = await transactions.respond(frame, session)
-                return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
-            payload = await self._dispatch(frame)
-            return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
+                return _answer(frame, await transactions.respond(frame, session))
+            return _answer(frame, await self._dispatch(frame))
         except Exception as e:  # noqa: BLE001 - no request may take the node down
             return self._failed(frame, e)
 
@@ -264,8 +262,7 @@ class ConnectionRequests:
             result = self._requests.operations.status_now(handle)
             if result is None:
                 return None
-            payload = self._status_response(handle, result)
-            return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
+            return _answer(frame, self._status_response(handle, result))
         except Exception as e:  # noqa: BLE001 - no request may take the node down
             return self._failed(frame, e)
 
@@ -340,6 +337,11 @@ _ANSWERED_BEFORE_REPLAY = frozenset({MessageState.PENDING, MessageState.DELIVERE
 def _status_result(found) -> p.StatusResult:
     return p.StatusResult(ResultCode.OK, found.state.name.lower(), found.state, found.dispatch_time,
                           found.broker_group)
+
+
+def _answer(frame: p.Frame, payload: bytes) -> bytes:
+    """The response frame to `frame` carrying `payload`."""
+    return p.encode(p.Frame(frame.command, frame.request_id, payload, is_response=True))
 
 
 def _error(request_id: int, code: int, message: str) -> bytes:
