@@ -14,5 +14,5 @@ fi
 export PATH="$VENV/bin:$PATH"
 # The project is installed editable, so pip compiled none of its modules: compile them here (only
 # what changed since the last time), or every process the scripts and tests start compiles them
-# again when Python runs with PYTHONDONTWRITEBYTECODE set (0.66 s of a server's start).
+# again when Python runs with PYTHONDONTWRITEBYTECODE set (README says what it costs).
 "$VENV/bin/python" -m compileall -q "$ROOT/delayserver" "$ROOT/bench" "$ROOT/spark" "$ROOT/tests" >/dev/null
