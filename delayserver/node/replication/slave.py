@@ -168,27 +168,36 @@ class Slave:
         if not self.role.is_slave():
             return  # promoted while the pull was in flight: never append the old master's records
         start, master_end, data = wire.decode_message_log_response(reply)
-        self.lag_bytes = max(0, master_end - offset - len(data))
+        if data:
+            try:
+                if start != offset:
+                    raise DelayServerError(f"master answered from {start}, asked for {offset}",
+                                           code=ResultCode.INTERNAL)
+                _check_from_master(data, "message_log", start)
+                store.message_log.append(data)
+                await run_disk(store.message_log.sync)
+            except StorageError as e:
+                self._note_lag(master_end - offset)
+                log.error("cannot store replicated records: %s", e)
+                store.message_log.truncate(offset)
+                await trio.sleep(1)
+                return
+            except BaseException:  # nothing of it stored: as far behind as the master says
+                self._note_lag(master_end - offset)
+                raise
+            receiver.set_durable(store.message_log.end_offset)
+            self.pulled += len(data)
+        # In sync only once what the master had is stored here (appended and synced): not while
+        # the pulled bytes are still being written.
+        self._note_lag(master_end - offset - len(data))
+
+    def _note_lag(self, lag_bytes: int) -> None:
+        self.lag_bytes = max(0, lag_bytes)
         self.in_sync = not self.lag_bytes
         if not self.lag_bytes:
             self._behind_since = None
         elif self._behind_since is None:
             self._behind_since = trio.current_time()
-        if not data:
-            return
-        if start != offset:
-            raise DelayServerError(f"master answered from {start}, asked for {offset}", code=ResultCode.INTERNAL)
-        _check_from_master(data, "message_log", start)
-        try:
-            store.message_log.append(data)
-            await run_disk(store.message_log.sync)
-        except StorageError as e:
-            log.error("cannot store replicated records: %s", e)
-            store.message_log.truncate(offset)
-            await trio.sleep(1)
-            return
-        receiver.set_durable(store.message_log.end_offset)
-        self.pulled += len(data)
 
     async def _pull_dispatch_log(self, conn) -> None:
         dispatch_log = self.store.dispatch_log
