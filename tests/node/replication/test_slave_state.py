@@ -134,3 +134,39 @@ async def test_a_slave_past_max_slave_lag_is_told_to_resync_and_does_from_a_snap
     assert master.master.slaves.states["s1"].pinning
     async with AsyncProducer(f"127.0.0.1:{slave.port}") as prod:
         assert {(await prod.status(h)).state.name for h in handles} == {"PENDING"}
+
+
+async def test_a_slave_is_in_sync_only_once_the_pulled_bytes_are_stored_here(tmp_path, nursery, monkeypatch):
+    """A pull that brings the master's whole log leaves the slave in sync (ready, lag 0) only once
+    those bytes are appended and synced here: not while they are still being written (the HTTP
+    API's /readyz said ready with 0 bytes pulled)."""
+    from delayserver.node.server import DelayServer
+    from delayserver.storage.message_log import MessageLog
+
+    master = await start(nursery, cfg(tmp_path, "m"))
+    async with AsyncProducer(f"127.0.0.1:{master.port}") as producer:
+        await producer.send("r.x", b"x", delay=HOUR)
+    slave_dir = tmp_path / "s"
+    entered, release = trio.Event(), trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    original = MessageLog.sync
+
+    def held_sync(self):  # the slave's first sync of pulled bytes waits until the test lets it go
+        if self.directory.is_relative_to(slave_dir) and self.end_offset and not release.is_set():
+            trio.from_thread.run_sync(entered.set, trio_token=token)
+            trio.from_thread.run(release.wait, trio_token=token)
+        return original(self)
+
+    monkeypatch.setattr(MessageLog, "sync", held_sync)
+    slave = DelayServer(cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}"))
+    nursery.start_soon(slave.serve)  # its start waits for its first pull, held below
+    try:
+        with trio.fail_after(30):
+            await entered.wait()
+        await trio.sleep(0.2)  # the pull is held in its sync: nothing else of it may run meanwhile
+        seen = (slave.slave.pulled, slave.slave.in_sync)
+    finally:
+        release.set()
+    assert seen == (0, False), "in sync before the pulled bytes were stored"
+    await wait_until(lambda: slave.slave.in_sync)
+    assert slave.slave.pulled == master.store.message_log.end_offset and slave.slave.lag_bytes == 0
