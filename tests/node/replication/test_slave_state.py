@@ -9,6 +9,8 @@ from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
 from delayserver.message import DelayServerError, ResultCode
 from delayserver.node.replication import Registry, SlaveStates, slave as slave_module, wire
+from delayserver.node.server import DelayServer
+from delayserver.storage.message_log import MessageLog
 
 from tests.node.replication.helpers import cfg, start, wait_until
 
@@ -140,9 +142,6 @@ async def test_a_slave_is_in_sync_only_once_the_pulled_bytes_are_stored_here(tmp
     """A pull that brings the master's whole log leaves the slave in sync (ready, lag 0) only once
     those bytes are appended and synced here: not while they are still being written (the HTTP
     API's /readyz said ready with 0 bytes pulled)."""
-    from delayserver.node.server import DelayServer
-    from delayserver.storage.message_log import MessageLog
-
     master = await start(nursery, cfg(tmp_path, "m"))
     async with AsyncProducer(f"127.0.0.1:{master.port}") as producer:
         await producer.send("r.x", b"x", delay=HOUR)
@@ -163,8 +162,7 @@ async def test_a_slave_is_in_sync_only_once_the_pulled_bytes_are_stored_here(tmp
     try:
         with trio.fail_after(30):
             await entered.wait()
-        await trio.sleep(0.2)  # the pull is held in its sync: nothing else of it may run meanwhile
-        seen = (slave.slave.pulled, slave.slave.in_sync)
+        seen = (slave.slave.pulled, slave.slave.in_sync)  # the pull held in its sync
     finally:
         release.set()
     assert seen == (0, False), "in sync before the pulled bytes were stored"
