@@ -506,13 +506,57 @@ def _encode_send_request_checked(items: Sequence[SendItem]) -> bytes:
     return b"".join(parts)
 
 
-def decode_send_request(payload: bytes) -> list[SendItem]:
-    """The batch of a SEND request payload; a header key given twice is a RemoteProtocolError."""
-    items = _decode_send_request_fast(payload)
-    return items if items is not None else _decode_send_request_checked(payload)
+def decode_send_request(payload: bytes) -> Sequence[SendItem]:
+    """The batch of a SEND request payload (a SendBatch when it takes the common shape, else a
+    list); a header key given twice is a RemoteProtocolError."""
+    batch = _decode_send_request_fast(payload)
+    return batch if batch is not None else _decode_send_request_checked(payload)
 
 
-def _decode_send_request_fast(payload: bytes) -> list[SendItem] | None:
+class SendBatch(Sequence[SendItem]):
+    """A decoded SEND request: a sequence of SendItems, made only when asked for, over the request
+    itself. Each item's row tells where its message lies in `buf`: id, subject, header block and
+    body back to back, in the order and layout of a MESSAGE record's variable part (record.py), so
+    that the receiver stores a message by putting its head in front of that span, not by encoding
+    the message again.
+
+    `rows[i]`: ``(message_id, subject, time, headers, id_at, id_len, subject_len, headers_len,
+    body_len)``."""
+
+    __slots__ = ("buf", "rows")
+
+    def __init__(self, buf: bytes, rows: list[tuple]):
+        self.buf = buf
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _item(self, row: tuple) -> SendItem:
+        message_id, subject, time, headers, id_at, id_len, subject_len, headers_len, body_len = row
+        body_at = id_at + id_len + subject_len + headers_len
+        return SendItem(message_id, subject, time, self.buf[body_at : body_at + body_len], headers)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._item(row) for row in self.rows[i]]
+        return self._item(self.rows[i])
+
+    def __iter__(self):
+        return map(self._item, self.rows)
+
+    def __eq__(self, other) -> bool:  # equal to the list of the same items, as the other decoder gives
+        if isinstance(other, (SendBatch, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"SendBatch({list(self)!r})"
+
+
+def _decode_send_request_fast(payload: bytes) -> SendBatch | None:
     """One pass over the payload with every bound checked by hand; None on anything else."""
     buf = payload if type(payload) is bytes else bytes(payload)
     end = len(buf)
@@ -522,8 +566,8 @@ def _decode_send_request_fast(payload: bytes) -> list[SendItem] | None:
     if count * _SEND_ITEM_SIZE > end - 4:
         return None
     pos, size, unpack, kinds = 4, _SEND_ITEM_SIZE, _SEND_ITEM.unpack_from, _TIME_KIND_BY_VALUE
-    items = []
-    append = items.append
+    rows = []
+    append = rows.append
     # A batch usually shares its time spec (one delay, or one level): each distinct one is made once.
     specs: dict[tuple[int, int], TimeSpec] = {}
     try:
@@ -541,29 +585,30 @@ def _decode_send_request_fast(payload: bytes) -> list[SendItem] | None:
             subject_at = id_at + id_len
             at = headers_at = subject_at + subject_len
             headers = {}
-            for _ in range(header_count):
-                key_at = at + 2
-                if key_at > end:
-                    return None
-                value_len_at = key_at + (buf[at] << 8 | buf[at + 1])
-                value_at = value_len_at + 2
-                if value_at > end:
-                    return None
-                at = value_at + (buf[value_len_at] << 8 | buf[value_len_at + 1])
-                if at > end:
-                    return None
-                key = buf[key_at:value_len_at].decode()
-                if key in headers:
-                    return None
-                headers[key] = buf[value_at:at].decode()
+            if header_count:
+                for _ in range(header_count):
+                    key_at = at + 2
+                    if key_at > end:
+                        return None
+                    value_len_at = key_at + (buf[at] << 8 | buf[at + 1])
+                    value_at = value_len_at + 2
+                    if value_at > end:
+                        return None
+                    at = value_at + (buf[value_len_at] << 8 | buf[value_len_at + 1])
+                    if at > end:
+                        return None
+                    key = buf[key_at:value_len_at].decode()
+                    if key in headers:
+                        return None
+                    headers[key] = buf[value_at:at].decode()
             pos = at + body_len
             if pos > end:
                 return None
-            append(SendItem(buf[id_at:subject_at].decode(), buf[subject_at:headers_at].decode(),
-                            spec, buf[at:pos], headers))
+            append((buf[id_at:subject_at].decode(), buf[subject_at:headers_at].decode(), spec, headers,
+                    id_at, id_len, subject_len, at - headers_at, body_len))
     except UnicodeDecodeError:
         return None
-    return items if pos == end else None
+    return SendBatch(buf, rows) if pos == end else None
 
 
 def _decode_send_request_checked(payload: bytes) -> list[SendItem]:

@@ -27,20 +27,22 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import attrs
 import trio
 
 from delayserver import failpoints
 from delayserver.dedupe import dedupe_key
-from delayserver.message import BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time
-from delayserver.protocol import SendItem, SendResult
+from delayserver.message import (
+    MAX_HEADERS_BYTES, MAX_ID_BYTES, BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time,
+)
+from delayserver.protocol import SendBatch, SendItem, SendResult
 from delayserver.storage.epochs import EpochRegression
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
-    EPOCH_RECORD_SIZE, HEADER_SIZE, Cancel, RecordType, encode_cancel, encode_epoch_record, encode_message_fields,
-    encode_schedule_change, record_header, set_sequence,
+    CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, add_sequenced_records,
+    encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change, record_header, set_sequence,
 )
 from delayserver.storage.segment import fsync_path, storage_failures
 from delayserver.storage.threads import run_disk
@@ -221,31 +223,43 @@ class Receiver:
 
     # --- API used by connections --------------------------------------------------------------
 
-    async def send(self, items: list[SendItem]) -> list[SendResult]:
+    async def send(self, items: Sequence[SendItem]) -> list[SendResult]:
         """Store a batch; every OK result is durable (flush=sync) before this returns. With
         dedupe on, an id accepted within the window (or earlier in this batch, or committing for
-        another request) is answered DUPLICATE with the first message's schedule time, not stored."""
+        another request) is answered DUPLICATE with the first message's schedule time, not stored.
+
+        `items` may be a SendBatch (protocol.py): a message of it whose id, subject, headers and
+        body pass the checks of `encode_message_fields` at a glance (a subject that passed them
+        before) is stored as a new head in front of its span of the request, the same bytes that
+        function makes of it; any other message goes through that function, its checks and errors."""
         now = self.clock.now_ms()
-        results: list[SendResult | None] = [None] * len(items)
+        if type(items) is SendBatch:
+            rows, view = items.rows, memoryview(items.buf)
+        else:  # rows as SendBatch has them, without a span (id_at -1)
+            rows, view = [(item.message_id, item.subject, item.time, item.headers, -1, 0, 0, 0, 0)
+                          for item in items], None
+        results: list[SendResult | None] = [None] * len(rows)
         accepted: list[tuple[int, int]] = []
         payloads: list[bytearray] = []
         refused = self._refuse_writes()
         max_bytes = self.config.max_message_bytes
         table = self.dedupe if self.dedupe is not None and self.dedupe.enabled else None
         in_batch: dict[str, int] = {}
-        keys: list[str | None] = [None] * len(items)
+        keys: list[str | None] = [None] * len(rows)
         twins: list[tuple[int, int]] = []  # (index, index of the first item with that id)
         waits: list[tuple[int, _Pending, int]] = []  # (index, another request's commit, its time)
         last_spec, last_when = None, 0
-        for i, item in enumerate(items):
+        pack_head, checked_subjects = MESSAGE_HEAD.pack, CHECKED_SUBJECTS
+        for i, row in enumerate(rows):
+            message_id, subject, spec, headers, id_at, id_len, subject_len, headers_len, body_len = row
             if refused is not None:
-                results[i] = SendResult(refused, self._refusal_text(refused), 0, item.message_id)
+                results[i] = SendResult(refused, self._refusal_text(refused), 0, message_id)
                 continue
             if table is not None:
-                key = keys[i] = dedupe_key(item.message_id, item.headers)
+                key = keys[i] = dedupe_key(message_id, headers)
                 known = table.find(key, now)
                 if known is not None:
-                    results[i] = _duplicate(known, item.message_id)
+                    results[i] = _duplicate(known, message_id)
                     continue
                 if key in in_batch:
                     twins.append((i, in_batch[key]))
@@ -255,16 +269,23 @@ class Receiver:
                     continue
             try:
                 # Items of a batch usually share one time spec object (protocol.decode_send_request).
-                if item.time is not last_spec:
-                    last_when, last_spec = self.schedule_time(item.time, now), item.time
-                when = last_when
-                payload = encode_message_fields(item.message_id, item.subject, item.body, when, item.headers,
-                                                now, max_body_bytes=max_bytes)
+                if spec is not last_spec:
+                    last_when, last_spec = self.schedule_time(spec, now), spec
+                when = last_when  # checked by check_schedule_time in schedule_time
+                if (id_at >= 0 and 0 < id_len <= MAX_ID_BYTES and subject in checked_subjects
+                        and body_len <= max_bytes
+                        and (not headers_len or (headers_len <= MAX_HEADERS_BYTES and "" not in headers))):
+                    payload = bytearray(pack_head(now, when, 0, 0, id_len, subject_len, headers_len, body_len))
+                    payload += view[id_at : id_at + id_len + subject_len + headers_len + body_len]
+                else:
+                    item = items[i]
+                    payload = bytearray(encode_message_fields(item.message_id, item.subject, item.body, when,
+                                                              item.headers, now, max_body_bytes=max_bytes))
             except InvalidMessage as e:
-                results[i] = SendResult(e.code, str(e), 0, item.message_id)
+                results[i] = SendResult(e.code, str(e), 0, message_id)
                 continue
             accepted.append((i, when))
-            payloads.append(bytearray(payload))
+            payloads.append(payload)
             if table is not None:
                 in_batch[key] = i
         if payloads:
@@ -272,7 +293,7 @@ class Receiver:
             if table is not None:
                 for i, when in accepted:
                     self._committing[keys[i]] = (p, when)
-                p.on_durable = lambda: [table.remember(keys[i], when, now) for i, when in accepted]
+                p.on_durable = lambda: table.remember_many([(keys[i], when) for i, when in accepted], now)
             try:
                 await self._commit(p)
             finally:
@@ -280,16 +301,22 @@ class Receiver:
                     for i, _ in accepted:
                         if self._committing.get(keys[i], (None,))[0] is p:
                             del self._committing[keys[i]]
-            ok = p.code == ResultCode.OK
-            for i, when in accepted:
-                results[i] = SendResult(p.code, "stored" if ok else p.error, when if ok else 0, items[i].message_id)
+            code = p.code
+            if code == ResultCode.OK:
+                # Made as the named tuple's own constructor makes it, without its Python-level call.
+                new = tuple.__new__
+                for i, when in accepted:
+                    results[i] = new(SendResult, (code, "stored", when, rows[i][0]))
+            else:
+                for i, _ in accepted:
+                    results[i] = SendResult(code, p.error, 0, rows[i][0])
         for i, first in twins:
             r = results[first]
             results[i] = _duplicate(r.schedule_time, r.message_id) if r.code == ResultCode.OK else r
         for i, other, when in waits:
             await other.done.wait()
-            results[i] = (_duplicate(when, items[i].message_id) if other.code == ResultCode.OK
-                          else SendResult(other.code, other.error, 0, items[i].message_id))
+            results[i] = (_duplicate(when, rows[i][0]) if other.code == ResultCode.OK
+                          else SendResult(other.code, other.error, 0, rows[i][0]))
         if table is not None:
             duplicate = ResultCode.DUPLICATE  # (an enum member's lookup, once a batch)
             table.duplicates += sum(r.code == duplicate for r in results)
@@ -434,12 +461,16 @@ class Receiver:
         parts, seq = [encode_epoch_record(epoch)], max(self.next_sequence, self.sequence_floor())
         sizes = []
         for p in batch:
+            if not p.rtypes:  # records of one type (a send): framed in one call
+                sizes.append(add_sequenced_records(parts, p.rtype, p.payloads, seq))
+                seq += len(p.payloads)
+                continue
             size = 0
             for k, payload in enumerate(p.payloads):
                 set_sequence(payload, seq)
                 seq += 1
                 # Header and payload go to the one write as two pieces: no copy per message.
-                parts += (record_header(p.rtypes[k] if p.rtypes else p.rtype, payload), payload)
+                parts += (record_header(p.rtypes[k], payload), payload)
                 size += HEADER_SIZE + len(payload)
             sizes.append(size)
         data = b"".join(parts)

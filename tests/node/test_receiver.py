@@ -180,3 +180,77 @@ async def test_a_batch_of_an_epoch_older_than_the_logs_is_refused_fenced(store, 
         (result,) = await r.send([item(2)])
         nursery.cancel_scope.cancel()
     assert result.code == ResultCode.FENCED and store.message_log.end_offset == end
+
+
+async def test_a_decoded_request_stores_what_the_messages_one_by_one_would(tmp_path, autojump_clock, monkeypatch):
+    """A request as the protocol decodes it (a SendBatch) is stored by putting a head in front of
+    each message's span of the request: the same records, results and refusals as the same
+    messages handed over one by one and encoded, headers, non-ASCII ids and dedupe included; only
+    the messages the quick checks do not pass are encoded (and refused) one by one."""
+    import uuid
+
+    from delayserver.dedupe import DedupeTable
+    from delayserver.node import receiver as receiver_module
+    from delayserver.protocol import SendBatch, decode_send_request, encode_send_request
+
+    fresh = f"fresh.{uuid.uuid4().hex}"  # a subject no message has had yet: checked on its first use
+    items = [
+        SendItem("plain", "orders.q", TimeSpec.delay(1000), b"x" * 10),
+        SendItem("with-headers", "orders.q", TimeSpec.at(NOW + 5000), b"body", {"trace": "t-1", "k": ""}),
+        SendItem("идентификатор", fresh, TimeSpec.level(3), b""),
+        SendItem("again-fresh", fresh, TimeSpec.delay(0), b"y"),
+        SendItem("plain", "orders.q", TimeSpec.delay(2000), b"twin"),  # the same id: a duplicate
+        SendItem("empty-key", "orders.q", TimeSpec.delay(1000), b"", {"": "v"}),
+        SendItem("too-big", "orders.q", TimeSpec.delay(1000), b"z" * 1025),
+        SendItem("i" * 129, "orders.q", TimeSpec.delay(1000), b""),
+        SendItem("bad-subject", "orders q", TimeSpec.delay(1000), b""),
+        SendItem("late", "orders.q", TimeSpec.delay(2 * 86_400_000), b""),
+        SendItem("big-headers", "orders.q", TimeSpec.delay(1000), b"", {"h": "v" * 40_000}),
+        SendItem("plain", "orders.q", TimeSpec.delay(1000), b"", {"reconsume-times": "1"}),  # a retry: its own key
+    ]
+    batch = decode_send_request(encode_send_request(items))
+    assert type(batch) is SendBatch and list(batch) == items
+
+    encoded = []
+    real = receiver_module.encode_message_fields
+    monkeypatch.setattr(receiver_module, "encode_message_fields",
+                        lambda message_id, *a, **k: encoded.append(message_id) or real(message_id, *a, **k))
+
+    class Still:  # one clock reading for both nodes, whenever each sends
+        def now_ms(self) -> int:
+            return NOW
+
+    def node(path):
+        store = Store.open(path)
+        config = Config.from_dict({"max_delay": "1d", "max_message_bytes": 1024})
+        return store, Receiver(store, Still(), config, recent=RecentBatches(), disk=DiskSpace(store, 0),
+                               on_durable=Wakeup(), sequence_floor=lambda: 1, dedupe=DedupeTable(3_600_000))
+
+    (one_store, one), (batch_store, whole) = node(tmp_path / "one"), node(tmp_path / "batch")
+    results = {}
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(one.serve)
+            await nursery.start(whole.serve)
+
+            results["batch"] = await whole.send(batch)
+            results["one"] = await one.send(items)
+            nursery.cancel_scope.cancel()
+        assert results["batch"] == results["one"]
+        codes = [r.code for r in results["batch"]]
+        assert codes == [ResultCode.OK, ResultCode.OK, ResultCode.OK, ResultCode.OK, ResultCode.DUPLICATE,
+                         ResultCode.BAD_HEADERS, ResultCode.MESSAGE_TOO_LARGE, ResultCode.BAD_MESSAGE_ID,
+                         ResultCode.BAD_SUBJECT, ResultCode.BAD_SCHEDULE_TIME, ResultCode.BAD_HEADERS,
+                         ResultCode.OK]
+        assert one_store.message_log.read(0, 1 << 20)[0] == batch_store.message_log.read(0, 1 << 20)[0]
+        assert [m.message_id for m in stored(batch_store)] == ["plain", "with-headers", "идентификатор",
+                                                               "again-fresh", "plain"]
+        # The batch went through encode_message_fields only for the fresh subject's first message
+        # and the ones refused there; the list, every message that reached encoding (the twin and
+        # the late one are answered before it).
+        assert encoded == ["идентификатор", "empty-key", "too-big", "i" * 129, "bad-subject", "big-headers",
+                           "plain", "with-headers", "идентификатор", "again-fresh", "empty-key", "too-big",
+                           "i" * 129, "bad-subject", "big-headers", "plain"]
+    finally:
+        one_store.close()
+        batch_store.close()
