@@ -197,6 +197,29 @@ class DedupeTable:
         self._hashes.append(key_hash(message_id.encode("utf-8")) if h is None else h)
         self.changes += 1
 
+    def remember_many(self, entries: list[tuple[str, int]], store_time: int) -> None:
+        """`remember(message_id, schedule_time, store_time)` for each ``(message_id,
+        schedule_time)`` of `entries`, in order (a request's accepted messages): an id the table
+        holds already goes through `remember`; new ones are appended without a call each."""
+        positions, keys, stores, scheds, hashes = self._positions, self._keys, self._stores, self._scheds, self._hashes
+        saved, base, added = self._saved is not None, self._base, 0
+        for message_id, schedule_time in entries:
+            if message_id in positions:
+                self.remember(message_id, schedule_time, store_time)
+                continue
+            raw = message_id.encode("utf-8")
+            h = key_hash(raw)
+            if saved and self._saved_position(message_id, raw, h) is not None:
+                self.remember(message_id, schedule_time, store_time)
+                continue
+            positions[message_id] = base + len(keys)
+            keys.append(message_id)
+            stores.append(store_time)
+            scheds.append(schedule_time)
+            hashes.append(h)
+            added += 1
+        self.changes += added
+
     def expire(self, now_ms: int, limit: int | None = None) -> int:
         """Forget the ids accepted more than the window ago (at most `limit` entries looked at, None:
         all); returns how many entries were looked at: under `limit` when the front is inside the

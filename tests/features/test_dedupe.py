@@ -9,7 +9,7 @@ import trio
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message, Producer
 from delayserver.config import Config
-from delayserver.dedupe import FILE_NAME, DedupeTable, _starts, dedupe_key
+from delayserver.dedupe import _HEAD, FILE_NAME, DedupeTable, _starts, dedupe_key
 from delayserver.message import MessageState, ResultCode, TimeSpec
 from delayserver.node.server import DelayServer
 from delayserver.storage.record import RecordType, decode_message, iter_records
@@ -117,6 +117,34 @@ def test_an_id_accepted_again_after_its_window_gets_a_window_of_its_own(tmp_path
     assert again.load(tmp_path / FILE_NAME) == 7
     assert len(again) == 1 and again.find("a", T0 + HOUR + 1) == T0 + HOUR + 9000
     assert again.expire(T0 + HOUR + 100) == 1 and again.find("a", T0 + HOUR + 1) == T0 + HOUR + 9000
+
+
+@pytest.mark.parametrize("read_back", [False, True])
+def test_remember_many_is_remember_of_each_in_turn(tmp_path, read_back):
+    """A request's accepted ids go into the table in one call: the same table as one call each,
+    new ids, ids held (within their window or past it), one twice, on a table read back or not."""
+    def start() -> DedupeTable:
+        table = DedupeTable(window_ms=HOUR)
+        table.remember("held", T0 + 5, T0)
+        table.remember("old", T0 + 6, T0 - HOUR)  # its window is over at T0 + 10
+        return saved_and_read(tmp_path, table) if read_back else table
+
+    entries = [("new-1", T0 + 100), ("held", T0 + 200), ("old", T0 + 300), ("ünïcode", T0 + 400),
+               ("new-1", T0 + 500)]
+    one_by_one, many = start(), start()
+    for message_id, when in entries:
+        one_by_one.remember(message_id, when, T0 + 10)
+    many.remember_many(entries, T0 + 10)
+    assert many.changes == one_by_one.changes and len(many) == len(one_by_one) == 4
+    for message_id in ("new-1", "held", "old", "ünïcode", "absent"):
+        assert many.find(message_id, T0 + 20) == one_by_one.find(message_id, T0 + 20)
+    assert many.find("held", T0 + 20) == T0 + 200 and many.find("old", T0 + HOUR) == T0 + 300
+    one_by_one.save_to(tmp_path / "one", 1)
+    many.save_to(tmp_path / "many", 1)
+    # The same file but for its random id (the head's last field).
+    head = _HEAD.size
+    assert (tmp_path / "one").read_bytes()[head:] == (tmp_path / "many").read_bytes()[head:]
+    assert (tmp_path / "one").read_bytes()[: head - 8] == (tmp_path / "many").read_bytes()[: head - 8]
 
 
 def saved_and_read(tmp_path, table: DedupeTable) -> DedupeTable:
