@@ -7,6 +7,10 @@
   fsync), taken from memory as a node replays the batches its receiver just wrote, with the id
   and time indexes following the segments as a node's do; the messages fall due an hour ahead, as
   `ops/bench ingest` sends them, so the wheel holds none of them.
+- receive: SEND requests of 64 messages (1 KiB bodies, no headers, due in an hour, as `ops/bench
+  ingest` sends them) decoded, stored by the node's receiver (`Receiver.send`, `flush = "async"`,
+  the dedupe table on as by default) and answered (the response encoded), one after another in
+  this process: the server's work per message before replay, without the network.
 - read: a whole schedule_log segment read as the tick manager loads it (`BucketLog.read` in 4 MiB
   chunks) and walked with `iter_records` (crc checked), each record decoded two ways:
   `scheduled_key` (what loading a bucket needs) and `decode_scheduled` (the whole message).
@@ -27,7 +31,14 @@ import time
 from pathlib import Path
 
 import attrs
+import trio
 
+from delayserver.clock import WallClock
+from delayserver.config import Config
+from delayserver.dedupe import DedupeTable
+from delayserver.message import TimeSpec
+from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
+from delayserver.protocol import SendItem, decode_send_request, encode_send_request, encode_send_response
 from delayserver.replayer import Replayer
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.id_index import IdIndex
@@ -37,6 +48,7 @@ from delayserver.storage.record import (
 )
 from delayserver.storage.store import Store
 from delayserver.storage.time_index import TimeIndex
+from delayserver.wakeup import Wakeup
 from delayserver.wheel.tick_manager import TickManager
 
 BATCH = 256
@@ -114,6 +126,38 @@ def bench_replay(directory: Path, records: int) -> Figures:
     return figures
 
 
+REQUEST_BATCH = 64  # messages per SEND request, as ops/bench ingest's producers send them
+
+
+def bench_receive(directory: Path, records: int) -> Figures:
+    """Decode, store and answer `records` messages in SEND requests of REQUEST_BATCH."""
+    requests = [encode_send_request([SendItem(f"msg-{n:08d}-{i:04d}", "bench.ingest", TimeSpec.delay(3_600_000),
+                                              BODY) for i in range(REQUEST_BATCH)])
+                for n in range(records // REQUEST_BATCH)]
+    store = Store.open(directory)
+    config = Config.from_dict({"flush": "async"})
+    receiver = Receiver(store, WallClock(), config, recent=RecentBatches(), disk=DiskSpace(store, 0),
+                        on_durable=Wakeup(), sequence_floor=lambda: 1, dedupe=DedupeTable(config.dedupe_window_ms))
+
+    async def run() -> Figures:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(receiver.serve)
+            watch = Stopwatch()
+            for request in requests:
+                encode_send_response(await receiver.send(decode_send_request(request)))
+            figures = watch.figures(len(requests) * REQUEST_BATCH, sum(map(len, requests)))
+            nursery.cancel_scope.cancel()
+        return figures
+
+    try:
+        figures = trio.run(run)
+        assert receiver.appended == figures.records, (receiver.appended, figures.records)
+        return figures
+    finally:
+        store.close()
+        shutil.rmtree(directory)
+
+
 def write_schedule_segment(directory: Path, records: int) -> None:
     log = BucketLog.open(directory)
     for n in range(records // BATCH):
@@ -174,6 +218,8 @@ def main(argv: list[str]) -> None:
         ):
             report(name, best(lambda: bench_append(root / str(next(runs)), count, fsync=fsync,
                                                    pre_encoded=pre_encoded)), target)
+        report("receive: decode, store, answer SEND", best(lambda: bench_receive(
+            root / str(next(runs)), records)))
         report("replay: into schedule_log, indexes following", best(lambda: bench_replay(root / str(next(runs)),
                                                                                           records)))
         write_schedule_segment(root / "schedule_log", records)

@@ -99,3 +99,25 @@ def test_storage_bench_replays_every_record_with_the_indexes_following(tmp_path)
     figures = storage.bench_replay(tmp_path / "replay", 2 * storage.BATCH)
     assert figures.records == 2 * storage.BATCH and figures.bytes > 2 * storage.BATCH * len(storage.BODY)
     assert not (tmp_path / "replay").exists()
+
+
+def test_storage_bench_receives_every_message_through_the_batch_path(tmp_path, monkeypatch):
+    """The receive figure is of requests stored as the server stores them: each message whole in
+    message_log, read back as it was sent."""
+    from bench import storage
+    from delayserver.storage.record import RecordType, decode_message, iter_records
+
+    records = 2 * storage.REQUEST_BATCH
+    seen = []
+    real_close = storage.Store.close
+
+    def read_then_close(store):  # what the receiver wrote, before the bench removes it
+        data, _ = store.message_log.read(0, 1 << 24)
+        seen.extend(decode_message(data, s, e) for _, rtype, s, e in iter_records(data) if rtype == RecordType.MESSAGE)
+        real_close(store)
+
+    monkeypatch.setattr(storage.Store, "close", read_then_close)
+    figures = storage.bench_receive(tmp_path / "receive", records)
+    assert figures.records == records and not (tmp_path / "receive").exists()
+    assert [m.message_id for m in seen] == [f"msg-{n:08d}-{i:04d}" for n in range(2) for i in range(storage.REQUEST_BATCH)]
+    assert all(m.body == storage.BODY and m.subject == "bench.ingest" for m in seen)
