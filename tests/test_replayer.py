@@ -35,6 +35,39 @@ def test_replay_appends_each_record_to_its_bucket_with_its_message_log_offset(tm
     node.crash()
 
 
+async def test_one_pass_over_records_that_alternate_between_buckets_schedules_each_where_one_by_one_would(tmp_path):
+    """A pass keeps the bucket it is appending to at hand and switches when a record falls in
+    another: the segments, and where the lookups and the wheel find each message, are those of
+    passes of one record each."""
+    from delayserver.lookup import Lookup
+    from delayserver.message import MessageState
+
+    messages = [(f"m{i}", START_MS + [0, 1, 1, 0, 2, 0, 2, 2, 1][i % 9] * SCALE_MS + i) for i in range(40)]
+    nodes = {}
+    for name in ("whole", "one-by-one"):
+        node = Node(tmp_path / name, START_MS)
+        node.load_all()  # the current bucket is loaded: its records go to the wheel as they are replayed
+        lookup = Lookup(node.store)  # its indexes follow the segments from here on
+        node.send(messages[:25])
+        node.cancel("m3", messages[3][1])
+        node.send(messages[25:])
+        if name == "whole":
+            assert node.replay() == len(messages) + 1  # one pass
+        else:
+            while node.replayer.offset < node.store.message_log.end_offset:
+                assert node.replayer.replay_once(START_MS, node.replayer.offset + 1) <= 1
+        for mid, sched in messages:
+            found = await lookup.find(sched, mid)
+            assert found.state == (MessageState.CANCELLED if mid == "m3" else MessageState.PENDING), mid
+        files = schedule_files(tmp_path / name)
+        fired = [(f.bucket, f.offset, f.message.message_id, f.message.schedule_time) for f in run_until_idle(node)]
+        nodes[name] = (files, fired)
+        node.crash()
+    (files, fired), (files_one_by_one, fired_one_by_one) = nodes["whole"], nodes["one-by-one"]
+    assert len(files) == 3 and files == files_one_by_one
+    assert fired == fired_one_by_one and sorted(f[2] for f in fired) == sorted(m for m, _ in messages if m != "m3")
+
+
 def test_replay_stops_at_the_limit(tmp_path):
     node = Node(tmp_path, START_MS)
     node.send(three_buckets(2))
