@@ -76,8 +76,22 @@ def _item(subject: str, body, deliver_at, delay, delay_level, message_id: str | 
     anything is sent)."""
     body = body if type(body) is bytes else bytes(body)
     check_body_size(len(body))
-    return SendItem(message_id or new_message_id(), subject, TimeSpec.of(deliver_at, delay, delay_level), body,
-                    dict(headers or {}))
+    if deliver_at is None and delay_level is None and type(delay) is int:
+        # One fixed delay is the usual send: its spec is made once (bounded: no input grows it forever).
+        spec = _DELAY_SPECS.get(delay)
+        if spec is None:
+            spec = TimeSpec.of(None, delay, None)
+            if len(_DELAY_SPECS) < 1024:
+                _DELAY_SPECS[delay] = spec
+    else:
+        spec = TimeSpec.of(deliver_at, delay, delay_level)
+    # As SendItem(...) makes it, without the named tuple's Python-level constructor.
+    return _new_tuple(SendItem, (message_id or new_message_id(), subject, spec, body,
+                                 dict(headers) if headers else {}))
+
+
+_DELAY_SPECS: dict[int, TimeSpec] = {}
+_new_tuple = tuple.__new__
 
 
 def _batches(items: list[tuple[int, SendItem]], count: int) -> list[list[tuple[int, SendItem]]]:

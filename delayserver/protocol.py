@@ -430,6 +430,10 @@ SEND_REQUEST_OVERHEAD = _U32.size
 
 def send_item_size(item: SendItem) -> int:
     """The bytes `item` takes in a SEND request payload (a client cuts its batches by it)."""
+    message_id, subject = item.message_id, item.subject
+    if not item.headers and type(message_id) is str and type(subject) is str and message_id.isascii() \
+            and subject.isascii():  # the usual item: an ASCII string's length is its length in UTF-8
+        return _SEND_ITEM_SIZE + len(item.body) + len(message_id) + len(subject)
     size = _SEND_ITEM.size + len(item.body)
     for text in (item.message_id, item.subject, *item.headers.keys(), *item.headers.values()):
         size += len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else 0
@@ -690,6 +694,7 @@ def _decode_send_response_fast(payload: bytes) -> list[SendResult] | None:
     if count * _SEND_RESULT_SIZE > end - 4:
         return None
     pos, size, unpack, codes = 4, _SEND_RESULT_SIZE, _SEND_RESULT.unpack_from, _RESULT_CODE_BY_VALUE
+    new = tuple.__new__
     texts: dict[bytes, str] = {}
     results = []
     append = results.append
@@ -711,7 +716,8 @@ def _decode_send_response_fast(payload: bytes) -> list[SendResult] | None:
             text = texts.get(raw)
             if text is None:
                 text = texts[raw] = raw.decode()
-            append(SendResult(codes.get(code, code), text, schedule_time, buf[id_at:length_at].decode()))
+            # As SendResult(...) makes it, without the named tuple's Python-level constructor.
+            append(new(SendResult, (codes.get(code, code), text, schedule_time, buf[id_at:length_at].decode())))
     except UnicodeDecodeError:
         return None
     return results if pos == end else None

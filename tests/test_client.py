@@ -70,6 +70,19 @@ def test_a_body_no_node_takes_is_refused_before_sending(node):
     assert server.receiver.appended == 1  # the big one never reached the node
 
 
+def test_messages_of_one_delay_share_one_time_spec_and_the_specs_kept_are_bounded():
+    from delayserver import client
+    from delayserver.message import TimeSpec
+
+    first, second = (client._item("orders.q", b"x", None, 5_000, None, None, None) for _ in range(2))
+    assert first.time is second.time and first.time == TimeSpec.delay(5_000)
+    assert first.message_id != second.message_id and first.headers == {} and first.headers is not second.headers
+    for delay in range(3_000):  # every delay its own: each item right, the table no larger than its bound
+        assert client._item("orders.q", b"", None, delay, None, "id", {"k": "v"}).time == TimeSpec.delay(delay)
+    assert len(client._DELAY_SPECS) <= 1024
+    assert client._item("orders.q", b"", 7, None, None, "id", None).time == TimeSpec.at(7)
+
+
 @pytest.mark.timeout(120)
 def test_times_that_are_no_whole_64_bit_number_are_refused_as_bad_schedule_time(node):
     address, _ = node

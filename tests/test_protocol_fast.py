@@ -48,6 +48,26 @@ def test_encode_send_response_is_the_reference(batch):
     assert outcome(p.encode_send_response, batch) == outcome(p._encode_send_response_checked, batch)
 
 
+@SETTINGS
+@given(items)
+def test_send_item_size_is_what_the_item_takes_in_a_request(item):
+    """A client cuts its batches by this size: ASCII ids without headers are counted without
+    encoding them, any other item by its encoding."""
+    try:
+        encoded = p._encode_send_request_checked([item])
+    except p.LocalProtocolError:
+        return  # an item no request carries: the client refuses it before counting it
+    assert p.send_item_size(item) == len(encoded) - p.SEND_REQUEST_OVERHEAD
+
+
+def test_send_item_size_counts_bytes_not_characters():
+    plain = p.SendItem("a" * 10, "orders", TimeSpec.delay(1), b"xyz")
+    wide = p.SendItem("é" * 10, "orders", TimeSpec.delay(1), b"xyz", {"k": "ü"})
+    for item in (plain, wide):
+        assert p.send_item_size(item) == len(p.encode_send_request([item])) - p.SEND_REQUEST_OVERHEAD
+    assert p.send_item_size(wide) - p.send_item_size(plain) == 10 + 2 * 2 + 1 + 2
+
+
 def valid_request(batch) -> bytes:
     try:
         return p._encode_send_request_checked(batch)
