@@ -589,22 +589,21 @@ def _decode_send_request_fast(payload: bytes) -> SendBatch | None:
             subject_at = id_at + id_len
             at = headers_at = subject_at + subject_len
             headers = {}
-            if header_count:
-                for _ in range(header_count):
-                    key_at = at + 2
-                    if key_at > end:
-                        return None
-                    value_len_at = key_at + (buf[at] << 8 | buf[at + 1])
-                    value_at = value_len_at + 2
-                    if value_at > end:
-                        return None
-                    at = value_at + (buf[value_len_at] << 8 | buf[value_len_at + 1])
-                    if at > end:
-                        return None
-                    key = buf[key_at:value_len_at].decode()
-                    if key in headers:
-                        return None
-                    headers[key] = buf[value_at:at].decode()
+            for _ in range(header_count):
+                key_at = at + 2
+                if key_at > end:
+                    return None
+                value_len_at = key_at + (buf[at] << 8 | buf[at + 1])
+                value_at = value_len_at + 2
+                if value_at > end:
+                    return None
+                at = value_at + (buf[value_len_at] << 8 | buf[value_len_at + 1])
+                if at > end:
+                    return None
+                key = buf[key_at:value_len_at].decode()
+                if key in headers:
+                    return None
+                headers[key] = buf[value_at:at].decode()
             pos = at + body_len
             if pos > end:
                 return None
