@@ -411,7 +411,8 @@ class Sender:
             else:
                 failed.append(d)
                 d.attempt += 1
-                d.tried.add(group.name)
+                if group.name not in d.tried:
+                    d.tried += (group.name,)
                 self.retried += 1
                 group.retried += 1
         if len(failed) == len(batch):

@@ -359,7 +359,9 @@ def _message_at(buf: bytes, id_at: int, end: int, store: int, sched: int, seq: i
     body_at = headers_at + hlen
     if body_at + blen != end:
         raise ValueError("message fields do not add up to the payload length")
-    return Message(
+    # As Message(...) makes it, without the named tuple's Python-level constructor (once per
+    # message delivered).
+    return _new_tuple(Message, (
         buf[id_at:subject_at].decode("utf-8"),
         buf[subject_at:headers_at].decode("utf-8"),
         buf[body_at:end],
@@ -368,7 +370,10 @@ def _message_at(buf: bytes, id_at: int, end: int, store: int, sched: int, seq: i
         store,
         seq,
         flags,
-    )
+    ))
+
+
+_new_tuple = tuple.__new__
 
 
 # --- cancel ---------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ class Due:
     message: Message | None
     generation: int = 0
     attempt: int = 1
-    tried: set = attrs.field(factory=set)
+    tried: tuple[str, ...] = ()  # the broker groups it failed at (no set made per due message)
     group: object = None  # the broker group whose in-flight budget it counts against
     suspect: bool = False  # in a batch that failed whole: one more whole failure splits it
     message_log_offset: int = -1  # where its record was replayed from (its dispatch record names it)

@@ -97,6 +97,15 @@ def test_weighted_choice_spreads_messages_close_to_the_weights():
     assert abs(picks["b"] / 20_000 - 0.75) < 0.02
 
 
+def test_a_retry_goes_to_a_group_it_has_not_failed_at_while_there_is_one():
+    groups = [BrokerGroup("a", transport=None, weight=1), BrokerGroup("b", transport=None, weight=100)]
+    sender = Sender(ticks=None, store=None, groups=groups, clock=None)
+    m = StoredMessage("id", "s", b"", 0)
+    assert {sender.pick(Delivery(0, 0, 0, m, tried=("b",)), 0).name for _ in range(200)} == {"a"}
+    assert {sender.pick(Delivery(0, 0, 0, m, tried=("b", "a")), 0).name for _ in range(200)} <= {"a", "b"}
+    assert Delivery(0, 0, 0, m).tried == ()  # nothing made per message until it fails somewhere
+
+
 def test_circuit_breaker_opens_half_opens_and_closes():
     b = CircuitBreaker(failure_threshold=3, success_threshold=2, cooldown_ms=100)
     for _ in range(3):
