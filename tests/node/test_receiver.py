@@ -187,13 +187,17 @@ async def test_a_decoded_request_stores_what_the_messages_one_by_one_would(tmp_p
     each message's span of the request: the same records, results and refusals as the same
     messages handed over one by one and encoded, headers, non-ASCII ids and dedupe included; only
     the messages the quick checks do not pass are encoded (and refused) one by one."""
-    import uuid
-
     from delayserver.dedupe import DedupeTable
     from delayserver.node import receiver as receiver_module
     from delayserver.protocol import SendBatch, decode_send_request, encode_send_request
+    from delayserver.storage import record
 
-    fresh = f"fresh.{uuid.uuid4().hex}"  # a subject no message has had yet: checked on its first use
+    # No subject checked yet (the process's table may hold these, or be full): each is checked on
+    # its first use.
+    checked = {}
+    monkeypatch.setattr(record, "CHECKED_SUBJECTS", checked)
+    monkeypatch.setattr(receiver_module, "CHECKED_SUBJECTS", checked)
+    fresh = "fresh.subject"
     items = [
         SendItem("plain", "orders.q", TimeSpec.delay(1000), b"x" * 10),
         SendItem("with-headers", "orders.q", TimeSpec.at(NOW + 5000), b"body", {"trace": "t-1", "k": ""}),
@@ -245,12 +249,14 @@ async def test_a_decoded_request_stores_what_the_messages_one_by_one_would(tmp_p
         assert one_store.message_log.read(0, 1 << 20)[0] == batch_store.message_log.read(0, 1 << 20)[0]
         assert [m.message_id for m in stored(batch_store)] == ["plain", "with-headers", "идентификатор",
                                                                "again-fresh", "plain"]
-        # The batch went through encode_message_fields only for the fresh subject's first message
-        # and the ones refused there; the list, every message that reached encoding (the twin and
-        # the late one are answered before it).
-        assert encoded == ["идентификатор", "empty-key", "too-big", "i" * 129, "bad-subject", "big-headers",
+        # The batch went through encode_message_fields only for each subject's first message and
+        # the ones refused there; the list, every message that reached encoding (the twin and the
+        # late one are answered before it).
+        assert encoded == ["plain", "идентификатор", "empty-key", "too-big", "i" * 129, "bad-subject",
+                           "big-headers",
                            "plain", "with-headers", "идентификатор", "again-fresh", "empty-key", "too-big",
                            "i" * 129, "bad-subject", "big-headers", "plain"]
+        assert set(checked) == {"orders.q", fresh}
     finally:
         one_store.close()
         batch_store.close()
