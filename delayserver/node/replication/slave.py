@@ -168,27 +168,24 @@ class Slave:
         if not self.role.is_slave():
             return  # promoted while the pull was in flight: never append the old master's records
         start, master_end, data = wire.decode_message_log_response(reply)
-        if data:
-            try:
-                if start != offset:
-                    raise DelayServerError(f"master answered from {start}, asked for {offset}",
-                                           code=ResultCode.INTERNAL)
-                _check_from_master(data, "message_log", start)
-                store.message_log.append(data)
-                await run_disk(store.message_log.sync)
-            except StorageError as e:
-                self._note_lag(master_end - offset)
-                log.error("cannot store replicated records: %s", e)
-                store.message_log.truncate(offset)
-                await trio.sleep(1)
-                return
-            except BaseException:  # nothing of it stored: as far behind as the master says
-                self._note_lag(master_end - offset)
-                raise
-            receiver.set_durable(store.message_log.end_offset)
-            self.pulled += len(data)
-        # In sync only once what the master had is stored here (appended and synced): not while
-        # the pulled bytes are still being written.
+        # Behind by all the master has past what is stored here: in sync only once pulled bytes are
+        # appended and synced here, not while they are being written (nor when storing them fails).
+        self._note_lag(master_end - offset)
+        if not data:
+            return
+        if start != offset:
+            raise DelayServerError(f"master answered from {start}, asked for {offset}", code=ResultCode.INTERNAL)
+        _check_from_master(data, "message_log", start)
+        try:
+            store.message_log.append(data)
+            await run_disk(store.message_log.sync)
+        except StorageError as e:
+            log.error("cannot store replicated records: %s", e)
+            store.message_log.truncate(offset)
+            await trio.sleep(1)
+            return
+        receiver.set_durable(store.message_log.end_offset)
+        self.pulled += len(data)
         self._note_lag(master_end - offset - len(data))
 
     def _note_lag(self, lag_bytes: int) -> None:
