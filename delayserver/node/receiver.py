@@ -42,7 +42,7 @@ from delayserver.storage.epochs import EpochRegression
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
     CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, add_sequenced_records,
-    encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change, record_header, set_sequence,
+    encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change,
 )
 from delayserver.storage.segment import fsync_path, storage_failures
 from delayserver.storage.threads import run_disk
@@ -461,18 +461,12 @@ class Receiver:
         parts, seq = [encode_epoch_record(epoch)], max(self.next_sequence, self.sequence_floor())
         sizes = []
         for p in batch:
-            if not p.rtypes:  # records of one type (a send): framed in one call
+            if p.rtypes:  # records of mixed types (a move: MESSAGE then CANCEL), one at a time
+                sizes.append(sum(add_sequenced_records(parts, rtype, [payload], seq + k)
+                                 for k, (rtype, payload) in enumerate(zip(p.rtypes, p.payloads))))
+            else:  # records of one type (a send): framed in one call
                 sizes.append(add_sequenced_records(parts, p.rtype, p.payloads, seq))
-                seq += len(p.payloads)
-                continue
-            size = 0
-            for k, payload in enumerate(p.payloads):
-                set_sequence(payload, seq)
-                seq += 1
-                # Header and payload go to the one write as two pieces: no copy per message.
-                parts += (record_header(p.rtypes[k], payload), payload)
-                size += HEADER_SIZE + len(payload)
-            sizes.append(size)
+            seq += len(p.payloads)
         data = b"".join(parts)
         try:
             start = self.store.message_log.append(data, epoch)

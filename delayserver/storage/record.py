@@ -222,11 +222,6 @@ def record_size(buf, pos: int) -> int:
     return HEADER_SIZE + HEADER.unpack_from(buf, pos)[1]
 
 
-def record_header(rtype: int, payload) -> bytes:
-    """The header of a record of `rtype` carrying `payload` (written as a separate piece)."""
-    return HEADER.pack(checksum(rtype, payload), len(payload), rtype)
-
-
 def _decoding(fn):
     """Make `fn` raise RecordError, at its `start` argument, for whatever a bad payload causes."""
     def wrapper(buf, start: int = 0, *args):
@@ -449,15 +444,10 @@ _SEQUENCE_AT = 16
 _SEQUENCE = struct.Struct(">Q")
 
 
-def set_sequence(payload: bytearray, sequence: int) -> None:
-    """Write `sequence` into a MESSAGE or CANCEL payload (the master assigns it at append)."""
-    _SEQUENCE.pack_into(payload, _SEQUENCE_AT, sequence)
-
-
 def add_sequenced_records(parts: list, rtype: int, payloads: list[bytearray], sequence: int) -> int:
     """Give each of `payloads`, records of type `rtype` for message_log (each payload starts with
-    its store time, schedule time and sequence), its sequence from `sequence` on, as `set_sequence`
-    does, and add its record to `parts`, the pieces of one write: the header and the payload as two
+    its store time, schedule time and sequence), its sequence from `sequence` on (the master
+    assigns it at append), and add its record to `parts`, the pieces of one write: the header and the payload as two
     pieces, no copy. Returns the bytes added (the receiver's path: no call per record)."""
     put, crc, seed, header, at = _SEQUENCE.pack_into, _crc32c.crc32c, _TYPE_CRC[rtype], HEADER.pack, _SEQUENCE_AT
     size = HEADER_SIZE * len(payloads)
