@@ -174,51 +174,36 @@ class DedupeTable:
         """Note an accepted message; a later one under the same id within the window keeps the first
         store time (the window runs from the first acceptance) and takes the newer schedule time (its
         handle). One accepted after the window starts a window of its own."""
-        position = self._positions.get(message_id)
-        saved = position is None and self._saved is not None
-        h = None
-        if saved:  # its hash is taken once, for the lookup and to keep
-            raw = message_id.encode("utf-8")
-            h = key_hash(raw)
-            position = self._saved_position(message_id, raw, h)
-        if position is not None:
-            i = position - self._base
-            if store_time - self._stores[i] < self.window_ms:
-                self._scheds[i] = schedule_time
-                self.changes += 1
-                self._updates.append(position)
-                return
-            if saved:  # its window is over: the dict's new entry is its current one
-                self._saved.supersede(position)
-        self._positions[message_id] = self._base + len(self._keys)
-        self._keys.append(message_id)
-        self._stores.append(store_time)
-        self._scheds.append(schedule_time)
-        self._hashes.append(key_hash(message_id.encode("utf-8")) if h is None else h)
-        self.changes += 1
+        self.remember_many(((message_id, schedule_time),), store_time)
 
-    def remember_many(self, entries: list[tuple[str, int]], store_time: int) -> None:
-        """`remember(message_id, schedule_time, store_time)` for each ``(message_id,
-        schedule_time)`` of `entries`, in order (a request's accepted messages): an id the table
-        holds already goes through `remember`; new ones are appended without a call each."""
+    def remember_many(self, entries, store_time: int) -> None:
+        """`remember` of each ``(message_id, schedule_time)`` of `entries`, in order, all accepted
+        at `store_time` (a request's messages: the table's columns bound once, no call per id)."""
         positions, keys, stores, scheds, hashes = self._positions, self._keys, self._stores, self._scheds, self._hashes
-        saved, base, added = self._saved is not None, self._base, 0
+        saved, base, window = self._saved, self._base, self.window_ms
         for message_id, schedule_time in entries:
-            if message_id in positions:
-                self.remember(message_id, schedule_time, store_time)
-                continue
-            raw = message_id.encode("utf-8")
-            h = key_hash(raw)
-            if saved and self._saved_position(message_id, raw, h) is not None:
-                self.remember(message_id, schedule_time, store_time)
-                continue
+            position = positions.get(message_id)
+            h = None
+            if position is None and saved is not None:  # its hash is taken once, for the lookup and to keep
+                raw = message_id.encode("utf-8")
+                h = key_hash(raw)
+                position = self._saved_position(message_id, raw, h)
+                if position is not None and store_time - stores[position - base] >= window:
+                    saved.supersede(position)  # its window is over: the dict's new entry is its current one
+                    position = None
+            if position is not None:
+                i = position - base
+                if store_time - stores[i] < window:
+                    scheds[i] = schedule_time
+                    self._updates.append(position)
+                    self.changes += 1
+                    continue
             positions[message_id] = base + len(keys)
             keys.append(message_id)
             stores.append(store_time)
             scheds.append(schedule_time)
-            hashes.append(h)
-            added += 1
-        self.changes += added
+            hashes.append(key_hash(message_id.encode("utf-8")) if h is None else h)
+            self.changes += 1
 
     def expire(self, now_ms: int, limit: int | None = None) -> int:
         """Forget the ids accepted more than the window ago (at most `limit` entries looked at, None:
