@@ -147,9 +147,6 @@ class Replayer:
         changes = 0  # SCHEDULE records: followed, not scheduled
         # MessageLog.read checked every record it returned: walk the headers only.
         sizes_of, max_sequence = self.store.schedule_log.size, self.max_sequence
-        # The bucket of the last record scheduled, its lists, its size before the pass and its size
-        # so far (`sizes` holds the size so far of each other bucket of the pass).
-        last_bucket, recs, bucket_ids, start, at = None, None, None, 0, 0
         for pos, rtype, s, e in iter_checked_records(data):
             off = base + pos
             if off >= limit:
@@ -177,19 +174,14 @@ class Replayer:
             # The schedule record is a head then the message_log payload as it is: no copy.
             payload = view[s:e]
             size, head, kind = scheduled_record_head(off, rtype, payload)
-            if bucket != last_bucket:  # runs of records share a bucket: its lists looked up once a run
-                if last_bucket is not None:
-                    sizes[last_bucket] = at
-                recs = per_bucket.get(bucket)
-                if recs is None:
-                    recs = per_bucket[bucket] = []
-                    bucket_ids = ids[bucket] = []
-                    at = starts[bucket] = sizes_of(bucket)
-                else:
-                    bucket_ids, at = ids[bucket], sizes[bucket]
-                start, last_bucket = starts[bucket], bucket
+            recs = per_bucket.get(bucket)
+            if recs is None:
+                recs = per_bucket[bucket] = []
+                ids[bucket] = []
+                sizes[bucket] = starts[bucket] = sizes_of(bucket)
+            at = sizes[bucket]
             mid = view[id_at : min(id_end, e)]
-            bucket_ids.append((at - start, kind, sched, mid))
+            ids[bucket].append((at - starts[bucket], kind, sched, mid))
             if rtype == T_CANCEL:
                 try:
                     notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
@@ -197,7 +189,7 @@ class Replayer:
                     raise CorruptSegment(self.store.message_log.directory, off, "message id is not UTF-8") from None
             else:
                 notes.append((bucket, at, rtype, sched, None))
-            at += size
+            sizes[bucket] = at + size
             recs += (head, payload)
             if seq > max_sequence:
                 max_sequence = seq

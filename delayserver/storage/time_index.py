@@ -50,9 +50,8 @@ class TimeIndex(IdIndex):
             self._keep(b, time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset))
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
-        scale, scheduled, bits = self.scale_ms, RecordType.SCHEDULED, OFFSET_BITS
-        # time_key(sched, scale, offset), written out: no call per record
-        self._keep_all(b, [(sched % scale) << bits | (pos + at) for at, rtype, sched, _ in ids if rtype == scheduled])
+        scale, scheduled = self.scale_ms, RecordType.SCHEDULED
+        self._keep_all(b, [time_key(sched, scale, pos + at) for at, rtype, sched, _ in ids if rtype == scheduled])
         return True
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
