@@ -252,10 +252,14 @@ class ConnectionRequests:
             return self._failed(frame, e)
 
     def answer_now(self, frame: p.Frame) -> bytes | None:
-        """The response frame to a STATUS that needs no wait (see `MessageOperations.status_now`),
-        built in line by the connection's pump without a task of its own; None for any other
-        frame, or a status that must wait: `respond` answers those."""
-        if frame.command != p.Command.STATUS or frame.is_response:
+        """The response frame to a PING, or to a STATUS that needs no wait (see
+        `MessageOperations.status_now`), built in line by the connection's pump without a task of
+        its own; None for any other frame, or a status that must wait: `respond` answers those."""
+        if frame.is_response:
+            return None
+        if frame.command == p.Command.PING:
+            return _answer(frame, frame.payload)
+        if frame.command != p.Command.STATUS:
             return None
         try:
             handle = p.decode_handle(frame.payload)

@@ -119,8 +119,8 @@ def _one_frame(data: bytes) -> p.Frame:
 
 
 async def test_a_status_answered_in_line_says_what_its_task_would_in_every_state(node, nursery):
-    """The pump answers a status in line when `answer_now` can (no task); its answer is the one
-    `respond` gives, for each state, a half message, a bad handle. While replay is behind what is
+    """The pump answers a status (and a PING) in line when `answer_now` can (no task); its answer
+    is the one `respond` gives, for each state, a half message, a bad handle, a PING. While replay is behind what is
     durable it answers only PENDING and DELIVERED (no acknowledged record replay has yet to apply
     changes those) and steps aside (None) for the rest, so a status never misses a message or a
     second send of a cancelled handle already acknowledged."""
@@ -146,7 +146,9 @@ async def test_a_status_answered_in_line_says_what_its_task_would_in_every_state
     bad = p.Frame(p.Command.STATUS, 8, b"\xff")
     assert peer.answer_now(bad) == await peer.respond(bad)
     assert _one_frame(peer.answer_now(bad)).command == p.Command.ERROR
-    assert peer.answer_now(p.Frame(p.Command.PING, 9, b"")) is None
+    ping = p.Frame(p.Command.PING, 9, b"token")
+    assert peer.answer_now(ping) is not None and peer.answer_now(ping) == await peer.respond(ping)
+    assert peer.answer_now(p.Frame(p.Command.CANCEL, 9, p.encode_handle(pending))) is None
     durable = node.receiver.durable_offset
     node.receiver.durable_offset = node.replayer.offset + 1  # no checkpoint until restored
     try:
