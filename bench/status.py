@@ -13,7 +13,9 @@ other producers' ingest.
 - Ingest alone: `bench.ingest load` (8 producers, batches of 64 x 1 KiB) for S seconds.
 - Status alone: a probe process sends status requests one after another for random pending
   messages of the big bucket for S seconds; its latencies (send to answer, over loopback, through
-  the Python client).
+  the Python client). Before it, the same probe sends PING requests for S seconds: the same
+  client, connection and request path with no lookup behind it, the floor this machine sets for
+  any request at that moment (on a noisy machine that floor's own P99 can exceed 1 ms).
 - Ingest with status: one ingest run, cut into windows of --window seconds (2 by default) after
   3 s of warm-up: the probe sends --status-rate status requests a second (200 by default) in
   every other window and none in the others (--rounds windows with statuses, 10 by default, each
@@ -126,6 +128,8 @@ async def _probe(address: str, mode: str, bucket: int, pending: int, count: int,
             t0 = time.perf_counter()
             if mode == "cancel":
                 ok = await prod.cancel(handle) == CancelOutcome.CANCELLED
+            elif mode == "ping":  # the same request path, no lookup: the floor a status stands on
+                ok = await prod.ping() == b""
             else:
                 ok = (await prod.status(handle)).state == MessageState.PENDING
             lat.append((time.perf_counter() - t0) * 1000)
@@ -229,6 +233,11 @@ def main(argv: list[str]) -> None:
         first = probe(server.address, "status", bucket, args.pending, 1, 3600)
         print(f"  first status (waits for the bucket's index): {first['latencies_ms'][0]:.0f} ms", flush=True)
         cpu = cpu_seconds(server.process)
+        pings = probe(server.address, "ping", bucket, args.pending, 10 ** 9, args.seconds)
+        cpu, used = cpu_seconds(server.process), cpu_seconds(server.process) - cpu
+        print(f"  PING latency, the same client and server, no lookup (this machine's floor for a "
+              f"request): {_quantiles(pings['latencies_ms'])}; server CPU "
+              f"{used * 1e6 / max(len(pings['latencies_ms']), 1):.0f} us per ping", flush=True)
         quiet = probe(server.address, "status", bucket, args.pending, 10 ** 9, args.seconds)
         cpu, used = cpu_seconds(server.process), cpu_seconds(server.process) - cpu
         print(f"  status latency, no other traffic: {_quantiles(quiet['latencies_ms'])}; "
