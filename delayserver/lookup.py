@@ -46,24 +46,55 @@ class Lookup:
             task_status.started()
 
     async def find(self, schedule_time: int, message_id: str) -> Found:
-        """What the logs say of a message. Raises CorruptSegment on damage."""
-        while (found := self.find_now(schedule_time, message_id)) is None:
-            await trio.lowlevel.checkpoint()  # a slice of an index built: let the loop run
-        return found
+        """What the logs say of a message. Raises CorruptSegment on damage.
+
+        The records it needs are read from the page cache on the event loop; one that is not in
+        memory (a big bucket's cold part) is read in a worker thread, so that a lookup never holds
+        the loop, and every other connection with it, while the disk seeks."""
+        fetched: dict = {}
+        while True:
+            step = self._find(schedule_time, message_id, fetched)
+            if type(step) is Found:
+                return step
+            if step is None:  # a slice of an index built: let the loop run
+                await trio.lowlevel.checkpoint()
+                continue
+            log, bucket, offsets = step
+            try:
+                records = await trio.to_thread.run_sync(log.records_reader(bucket), offsets, READ_GUESS_BYTES)
+            except FileNotFoundError:
+                if bucket in log.sizes:
+                    raise
+                continue  # the cleaner took the bucket meanwhile: ask again
+            for offset, record in zip(offsets, records):
+                fetched[log.directory, offset] = record
 
     def find_now(self, schedule_time: int, message_id: str) -> Found | None:
-        """`find`'s answer when it needs no wait, or None while an index of the bucket does not
-        cover its segment yet (this call builds one slice of it)."""
+        """`find`'s answer when it needs no wait, or None: while an index of the bucket does not
+        cover its segment yet (this call builds one slice of it), or while a record it needs is
+        not in the page cache."""
+        step = self._find(schedule_time, message_id, None)
+        return step if type(step) is Found else None
+
+    def _find(self, schedule_time: int, message_id: str, fetched: dict | None):
+        """The Found; None when it built a slice of an index instead; or (log, bucket, offsets):
+        records to read from the disk first, into `fetched` ({(log directory, offset): record}),
+        which holds what earlier steps of the same lookup read."""
         store = self.store
         bucket = bucket_start(schedule_time, store.segment_scale_ms)
         if bucket not in store.schedule_log.sizes:
             return Found(MessageState.UNKNOWN)
         if self.ids.build_slice(bucket):
             return None
+        schedule_log = store.schedule_log
+        candidates = self.ids.candidates(bucket, schedule_time, message_id)
+        records = [_cached(schedule_log, bucket, offset, fetched) for offset in candidates]
+        missing = [offset for offset, record in zip(candidates, records) if record is None]
+        if missing:
+            return schedule_log, bucket, missing
         offsets: list[int] = []
         cancels: list[int] = []
-        for offset in self.ids.candidates(bucket, schedule_time, message_id):
-            rtype, data, s, e = store.schedule_log.read_record(bucket, offset, READ_GUESS_BYTES)
+        for offset, (rtype, data, s, e) in zip(candidates, records):
             if rtype == RecordType.SCHEDULED:
                 _, sched, _, mid = scheduled_key(data, s)
                 if sched == schedule_time and mid == message_id:
@@ -77,10 +108,25 @@ class Lookup:
             return None
         positions = [p for p in (self.dispatches.first(bucket, o) for o in offsets) if p is not None]
         if positions:
-            _, data, s, e = store.dispatch_log.read_record(bucket, min(positions), READ_GUESS_BYTES)
+            position = min(positions)
+            record = _cached(store.dispatch_log, bucket, position, fetched)
+            if record is None:
+                return store.dispatch_log, bucket, [position]
+            _, data, s, e = record
             d = decode_dispatch(data, s, e)
             return Found(MessageState.DELIVERED, d.dispatch_time, d.broker_group, tuple(offsets))
         last_cancel = max(cancels, default=-1)
         if all(o < last_cancel for o in offsets):
             return Found(MessageState.CANCELLED, offsets=tuple(offsets))
         return Found(MessageState.PENDING, offsets=tuple(offsets))
+
+
+def _cached(log, bucket: int, offset: int, fetched: dict | None):
+    """The record at `offset`: read from the disk by an earlier step (`fetched`), else from the page
+    cache, else None. Raises the CorruptSegment a worker thread's read found there."""
+    record = None if fetched is None else fetched.get((log.directory, offset))
+    if record is None:
+        return log.read_record_cached(bucket, offset, READ_GUESS_BYTES)
+    if isinstance(record, Exception):
+        raise record
+    return record

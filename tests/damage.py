@@ -5,8 +5,13 @@ tests do the same).
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import time
 from pathlib import Path
+
+import pytest
 
 from delayserver.storage.record import (
     Message, RecordType, encode_message, encode_record, encode_scheduled, iter_records,
@@ -31,6 +36,56 @@ def zero_fill(path: Path, offset: int, length: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(bytes(length))
+
+
+def evict(*paths: Path, timeout_s: float = 10.0) -> None:
+    """Drop the files from the page cache, so that reading them waits for the disk; skip the test
+    where the pages stay in memory.
+
+    On some machines a drop takes effect a little later, and pages under a read-ahead still in
+    flight are not dropped at all: the drop is repeated until no page of the files is in memory,
+    as mincore(2) tells (a read would tell too, but a read that misses starts one)."""
+    deadline = time.monotonic() + timeout_s
+    fds = [os.open(path, os.O_RDONLY) for path in paths]
+    try:
+        for fd in fds:
+            os.fsync(fd)
+        while True:
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if not any(resident_pages(fd) for fd in fds):
+                return
+            if time.monotonic() > deadline:
+                pytest.skip("this file system keeps pages in memory")
+            time.sleep(0.01)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_pages(fd: int) -> int:
+    """How many pages of the file are in the page cache (mincore over a mapping of it)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(addr, size, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return sum(v & 1 for v in vec)
+    finally:
+        _libc.munmap(addr, size)
 
 
 def record_offsets(path: Path) -> list[int]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from delayserver.storage import id_index
 from delayserver.storage.id_index import SortedRuns
 from delayserver.storage.record import RecordType, scheduled_key
 from delayserver.storage.time_index import TimeIndex
+from tests.damage import evict
 from tests.pipeline_node import SCALE_MS, START_MS, Fired, Node
 
 
@@ -203,14 +205,16 @@ async def test_a_lookup_reads_a_few_records_not_the_bucket(tmp_path):
     bucket = bucket_of(msgs[0][1])
     assert node.store.schedule_log.size(bucket) > 4 << 20
     read = []
-    real = node.store.schedule_log.read
+    log = node.store.schedule_log
 
-    def counting(bucket, start=0, end=None):
-        data = real(bucket, start, end)
-        read.append(len(data))
-        return data
+    def counting(real):
+        def count(bucket, start=0, end=None):
+            data = real(bucket, start, end)
+            read.append(len(data))
+            return data
+        return count
 
-    node.store.schedule_log.read = counting
+    log.read, log.read_cached = counting(log.read), counting(log.read_cached)
     for mid, sched in msgs[::1000]:
         read.clear()
         assert (await look.find(sched, mid)).state == MessageState.PENDING
@@ -579,4 +583,64 @@ async def test_the_keys_replay_hands_over_are_the_keys_a_build_parses_from_the_s
         assert keys(followed, bucket) == keys(built, bucket)
     cancels = len(range(0, 500, 11)) * 3 if kind == "id" else 0  # the time index keeps messages only
     assert sum(len(keys(followed, b)) for b in node.store.schedule_log.buckets()) == 1500 + cancels
+    node.crash()
+
+
+async def test_a_record_not_in_the_page_cache_is_read_in_a_worker_thread_never_on_the_event_loop(tmp_path):
+    """A big bucket is mostly on disk, not in memory: a status or cancel that waited for the disk
+    on the event loop would hold every other connection while it seeks. `find_now` (the pump's
+    answer in line) steps aside for a record not in memory; `find` reads it in a worker thread,
+    the message's schedule record and its dispatch record alike, and answers what it answers
+    from memory."""
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)
+    sched = START_MS + 1000
+    msgs = [(f"order-{i}", sched) for i in range(100)]
+    node.send(msgs, body=b"x" * 200)
+    node.cancel(*msgs[1])
+    node.replay_all()
+    bucket = bucket_of(sched)
+    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
+               in node.store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED}
+    node.dispatch([Fired(0, bucket, offsets["order-2"], None, START_MS)])
+    asked = ["order-0", "order-1", "order-2", "never-sent"]
+    expected = [await look.find(sched, mid) for mid in asked]  # every index built, all in memory
+    assert [f.state for f in expected] == [MessageState.PENDING, MessageState.CANCELLED,
+                                           MessageState.DELIVERED, MessageState.UNKNOWN]
+    logs = (node.store.schedule_log, node.store.dispatch_log)
+    on_loop, in_threads = [], []
+    loop_thread = threading.current_thread()
+    for log in logs:
+        def read_spy(bucket, start=0, end=None, real=log.read):
+            on_loop.append(threading.current_thread() is loop_thread)
+            return real(bucket, start, end)
+
+        def reader_spy(bucket, real=log.records_reader):
+            read = real(bucket)
+
+            def run(offsets, guess):
+                in_threads.append(threading.current_thread() is not loop_thread)
+                return read(offsets, guess)
+            return run
+        log.read, log.records_reader = read_spy, reader_spy
+
+    # The files dropped from the page cache: whether the kernel then answers a read that may not
+    # wait (RWF_NOWAIT) at once depends on the disk, but no lookup reads with one that may wait
+    # on the event loop.
+    for mid, answer in zip(asked, expected):
+        evict(node.store.schedule_log.path(bucket), node.store.dispatch_log.path(bucket))
+        assert await look.find(sched, mid) == answer
+    assert not any(on_loop), "a read that may wait for the disk on the event loop"
+
+    # Every record missing from the page cache: find_now steps aside, find reads in a thread.
+    for log in logs:
+        log.read_cached = lambda bucket, start=0, end=None: None
+    in_threads.clear()
+    for mid, answer in zip(asked, expected):
+        if answer.state != MessageState.UNKNOWN:  # an unknown id's hash names no record to read
+            assert look.find_now(sched, mid) is None, f"{mid}: the event loop would wait for the disk"
+        assert await look.find(sched, mid) == answer
+    # order-0 and order-1: their schedule records; order-2: its schedule record, then its dispatch record.
+    assert in_threads == [True] * 4
+    assert not any(on_loop)
     node.crash()
