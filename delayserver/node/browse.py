@@ -163,7 +163,7 @@ class Browser:
                     examined += 1
                     sched, offset = key_parts(bucket, key)
                     last = (sched, offset)
-                    item = self._examine(q, bucket, offset, sched)
+                    item = await self._examine(q, bucket, offset, sched)
                     if item is not None:
                         out.append(item)
                 if keys:
@@ -178,22 +178,22 @@ class Browser:
                 await trio.lowlevel.checkpoint()
         return Page(out, None, examined)
 
-    def _examine(self, q: BrowseQuery, bucket: int, offset: int, sched: int) -> Listed | None:
+    async def _examine(self, q: BrowseQuery, bucket: int, offset: int, sched: int) -> Listed | None:
         """The message at `offset` if it matches the query (read up to its headers, its body
         only when the query asks for bodies)."""
         log_ = self.store.schedule_log
-        data = log_.read(bucket, offset, offset + READ_GUESS_BYTES)
+        data = await _read(log_, bucket, offset, offset + READ_GUESS_BYTES)
         s = HEADER_SIZE
         _mlo, store, _sched, _seq, _flags, idlen, slen, hlen, blen = SCHEDULED_HEAD.unpack_from(data, s)
         at = s + SCHEDULED_HEAD.size
         need = at + idlen + slen + hlen + (blen if q.bodies else 0)
         if need > len(data):
-            data = log_.read(bucket, offset, offset + need)
+            data = await _read(log_, bucket, offset, offset + need)
         message_id = data[at : at + idlen].decode("utf-8")
         subject = data[at + idlen : at + idlen + slen].decode("utf-8")
         if not q.matches_subject(subject):
             return None
-        state, dispatch_time, group = self._state(bucket, offset, sched, message_id)
+        state, dispatch_time, group = await self._state(bucket, offset, sched, message_id)
         if state not in q.states:
             return None
         h_at = at + idlen + slen
@@ -201,16 +201,36 @@ class Browser:
         body = bytes(data[h_at + hlen : h_at + hlen + blen]) if q.bodies else None
         return Listed(message_id, subject, sched, store, state, headers, body, dispatch_time, group)
 
-    def _state(self, bucket: int, offset: int, sched: int, message_id: str) -> tuple[MessageState, int, str]:
+    async def _state(self, bucket: int, offset: int, sched: int, message_id: str) -> tuple[MessageState, int, str]:
         log_ = self.store.schedule_log
         position = self.lookup.dispatches.first(bucket, offset)
         if position is not None:
-            _, data, s, e = self.store.dispatch_log.read_record(bucket, position)
+            _, data, s, e = await _read_record(self.store.dispatch_log, bucket, position)
             d = decode_dispatch(data, s, e)
             return MessageState.DELIVERED, d.dispatch_time, d.broker_group
         for other in self.lookup.ids.candidates(bucket, sched, message_id):
             if other > offset:
-                rtype, data, s, _ = log_.read_record(bucket, other)
+                rtype, data, s, _ = await _read_record(log_, bucket, other)
                 if rtype == RecordType.SCHEDULED_CANCEL and cancel_key(data, s) == (sched, message_id):
                     return MessageState.CANCELLED, 0, ""
         return MessageState.PENDING, 0, ""
+
+
+async def _read(log_, bucket: int, start: int, end: int) -> bytes:
+    """`log_.read(bucket, start, end)` from the page cache on the event loop, or in a worker
+    thread when the disk must be read: a page of a big bucket, mostly on disk, never holds the
+    loop while the disk seeks."""
+    data = log_.read_cached(bucket, start, end)
+    if data is None:
+        data = await trio.to_thread.run_sync(log_.range_reader(bucket, start, end))
+    return data
+
+
+async def _read_record(log_, bucket: int, offset: int):
+    """`log_.read_record(bucket, offset)` as `_read` reads."""
+    record = log_.read_record_cached(bucket, offset, READ_GUESS_BYTES)
+    if record is None:
+        [record] = await trio.to_thread.run_sync(log_.records_reader(bucket), [offset], READ_GUESS_BYTES)
+        if isinstance(record, Exception):
+            raise record
+    return record

@@ -3,6 +3,7 @@ newest first, across buckets and after a restart."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -12,7 +13,12 @@ from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
 from delayserver.message import DelayServerError, MessageState, ResultCode
+from delayserver.lookup import Lookup
+from delayserver.node.browse import Browser, BrowseQuery
 from delayserver.node.server import DelayServer
+from delayserver.storage.record import RecordType, scheduled_key
+from delayserver.storage.time_index import TimeIndex
+from tests.pipeline_node import SCALE_MS, START_MS, Fired, Node
 
 MINUTE = 60_000
 
@@ -153,3 +159,49 @@ async def test_a_query_that_cannot_be_answered_is_refused_with_bad_request(tmp_p
         assert (await prod.browse()).messages == []  # the connection and the node are fine
 
     await run_node(tmp_path / "node", body)
+
+
+async def test_a_page_reads_what_is_not_in_the_page_cache_in_worker_threads(tmp_path):
+    """A big bucket is mostly on disk: a page of it that read its records on the event loop would
+    hold every connection while the disk seeks. What is not in the page cache is read in a worker
+    thread (the messages, their cancels, their dispatch records), and the page is the same."""
+    node = Node(tmp_path, START_MS)
+    browser = Browser(node.store, Lookup(node.store), TimeIndex(node.store.schedule_log, SCALE_MS))
+    sched = START_MS + 1000
+    node.send([(f"m{i}", sched + i) for i in range(20)], body=b"a body " * 100)
+    node.cancel("m1", sched + 1)
+    node.replay_all()
+    bucket = sched - sched % SCALE_MS
+    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
+               in node.store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED}
+    node.dispatch([Fired(0, bucket, offsets["m2"], None, START_MS)])
+    query = BrowseQuery(states=frozenset({MessageState.PENDING, MessageState.CANCELLED, MessageState.DELIVERED}),
+                        bodies=True)
+    expected = await browser.page(query)  # everything in memory
+    assert len(expected.messages) == 20 and expected.messages[0].body == b"a body " * 100
+    assert [m.state for m in expected.messages[:3]] == [MessageState.PENDING, MessageState.CANCELLED,
+                                                         MessageState.DELIVERED]
+    on_loop, in_threads = [], []
+    loop_thread = threading.current_thread()
+    for log in (node.store.schedule_log, node.store.dispatch_log):
+        def read_spy(bucket, start=0, end=None, real=log.read):
+            on_loop.append(threading.current_thread() is loop_thread)
+            return real(bucket, start, end)
+
+        def thread_spy(make):
+            def made(*args):
+                read = make(*args)
+
+                def run(*args):
+                    in_threads.append(threading.current_thread() is not loop_thread)
+                    return read(*args)
+                return run
+            return made
+        log.read = read_spy
+        log.range_reader, log.records_reader = thread_spy(log.range_reader), thread_spy(log.records_reader)
+        log.read_cached = lambda bucket, start=0, end=None: None  # nothing in the page cache
+    assert await browser.page(query) == expected
+    assert not any(on_loop), "a read that may wait for the disk on the event loop"
+    # Per message its record (and its body, past the first read); m1's cancel; m2's dispatch record.
+    assert len(in_threads) >= 22 and all(in_threads)
+    node.crash()
