@@ -63,9 +63,9 @@ class Lookup:
             try:
                 records = await trio.to_thread.run_sync(log.records_reader(bucket), offsets, READ_GUESS_BYTES)
             except FileNotFoundError:
-                if bucket in log.sizes:
+                if bucket in self.store.schedule_log.sizes:
                     raise
-                continue  # the cleaner took the bucket meanwhile: ask again
+                continue  # the cleaner took the bucket meanwhile: ask again (UNKNOWN)
             for offset, record in zip(offsets, records):
                 fetched[log.directory, offset] = record
 
@@ -124,7 +124,7 @@ class Lookup:
 def _cached(log, bucket: int, offset: int, fetched: dict | None):
     """The record at `offset`: read from the disk by an earlier step (`fetched`), else from the page
     cache, else None. Raises the CorruptSegment a worker thread's read found there."""
-    record = None if fetched is None else fetched.get((log.directory, offset))
+    record = fetched.get((log.directory, offset)) if fetched else None
     if record is None:
         return log.read_record_cached(bucket, offset, READ_GUESS_BYTES)
     if isinstance(record, Exception):

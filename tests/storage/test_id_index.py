@@ -644,3 +644,26 @@ async def test_a_record_not_in_the_page_cache_is_read_in_a_worker_thread_never_o
     assert in_threads == [True] * 4
     assert not any(on_loop)
     node.crash()
+
+
+async def test_a_bucket_the_cleaner_removes_while_its_record_is_read_from_disk_is_unknown(tmp_path):
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)
+    sched = START_MS + 1000
+    node.send([("order-0", sched)])
+    node.replay_all()
+    assert (await look.find(sched, "order-0")).state == MessageState.PENDING
+    log = node.store.schedule_log
+    log.read_cached = lambda bucket, start=0, end=None: None  # on disk only
+    records_reader = log.records_reader
+
+    def removed_meanwhile(bucket):
+        read = records_reader(bucket)
+        log.remove(bucket)  # as the cleaner does once a bucket is settled and past retention
+        node.store.dispatch_log.remove(bucket)
+        return read
+
+    log.records_reader = removed_meanwhile
+    with trio.fail_after(5):
+        assert (await look.find(sched, "order-0")).state == MessageState.UNKNOWN
+    node.crash()
