@@ -130,3 +130,14 @@ def _cached(log, bucket: int, offset: int, fetched: dict | None):
     if isinstance(record, Exception):
         raise record
     return record
+
+
+async def read_record(log, bucket: int, offset: int) -> tuple[int, bytes, int, int]:
+    """`log.read_record(bucket, offset)` for a request: from the page cache on the event loop, or
+    in a worker thread when the disk must be read (the loop never waits for a seek)."""
+    record = log.read_record_cached(bucket, offset, READ_GUESS_BYTES)
+    if record is None:
+        [record] = await trio.to_thread.run_sync(log.records_reader(bucket), [offset], READ_GUESS_BYTES)
+        if isinstance(record, Exception):
+            raise record
+    return record

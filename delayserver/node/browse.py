@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from delayserver.message import InvalidMessage, MessageState
+from delayserver.lookup import read_record
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.record import (
     HEADER_SIZE, SCHEDULED_HEAD, RecordType, cancel_key, decode_dispatch, decode_headers,
@@ -205,12 +206,12 @@ class Browser:
         log_ = self.store.schedule_log
         position = self.lookup.dispatches.first(bucket, offset)
         if position is not None:
-            _, data, s, e = await _read_record(self.store.dispatch_log, bucket, position)
+            _, data, s, e = await read_record(self.store.dispatch_log, bucket, position)
             d = decode_dispatch(data, s, e)
             return MessageState.DELIVERED, d.dispatch_time, d.broker_group
         for other in self.lookup.ids.candidates(bucket, sched, message_id):
             if other > offset:
-                rtype, data, s, _ = await _read_record(log_, bucket, other)
+                rtype, data, s, _ = await read_record(log_, bucket, other)
                 if rtype == RecordType.SCHEDULED_CANCEL and cancel_key(data, s) == (sched, message_id):
                     return MessageState.CANCELLED, 0, ""
         return MessageState.PENDING, 0, ""
@@ -225,12 +226,3 @@ async def _read(log_, bucket: int, start: int, end: int) -> bytes:
         data = await trio.to_thread.run_sync(log_.range_reader(bucket, start, end))
     return data
 
-
-async def _read_record(log_, bucket: int, offset: int):
-    """`log_.read_record(bucket, offset)` as `_read` reads."""
-    record = log_.read_record_cached(bucket, offset, READ_GUESS_BYTES)
-    if record is None:
-        [record] = await trio.to_thread.run_sync(log_.records_reader(bucket), [offset], READ_GUESS_BYTES)
-        if isinstance(record, Exception):
-            raise record
-    return record

@@ -2,6 +2,7 @@
 and a race with delivery answers who won, as cancel does."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -192,3 +193,29 @@ def test_a_message_due_while_it_moves_is_held_then_dropped_or_given_back(tmp_pat
             assert not ticks.moving
     finally:
         store.close()
+
+
+async def test_a_move_reads_a_record_not_in_the_page_cache_in_a_worker_thread(tmp_path):
+    """The message a move copies is read from the disk in a worker thread, never on the event
+    loop (a big bucket is mostly on disk: a read there would hold every connection)."""
+    root = tmp_path / "node"
+
+    async def body(server, prod):
+        old = await prod.send("orders.expire", b"order 7", delay=HOUR, message_id="order-7")
+        assert (await prod.status(old)).state == MessageState.PENDING
+        log = server.store.schedule_log
+        on_loop = []
+        loop_thread = threading.current_thread()
+
+        def read_spy(bucket, start=0, end=None, real=log.read):
+            on_loop.append(threading.current_thread() is loop_thread)
+            return real(bucket, start, end)
+        log.read = read_spy
+        log.read_cached = lambda bucket, start=0, end=None: None  # nothing in the page cache
+        moved = await prod.reschedule(old, delay=2 * HOUR)
+        assert moved.outcome == CancelOutcome.RESCHEDULED
+        assert (await prod.status(old)).state == MessageState.CANCELLED
+        assert (await prod.status(moved.handle)).state == MessageState.PENDING
+        assert not any(on_loop), "a read that may wait for the disk on the event loop"
+
+    await run_node(root, body)
