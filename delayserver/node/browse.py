@@ -22,8 +22,8 @@ import re
 import attrs
 import trio
 
-from delayserver.message import InvalidMessage, MessageState
 from delayserver.lookup import read_record
+from delayserver.message import InvalidMessage, MessageState
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.record import (
     HEADER_SIZE, SCHEDULED_HEAD, RecordType, cancel_key, decode_dispatch, decode_headers,
@@ -225,4 +225,3 @@ async def _read(log_, bucket: int, start: int, end: int) -> bytes:
     if data is None:
         data = await trio.to_thread.run_sync(log_.range_reader(bucket, start, end))
     return data
-
