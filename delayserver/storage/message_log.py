@@ -31,9 +31,11 @@ can find where its history and its master's part (storage/epochs.py, node/diverg
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from delayserver import failpoints
 from delayserver.storage.directory import SegmentDirectory
@@ -199,6 +201,36 @@ class MessageLog:
         CorruptSegment (a bad record, a sealed segment that ends inside a record, or a quarantined
         segment). Raises ValueError for an offset before the first segment.
         """
+        located = self._locate(offset)
+        if located is None:
+            return b"", offset
+        base, pos, size = located
+        return _whole_records(functools.partial(self._read, base), self.path(base), pos, size, max_bytes), base + pos
+
+    def reader(self, offset: int, max_bytes: int = 1 << 20) -> Callable[[], tuple[bytes, int]]:
+        """A function for a worker thread returning what `read(offset, max_bytes)` returns now,
+        read through a descriptor of its own (the segment is found here, on the caller's thread:
+        the directory is the event loop's). The caller keeps the segment from the cleaner until
+        it is read (a slave's pull pins its offset)."""
+        located = self._locate(offset)
+        if located is None:
+            return lambda: (b"", offset)
+        base, pos, size = located
+        path = self.path(base)
+
+        def read() -> tuple[bytes, int]:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return _whole_records(lambda start, end: os.pread(fd, end - start, start), path, pos, size,
+                                      max_bytes), base + pos
+            finally:
+                os.close(fd)
+
+        return read
+
+    def _locate(self, offset: int) -> tuple[int, int, int] | None:
+        """(segment base, position in it, its size) where a read from `offset` starts, or None at
+        the end of the log. Raises as `read` does."""
         base = self.segments.locate(offset)
         if base is None:
             raise ValueError(f"offset {offset} is before the first message_log segment")
@@ -207,24 +239,11 @@ class MessageLog:
         if offset - base >= size:
             nxt = self.segments.higher(base)
             if nxt is None:
-                return b"", offset
+                return None
             base, offset = nxt, nxt
             self._check_not_quarantined(base)
             size = self.segments[base]
-        pos = offset - base
-        chunk = self._read(base, pos, min(size, pos + max_bytes))
-        end = 0
-        try:
-            for _, _, _, end in iter_records(chunk):
-                pass
-        except RecordError as e:
-            # The whole records before the damage are returned; the next read raises.
-            if not e.offset:
-                raise CorruptSegment(self.path(base), pos, e.reason) from None
-            end = e.offset
-        if end:
-            return chunk[:end], offset
-        return self._read_one(base, pos, size), offset
+        return base, offset - base, size
 
     def _check_not_quarantined(self, base: int) -> None:
         if base in self.quarantined:
@@ -234,19 +253,6 @@ class MessageLog:
         if base == self.active_base:
             return self.active.read(start, end)
         return read_file(self.path(base), start, end)
-
-    def _read_one(self, base: int, pos: int, size: int) -> bytes:
-        """The one whole record at `pos` (one larger than a read's max_bytes), or CorruptSegment."""
-        header = self._read(base, pos, min(size, pos + HEADER_SIZE))
-        if len(header) == HEADER_SIZE:
-            _, length, _ = HEADER.unpack_from(header)
-            record = self._read(base, pos, min(size, pos + HEADER_SIZE + length))
-            try:
-                if parse_record(record, 0) is not None:
-                    return record
-            except RecordError as e:
-                raise CorruptSegment(self.path(base), pos, e.reason) from None
-        raise CorruptSegment(self.path(base), pos, "incomplete record at the end of a sealed segment")
 
     def iter_from(self, offset: int):
         """Yield ``(offset, rtype, payload)`` for every record from `offset` to the end."""
@@ -275,3 +281,31 @@ class MessageLog:
     def close(self) -> None:
         if self.active is not None:
             self.active.close()
+
+
+def _whole_records(read: Callable[[int, int], bytes], path: Path, pos: int, size: int, max_bytes: int) -> bytes:
+    """The whole records of a segment `size` bytes long from `pos`, through `read(start, end)`:
+    `MessageLog.read`'s data."""
+    chunk = read(pos, min(size, pos + max_bytes))
+    end = 0
+    try:
+        for _, _, _, end in iter_records(chunk):
+            pass
+    except RecordError as e:
+        # The whole records before the damage are returned; the next read raises.
+        if not e.offset:
+            raise CorruptSegment(path, pos, e.reason) from None
+        end = e.offset
+    if end:
+        return chunk[:end]
+    # One whole record larger than max_bytes, or CorruptSegment.
+    header = read(pos, min(size, pos + HEADER_SIZE))
+    if len(header) == HEADER_SIZE:
+        _, length, _ = HEADER.unpack_from(header)
+        record = read(pos, min(size, pos + HEADER_SIZE + length))
+        try:
+            if parse_record(record, 0) is not None:
+                return record
+        except RecordError as e:
+            raise CorruptSegment(path, pos, e.reason) from None
+    raise CorruptSegment(path, pos, "incomplete record at the end of a sealed segment")

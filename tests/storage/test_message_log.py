@@ -76,6 +76,33 @@ def test_read_returns_a_whole_record_even_over_max_bytes(tmp_path):
     log.close()
 
 
+def _answer(fn, *args):
+    try:
+        return fn(*args)
+    except CorruptSegment as e:
+        return ("corrupt", e.path, e.offset)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_reader_for_a_worker_thread_answers_as_read_does(log_dir, damaged):
+    """`reader(offset, max_bytes)` finds the segment on the caller's thread and reads through a
+    descriptor of its own: the same data, base, one whole record over max_bytes, and damage."""
+    log = MessageLog.open(log_dir, SEGMENT_BYTES)
+    big = message_record(99, body_bytes=1000)
+    log.append(big)  # over a segment: one of its own
+    log.append(message_record(100))  # in the active segment
+    offsets = [off for off, _ in read_all(log)]
+    if damaged:
+        log.close()
+        victim = segments(log_dir)[3]
+        flip_bit(victim, record_offsets(victim)[0] + 12)
+        log = MessageLog.open(log_dir, SEGMENT_BYTES)
+    for offset in offsets + [log.end_offset]:
+        for max_bytes in (1, 100, 1 << 20):
+            assert _answer(log.reader(offset, max_bytes)) == _answer(log.read, offset, max_bytes)
+    log.close()
+
+
 def test_appends_continue_after_reopen(log_dir):
     log = MessageLog.open(log_dir, SEGMENT_BYTES)
     end = log.end_offset

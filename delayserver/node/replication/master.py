@@ -71,16 +71,24 @@ class Master:
                 while offset == receiver.durable_offset:
                     await receiver.durable_changed.wait()
         data, start = b"", offset
-        if offset < receiver.durable_offset:
+        durable = receiver.durable_offset
+        if offset < durable:
+            # Up to MAX_SYNC_BYTES read and checked in a worker thread: a slave catching up must
+            # not hold the event loop (and the deliveries on it) for the milliseconds that takes.
             try:
-                data, start = message_log.read(offset, min(request.max_bytes, MAX_SYNC_BYTES))
+                read = message_log.reader(offset, min(request.max_bytes, MAX_SYNC_BYTES))
+
+                def read_durable() -> tuple[bytes, int]:
+                    data, start = read()
+                    # Only what is durable here goes out: a slave never holds what a master crash loses.
+                    return _whole_records_before(data, start, durable, "message_log offset"), start
+
+                data, start = await trio.to_thread.run_sync(read_durable)
             except CorruptSegment as e:
                 # The read raises only for damage where it starts: at the offset asked for.
                 raise DelayServerError(f"no whole record starts at message_log offset {offset} ({e.reason}): "
                                        "a slave asks from the end of its copy, a record boundary",
                                        code=ResultCode.BAD_REQUEST) from None
-            # Only what is durable here goes out: a slave never holds what a master crash loses.
-            data = _whole_records_before(data, start, receiver.durable_offset, "message_log offset")
         return wire.ML_RESP.pack(start, receiver.durable_offset) + data
 
     async def dispatch_log(self, payload: bytes) -> bytes:
@@ -94,18 +102,25 @@ class Master:
                 raise DelayServerError(f"dispatch_log bucket {bucket}: size {have} is past this master's "
                                        f"{mine.get(bucket, 0)}", code=ResultCode.DIVERGED)
         self.slaves.pulled_dispatch_log(request.node_id, request.sizes)
-        chunks, budget = [], MAX_SYNC_BYTES
-        for bucket, size in mine.items():
-            have = request.sizes.get(bucket, 0)
-            if size > have and budget > 0:
-                try:
-                    data = dispatch_log.read(bucket, have, min(size, have + budget))
-                except CorruptSegment as e:
-                    raise DelayServerError(f"dispatch_log bucket {bucket}: {e}", code=ResultCode.INTERNAL) from None
+        # What each bucket may send is fixed here; it is read and checked in a worker thread.
+        wanted = [(bucket, request.sizes.get(bucket, 0), size) for bucket, size in mine.items()
+                  if size > request.sizes.get(bucket, 0)]
+        readers = [(bucket, have, dispatch_log.range_reader(bucket, have, min(size, have + MAX_SYNC_BYTES)))
+                   for bucket, have, size in wanted]
+
+        def read_chunks() -> list[bytes]:
+            chunks, budget = [], MAX_SYNC_BYTES
+            for bucket, have, read in readers:
+                if budget <= 0:
+                    break
+                data = read()[:budget]
                 data = _whole_records_before(data, have, have + len(data), f"dispatch_log bucket {bucket} size")
                 if data:
                     chunks.append(wire.CHUNK.pack(bucket, have, len(data)) + data)
                     budget -= len(data)
+            return chunks
+
+        chunks = await trio.to_thread.run_sync(read_chunks)
         return wire.U32.pack(len(chunks)) + b"".join(chunks)
 
 
@@ -149,11 +164,14 @@ class Master:
                                    "the manifest?): take a new snapshot", code=ResultCode.NOT_FOUND)
         if request.offset == request.limit:
             return b""
+        read = log.range_reader(request.bucket, request.offset, min(request.limit, request.offset + MAX_SYNC_BYTES))
+        # Read and checked in a worker thread, as a message_log pull is.
         try:
-            data = log.read(request.bucket, request.offset, min(request.limit, request.offset + MAX_SYNC_BYTES))
-        except CorruptSegment as e:
-            raise DelayServerError(f"bucket {request.bucket}: {e}", code=ResultCode.INTERNAL) from None
-        return _whole_records_before(data, request.offset, request.limit, f"bucket {request.bucket} offset")
+            return await trio.to_thread.run_sync(
+                lambda: _whole_records_before(read(), request.offset, request.limit, f"bucket {request.bucket} offset"))
+        except FileNotFoundError:
+            raise DelayServerError(f"bucket {request.bucket} was cleaned while it was read: take a new snapshot",
+                                   code=ResultCode.NOT_FOUND) from None
 
 
 def _whole_records_before(data: bytes, start: int, limit: int, what: str) -> bytes:
