@@ -17,6 +17,7 @@ manifest pins for it.
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import crc32c
@@ -31,6 +32,9 @@ from delayserver.storage.reader import raise_unless_incomplete, read_records
 from delayserver.storage.record import RecordError
 
 MAX_SYNC_BYTES = 4 << 20
+#: A pull of at most this much (a slave in step with its master: what was just written, in memory)
+#: is read on the event loop; more (a slave catching up) in a worker thread.
+ON_LOOP_BYTES = 64 << 10
 
 
 class Master:
@@ -73,17 +77,20 @@ class Master:
         data, start = b"", offset
         durable = receiver.durable_offset
         if offset < durable:
-            # Up to MAX_SYNC_BYTES read and checked in a worker thread: a slave catching up must
-            # not hold the event loop (and the deliveries on it) for the milliseconds that takes.
+            max_bytes = min(request.max_bytes, MAX_SYNC_BYTES)
+
+            def read_durable(read) -> tuple[bytes, int]:
+                data, start = read()
+                # Only what is durable here goes out: a slave never holds what a master crash loses.
+                return _whole_records_before(data, start, durable, "message_log offset"), start
+
             try:
-                read = message_log.reader(offset, min(request.max_bytes, MAX_SYNC_BYTES))
-
-                def read_durable() -> tuple[bytes, int]:
-                    data, start = read()
-                    # Only what is durable here goes out: a slave never holds what a master crash loses.
-                    return _whole_records_before(data, start, durable, "message_log offset"), start
-
-                data, start = await trio.to_thread.run_sync(read_durable)
+                if durable - offset > ON_LOOP_BYTES:
+                    # A slave catching up: up to MAX_SYNC_BYTES read and checked in a worker thread,
+                    # not on the event loop the deliveries run on (milliseconds per pull).
+                    data, start = await trio.to_thread.run_sync(read_durable, message_log.reader(offset, max_bytes))
+                else:  # a slave in step: what was just written, in memory, a few records
+                    data, start = read_durable(functools.partial(message_log.read, offset, max_bytes))
             except CorruptSegment as e:
                 # The read raises only for damage where it starts: at the offset asked for.
                 raise DelayServerError(f"no whole record starts at message_log offset {offset} ({e.reason}): "
@@ -105,7 +112,8 @@ class Master:
         # What each bucket may send is fixed here; it is read and checked in a worker thread.
         wanted = [(bucket, request.sizes.get(bucket, 0), size) for bucket, size in mine.items()
                   if size > request.sizes.get(bucket, 0)]
-        readers = [(bucket, have, dispatch_log.range_reader(bucket, have, min(size, have + MAX_SYNC_BYTES)))
+        in_thread = sum(min(size - have, MAX_SYNC_BYTES) for _, have, size in wanted) > ON_LOOP_BYTES
+        readers = [(bucket, have, _range(dispatch_log, bucket, have, min(size, have + MAX_SYNC_BYTES), in_thread))
                    for bucket, have, size in wanted]
 
         def read_chunks() -> list[bytes]:
@@ -120,7 +128,8 @@ class Master:
                     budget -= len(data)
             return chunks
 
-        chunks = await trio.to_thread.run_sync(read_chunks)
+        # As for message_log: a slave catching up is answered from a worker thread.
+        chunks = await trio.to_thread.run_sync(read_chunks) if in_thread else read_chunks()
         return wire.U32.pack(len(chunks)) + b"".join(chunks)
 
 
@@ -172,6 +181,12 @@ class Master:
         except FileNotFoundError:
             raise DelayServerError(f"bucket {request.bucket} was cleaned while it was read: take a new snapshot",
                                    code=ResultCode.NOT_FOUND) from None
+
+
+def _range(log, bucket: int, start: int, end: int, in_thread: bool):
+    """A function reading `bucket` of `log` from `start` to `end`: for a worker thread (through a
+    descriptor of its own), or for the event loop (through the log's)."""
+    return log.range_reader(bucket, start, end) if in_thread else functools.partial(log.read, bucket, start, end)
 
 
 def _whole_records_before(data: bytes, start: int, limit: int, what: str) -> bytes:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
-from delayserver.node.replication import wire
+from delayserver.node.replication import master as master_module, wire
 
 from tests.node.replication.helpers import cfg, start, wait_until
 
@@ -45,7 +46,13 @@ class ThreadLog:
         return made
 
 
-async def test_pulls_and_snapshot_reads_run_in_worker_threads_and_answer_the_same_bytes(tmp_path, nursery):
+@pytest.mark.parametrize("catching_up", [True, False])
+async def test_pulls_and_snapshot_reads_run_in_worker_threads_and_answer_the_same_bytes(
+        tmp_path, nursery, monkeypatch, catching_up):
+    """A pull of more than ON_LOOP_BYTES is read in a worker thread (a slave catching up), a
+    smaller one on the loop (a slave in step: what was just written); snapshot segments always in
+    a thread. Every answer holds the same bytes."""
+    monkeypatch.setattr(master_module, "ON_LOOP_BYTES", 0 if catching_up else 1 << 30)
     master = await start(nursery, cfg(tmp_path, "m", checkpoint_interval_ms=10))
     async with AsyncProducer(f"127.0.0.1:{master.port}") as prod:
         for _ in range(4):
@@ -79,6 +86,10 @@ async def test_pulls_and_snapshot_reads_run_in_worker_threads_and_answer_the_sam
             wire.SnapshotRequest(wire.SCHEDULE_LOG, bucket, 0, size, "s1")))
         assert segment == store.schedule_log.path(bucket).read_bytes()[: len(segment)] and len(segment) > 0
 
-    for log in (message_log, schedule_log, dispatch_log):
-        assert log.in_threads and all(log.in_threads)
-        assert log.on_loop == [], "a log read on the event loop while answering a pull"
+    assert schedule_log.in_threads and all(schedule_log.in_threads) and schedule_log.on_loop == []
+    for log in (message_log, dispatch_log):
+        if catching_up:
+            assert log.in_threads and all(log.in_threads)
+            assert log.on_loop == [], "a log read on the event loop while answering a slave catching up"
+        else:
+            assert log.in_threads == [] and log.on_loop
