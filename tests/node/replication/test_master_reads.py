@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import trio
 
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
