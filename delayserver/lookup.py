@@ -48,12 +48,12 @@ class Lookup:
     async def find(self, schedule_time: int, message_id: str) -> Found:
         """What the logs say of a message. Raises CorruptSegment on damage.
 
-        The records it needs are read from the page cache on the event loop; one that is not in
-        memory (a big bucket's cold part) is read in a worker thread, so that a lookup never holds
+        The records it needs are read from the page cache on the event loop; those that are not in
+        memory (a big bucket's cold part) are read in a worker thread, so that a lookup never holds
         the loop, and every other connection with it, while the disk seeks."""
-        fetched: dict = {}
+        got: dict = {}
         while True:
-            step = self._find(schedule_time, message_id, fetched)
+            step = self._find(schedule_time, message_id, got)
             if type(step) is Found:
                 return step
             if step is None:  # a slice of an index built: let the loop run
@@ -61,37 +61,32 @@ class Lookup:
                 continue
             log, bucket, offsets = step
             try:
-                records = await trio.to_thread.run_sync(log.records_reader(bucket), offsets, READ_GUESS_BYTES)
+                await _read_from_disk(log, bucket, offsets, got)
             except FileNotFoundError:
                 if bucket in self.store.schedule_log.sizes:
                     raise
-                continue  # the cleaner took the bucket meanwhile: ask again (UNKNOWN)
-            for offset, record in zip(offsets, records):
-                fetched[log.directory, offset] = record
+                # the cleaner took the bucket meanwhile: ask again (UNKNOWN)
 
     def find_now(self, schedule_time: int, message_id: str) -> Found | None:
         """`find`'s answer when it needs no wait, or None: while an index of the bucket does not
         cover its segment yet (this call builds one slice of it), or while a record it needs is
         not in the page cache."""
-        step = self._find(schedule_time, message_id, None)
+        step = self._find(schedule_time, message_id, {})
         return step if type(step) is Found else None
 
-    def _find(self, schedule_time: int, message_id: str, fetched: dict | None):
+    def _find(self, schedule_time: int, message_id: str, got: dict):
         """The Found; None when it built a slice of an index instead; or (log, bucket, offsets):
-        records to read from the disk first, into `fetched` ({(log directory, offset): record}),
-        which holds what earlier steps of the same lookup read."""
+        records to read from the disk first, into `got` (see `_records`)."""
         store = self.store
         bucket = bucket_start(schedule_time, store.segment_scale_ms)
         if bucket not in store.schedule_log.sizes:
             return Found(MessageState.UNKNOWN)
         if self.ids.build_slice(bucket):
             return None
-        schedule_log = store.schedule_log
         candidates = self.ids.candidates(bucket, schedule_time, message_id)
-        records = [_cached(schedule_log, bucket, offset, fetched) for offset in candidates]
-        missing = [offset for offset, record in zip(candidates, records) if record is None]
+        records, missing = _records(store.schedule_log, bucket, candidates, got)
         if missing:
-            return schedule_log, bucket, missing
+            return store.schedule_log, bucket, missing
         offsets: list[int] = []
         cancels: list[int] = []
         for offset, (rtype, data, s, e) in zip(candidates, records):
@@ -108,11 +103,10 @@ class Lookup:
             return None
         positions = [p for p in (self.dispatches.first(bucket, o) for o in offsets) if p is not None]
         if positions:
-            position = min(positions)
-            record = _cached(store.dispatch_log, bucket, position, fetched)
-            if record is None:
-                return store.dispatch_log, bucket, [position]
-            _, data, s, e = record
+            records, missing = _records(store.dispatch_log, bucket, [min(positions)], got)
+            if missing:
+                return store.dispatch_log, bucket, missing
+            [(_, data, s, e)] = records
             d = decode_dispatch(data, s, e)
             return Found(MessageState.DELIVERED, d.dispatch_time, d.broker_group, tuple(offsets))
         last_cancel = max(cancels, default=-1)
@@ -121,23 +115,40 @@ class Lookup:
         return Found(MessageState.PENDING, offsets=tuple(offsets))
 
 
-def _cached(log, bucket: int, offset: int, fetched: dict | None):
-    """The record at `offset`: read from the disk by an earlier step (`fetched`), else from the page
-    cache, else None. Raises the CorruptSegment a worker thread's read found there."""
-    record = fetched.get((log.directory, offset)) if fetched else None
-    if record is None:
-        return log.read_record_cached(bucket, offset, READ_GUESS_BYTES)
-    if isinstance(record, Exception):
-        raise record
-    return record
-
-
-async def read_record(log, bucket: int, offset: int) -> tuple[int, bytes, int, int]:
-    """`log.read_record(bucket, offset)` for a request: from the page cache on the event loop, or
-    in a worker thread when the disk must be read (the loop never waits for a seek)."""
-    record = log.read_record_cached(bucket, offset, READ_GUESS_BYTES)
-    if record is None:
-        [record] = await trio.to_thread.run_sync(log.records_reader(bucket), [offset], READ_GUESS_BYTES)
+def _records(log, bucket: int, offsets: list[int], got: dict) -> tuple[list, list[int]]:
+    """The records at `offsets` (as `log.read_record` gives them) and those of `offsets` still to be
+    read from the disk (then no records). A record is taken from `got` ({(log directory, offset):
+    record}: what the same request has read so far), else from the page cache, and kept in `got`.
+    Raises the CorruptSegment found at one once all are read."""
+    key = log.directory
+    unread = [offset for offset in offsets if (key, offset) not in got]
+    if unread:
+        for offset, record in zip(unread, log.read_records_at(bucket, unread, READ_GUESS_BYTES, cached_only=True)):
+            if record is not None:
+                got[key, offset] = record
+    missing = [offset for offset in unread if (key, offset) not in got]
+    if missing:
+        return [], missing
+    records = [got[key, offset] for offset in offsets]
+    for record in records:
         if isinstance(record, Exception):
             raise record
-    return record
+    return records, []
+
+
+async def _read_from_disk(log, bucket: int, offsets: list[int], got: dict) -> None:
+    """Read the records at `offsets` into `got` in a worker thread (through a descriptor of its own)."""
+    records = await trio.to_thread.run_sync(log.records_reader(bucket), offsets, READ_GUESS_BYTES)
+    got.update(((log.directory, offset), record) for offset, record in zip(offsets, records))
+
+
+async def read_records(log, bucket: int, offsets: list[int]) -> list:
+    """The records at `offsets`, as `log.read_record` gives them, for a request: from the page
+    cache on the event loop, the rest in a worker thread (the loop never waits for a seek).
+    Raises CorruptSegment."""
+    got: dict = {}
+    records, missing = _records(log, bucket, offsets, got)
+    if missing:
+        await _read_from_disk(log, bucket, missing, got)
+        records, _ = _records(log, bucket, offsets, got)
+    return records

@@ -22,7 +22,7 @@ import re
 import attrs
 import trio
 
-from delayserver.lookup import read_record
+from delayserver.lookup import read_records
 from delayserver.message import InvalidMessage, MessageState
 from delayserver.storage.buckets import bucket_start
 from delayserver.storage.record import (
@@ -206,12 +206,12 @@ class Browser:
         log_ = self.store.schedule_log
         position = self.lookup.dispatches.first(bucket, offset)
         if position is not None:
-            _, data, s, e = await read_record(self.store.dispatch_log, bucket, position)
+            [(_, data, s, e)] = await read_records(self.store.dispatch_log, bucket, [position])
             d = decode_dispatch(data, s, e)
             return MessageState.DELIVERED, d.dispatch_time, d.broker_group
         for other in self.lookup.ids.candidates(bucket, sched, message_id):
             if other > offset:
-                rtype, data, s, _ = await read_record(log_, bucket, other)
+                [(rtype, data, s, _)] = await read_records(log_, bucket, [other])
                 if rtype == RecordType.SCHEDULED_CANCEL and cancel_key(data, s) == (sched, message_id):
                     return MessageState.CANCELLED, 0, ""
         return MessageState.PENDING, 0, ""

@@ -23,7 +23,7 @@ import logging
 import trio
 
 from delayserver import protocol as p
-from delayserver.lookup import Lookup, read_record
+from delayserver.lookup import Lookup, read_records
 from delayserver.keyed_locks import KeyedLocks
 from delayserver.message import (
     CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, ResultCode, TimeSpec,
@@ -160,7 +160,7 @@ class MessageOperations:
         ticks.begin_move(handle.schedule_time, handle.message_id)
         moved = False
         try:
-            _, data, s, e = await read_record(self.store.schedule_log, bucket, max(found.offsets))
+            [(_, data, s, e)] = await read_records(self.store.schedule_log, bucket, [max(found.offsets)])
             _, message = decode_scheduled(data, s, e)
             code, text, end = await self.receiver.append_move(message, new_time)
             if code != ResultCode.OK:

@@ -272,11 +272,6 @@ class BucketLog:
         Raises CorruptSegment when there is no whole valid record there."""
         return _record_at(self.read, self.path, bucket, offset, guess)
 
-    def read_record_cached(self, bucket: int, offset: int, guess: int = 512) -> tuple[int, bytes, int, int] | None:
-        """`read_record` from the page cache only: None when reading the record would wait for the
-        disk (`read_cached`)."""
-        return _record_at(self.read_cached, self.path, bucket, offset, guess)
-
     def read_records_at(self, bucket: int, offsets: list[int], guess: int = 512, *,
                         cached_only: bool = False) -> list:
         """Per offset of `offsets` (in any order), the record there as `read_record` gives it, or
