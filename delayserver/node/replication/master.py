@@ -109,26 +109,25 @@ class Master:
                 raise DelayServerError(f"dispatch_log bucket {bucket}: size {have} is past this master's "
                                        f"{mine.get(bucket, 0)}", code=ResultCode.DIVERGED)
         self.slaves.pulled_dispatch_log(request.node_id, request.sizes)
-        # What each bucket may send is fixed here; it is read and checked in a worker thread.
-        wanted = [(bucket, request.sizes.get(bucket, 0), size) for bucket, size in mine.items()
-                  if size > request.sizes.get(bucket, 0)]
-        in_thread = sum(min(size - have, MAX_SYNC_BYTES) for _, have, size in wanted) > ON_LOOP_BYTES
-        readers = [(bucket, have, _range(dispatch_log, bucket, have, min(size, have + MAX_SYNC_BYTES), in_thread))
-                   for bucket, have, size in wanted]
+        spans, budget = [], MAX_SYNC_BYTES  # (bucket, from, to): what each bucket may send
+        for bucket, size in mine.items():
+            have = request.sizes.get(bucket, 0)
+            if size > have and budget > 0:
+                spans.append((bucket, have, min(size, have + budget)))
+                budget -= spans[-1][2] - have
+        # As for message_log: a slave catching up is answered from a worker thread.
+        in_thread = MAX_SYNC_BYTES - budget > ON_LOOP_BYTES
+        readers = [(bucket, have, _range(dispatch_log, bucket, have, end, in_thread)) for bucket, have, end in spans]
 
         def read_chunks() -> list[bytes]:
-            chunks, budget = [], MAX_SYNC_BYTES
+            chunks = []
             for bucket, have, read in readers:
-                if budget <= 0:
-                    break
-                data = read()[:budget]
+                data = read()
                 data = _whole_records_before(data, have, have + len(data), f"dispatch_log bucket {bucket} size")
                 if data:
                     chunks.append(wire.CHUNK.pack(bucket, have, len(data)) + data)
-                    budget -= len(data)
             return chunks
 
-        # As for message_log: a slave catching up is answered from a worker thread.
         chunks = await trio.to_thread.run_sync(read_chunks) if in_thread else read_chunks()
         return wire.U32.pack(len(chunks)) + b"".join(chunks)
 
