@@ -22,7 +22,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import HEADER_SIZE, RecordError, parse_record, record_size
 from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan, scan_offsets
-from delayserver.storage.segment import fsync_dir, fsync_fd, fsync_path, read_file, write_all
+from delayserver.storage.segment import fsync_dir, fsync_fd, fsync_path, own_descriptor, read_file, write_all
 
 log = logging.getLogger("delayserver.storage")
 
@@ -107,14 +107,8 @@ def _record_in(data: bytes, at: int, path_of, bucket: int, offset: int):
 @contextlib.contextmanager
 def _own_descriptor(path: Path, size: int):
     """`read(bucket, start, end)` over a descriptor of its own, up to `size` (for worker threads)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        def read(_bucket: int, start: int, end: int) -> bytes:
-            end = min(end, size)
-            return os.pread(fd, end - start, start) if end > start else b""
-        yield read
-    finally:
-        os.close(fd)
+    with own_descriptor(path, size) as read:
+        yield lambda _bucket, start, end: read(start, end)
 
 
 #: How many records a worker thread's walk (`offsets_reader`) takes between two yields of the

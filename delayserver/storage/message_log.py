@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -42,7 +41,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import Segment, fsync_dir, read_file
+from delayserver.storage.segment import Segment, fsync_dir, own_descriptor, read_file
 
 log = logging.getLogger("delayserver.storage")
 
@@ -219,12 +218,8 @@ class MessageLog:
         path = self.path(base)
 
         def read() -> tuple[bytes, int]:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return _whole_records(lambda start, end: os.pread(fd, end - start, start), path, pos, size,
-                                      max_bytes), base + pos
-            finally:
-                os.close(fd)
+            with own_descriptor(path, size) as pread:
+                return _whole_records(pread, path, pos, size, max_bytes), base + pos
 
         return read
 

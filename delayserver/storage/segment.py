@@ -15,6 +15,7 @@ durable. `fsync_failures()` lists them (the node turns read-only and says why).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -106,6 +107,20 @@ def read_file(path: Path, start: int = 0, end: int | None = None) -> bytes:
     with open(path, "rb") as f:
         f.seek(start)
         return f.read() if end is None else f.read(end - start)
+
+
+@contextlib.contextmanager
+def own_descriptor(path: Path, size: int):
+    """`read(start, end)` of the file through a descriptor of its own, up to `size` (for worker
+    threads: the logs' descriptors are the event loop's)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read(start: int, end: int) -> bytes:
+            end = min(end, size)
+            return os.pread(fd, end - start, start) if end > start else b""
+        yield read
+    finally:
+        os.close(fd)
 
 
 def write_all(fd: int, data, pos: int, path) -> None:
