@@ -342,7 +342,10 @@ async def test_checks_are_spaced_and_bounded_in_flight(nursery, tmp_path, monkey
     await eventually(lambda: in_flight[0] == CHECKS_IN_FLIGHT)
     await trio.sleep(0.3)
     assert len(sent) == CHECKS_IN_FLIGHT and in_flight[1] == CHECKS_IN_FLIGHT
-    assert all(b - a >= 0.0199 for a, b in zip(sent, sent[1:]))  # check_spacing apart, never a burst
+    # check_spacing (20 ms) apart, never a burst. `sent` is read a few statements after the pacer
+    # stamps its request, and that gap differs from one request to the next (a collection, the
+    # VM's steal), so allow 5 ms of it: a burst would put requests microseconds apart.
+    assert all(b - a >= 0.015 for a, b in zip(sent, sent[1:])), [round(b - a, 4) for a, b in zip(sent, sent[1:])]
     release.set()
     assert await eventually(lambda: len(delivered_ids(server)) == len(handles))
     assert len(sent) == len(handles)
