@@ -15,7 +15,7 @@ import trio
 
 from delayserver.message import MessageState
 from delayserver.storage.buckets import bucket_start
-from delayserver.storage.id_index import DispatchIndex, IdIndex
+from delayserver.storage.id_index import DispatchIndex, IdIndex, SliceRead
 from delayserver.storage.record import RecordType, cancel_key, decode_dispatch, scheduled_key
 
 READ_GUESS_BYTES = 512
@@ -59,11 +59,14 @@ class Lookup:
             if step is None:  # a slice of an index built: let the loop run
                 await trio.lowlevel.checkpoint()
                 continue
-            log, bucket, offsets = step
             try:
+                if type(step) is SliceRead:  # a slice of an index to build, not in the page cache
+                    step.index.index_read(step, await trio.to_thread.run_sync(step.read))
+                    continue
+                log, bucket, offsets = step
                 await _read_from_disk(log, bucket, offsets, got)
             except FileNotFoundError:
-                if bucket in self.store.schedule_log.sizes:
+                if bucket_start(schedule_time, self.store.segment_scale_ms) in self.store.schedule_log.sizes:
                     raise
                 # the cleaner took the bucket meanwhile: ask again (UNKNOWN)
 
@@ -81,8 +84,9 @@ class Lookup:
         bucket = bucket_start(schedule_time, store.segment_scale_ms)
         if bucket not in store.schedule_log.sizes:
             return Found(MessageState.UNKNOWN)
-        if self.ids.build_slice(bucket):
-            return None
+        built = self.ids.build_slice(bucket, cached_only=True)
+        if built:
+            return None if built is True else built
         candidates = self.ids.candidates(bucket, schedule_time, message_id)
         records, missing = _records(store.schedule_log, bucket, candidates, got)
         if missing:
@@ -99,8 +103,9 @@ class Lookup:
                     cancels.append(offset)
         if not offsets:
             return Found(MessageState.UNKNOWN)
-        if self.dispatches.build_slice(bucket):
-            return None
+        built = self.dispatches.build_slice(bucket, cached_only=True)
+        if built:
+            return None if built is True else built
         positions = [p for p in (self.dispatches.first(bucket, o) for o in offsets) if p is not None]
         if positions:
             records, missing = _records(store.dispatch_log, bucket, [min(positions)], got)

@@ -45,14 +45,16 @@ import struct
 import time
 from array import array
 from pathlib import Path
+from typing import Callable
 
+import attrs
 import numpy as np
 import trio
 from crc32c import crc32c
 
 from delayserver.storage.record import (
-    SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType, dispatch_schedule_offset,
-    iter_checked_records, iter_records, record_size,
+    HEADER_SIZE as RECORD_HEADER_SIZE, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType,
+    dispatch_schedule_offset, iter_checked_records, iter_records, record_size,
 )
 from delayserver.storage.errors import CorruptSegment
 
@@ -299,11 +301,12 @@ class SortedRuns:
 
 
 class _Bucket:
-    __slots__ = ("covered", "runs", "saved", "saved_id", "saved_covered", "saved_base", "saved_version",
+    __slots__ = ("covered", "cuts", "runs", "saved", "saved_id", "saved_covered", "saved_base", "saved_version",
                  "unsaved", "collecting")
 
     def __init__(self, with_values: bool):
         self.covered = 0  # the segment is indexed from 0 up to here
+        self.cuts = 0  # truncations of the segment seen (a slice read before one is stale)
         self.runs = SortedRuns(with_values)
         self.saved = 0  # keys saved, in the file and its journal
         self.saved_id = None  # the saved file's id: None, none that a chunk may follow
@@ -312,6 +315,17 @@ class _Bucket:
         self.saved_version = 0  # runs.version when saved (a truncation since: write whole)
         self.unsaved = array("Q")  # keys indexed since the last save, while collecting
         self.collecting = False  # the next save may append a chunk, or a save is under way
+
+
+@attrs.frozen
+class SliceRead:
+    """A slice of a segment `build_slice` left to a worker thread: `read()` returns its bytes."""
+    index: "_LogIndex"
+    bucket: int
+    owner: _Bucket  # the bucket's entry when it was asked for (a new one after a removal)
+    start: int
+    cuts: int
+    read: Callable[[], bytes]
 
 
 class _LogIndex:
@@ -346,7 +360,10 @@ class _LogIndex:
 
     def truncated(self, bucket: int, size: int) -> None:
         b = self.buckets.get(bucket)
-        if b is None or b.covered <= size:
+        if b is None:
+            return
+        b.cuts += 1
+        if b.covered <= size:
             return
         self._drop_from(b, size)
         b.covered = size
@@ -359,30 +376,66 @@ class _LogIndex:
     def unbuilt(self) -> list[int]:
         return [bucket for bucket, b in self.buckets.items() if b.covered < self.log.size(bucket)]
 
-    def build_slice(self, bucket: int, max_bytes: int = BUILD_SLICE_BYTES) -> bool:
+    def build_slice(self, bucket: int, max_bytes: int = BUILD_SLICE_BYTES, *, cached_only: bool = False):
         """Index one slice of the bucket's segment; True while more is left.
 
-        Raises CorruptSegment on damage (nothing past it is indexed)."""
+        With `cached_only` a slice not all in the page cache is not read on the calling (event
+        loop's) thread: the answer is then a SliceRead, whose `read` a worker thread runs and whose
+        bytes `index_read` indexes (`build_slice_async` does both). Raises CorruptSegment on damage
+        (nothing past it is indexed)."""
         b = self.buckets.get(bucket)
         if b is None:  # (not setdefault: a status or cancel calls this, and a _Bucket is not free)
             b = self.buckets[bucket] = _Bucket(self.with_values)
         size = self.log.size(bucket)
         if b.covered >= size:
             return False
-        start = b.covered
-        data = self.log.read(bucket, start, min(size, start + max_bytes))
+        return self._read_slice(bucket, b, b.covered, min(size, b.covered + max_bytes), cached_only)
+
+    def _read_slice(self, bucket: int, b: _Bucket, start: int, end: int, cached_only: bool):
+        if cached_only:
+            data = self.log.read_cached(bucket, start, end)
+            if data is None:
+                return SliceRead(self, bucket, b, start, b.cuts, self.log.range_reader(bucket, start, end))
+        else:
+            data = self.log.read(bucket, start, end)
+        return self._index_slice(bucket, b, start, data, cached_only)
+
+    def _index_slice(self, bucket: int, b: _Bucket, start: int, data: bytes, cached_only: bool):
         consumed = self._index(bucket, b, data, start, checked=False)
-        if consumed == 0:  # one record bigger than the slice
-            need = record_size(data, 0)
-            data = self.log.read(bucket, start, min(size, start + need))
-            consumed = self._index(bucket, b, data, start, checked=False)
-            if consumed == 0:
+        size = self.log.size(bucket)
+        if consumed == 0:  # one record bigger than the slice, or cut short by the segment's end
+            need = record_size(data, 0) if len(data) >= RECORD_HEADER_SIZE else len(data) + 1
+            if len(data) >= need or start + len(data) >= size:
                 raise CorruptSegment(self.log.path(bucket), start, "record cut short before the end")
-        return b.covered < self.log.size(bucket)
+            return self._read_slice(bucket, b, start, min(size, start + need), cached_only)
+        return b.covered < size
+
+    def index_read(self, step: "SliceRead", data: bytes):
+        """Index the bytes a worker thread read for `step`: as `build_slice` answers. Bytes the
+        segment no longer holds as they were read (truncated since, or the bucket removed) are
+        dropped, and the slice is read again."""
+        b = self.buckets.get(step.bucket)
+        if b is not step.owner or b.cuts != step.cuts or b.covered != step.start:
+            return self.build_slice(step.bucket, len(data) or BUILD_SLICE_BYTES, cached_only=True)
+        return self._index_slice(step.bucket, b, step.start, data, True)
+
+    async def build_slice_async(self, bucket: int, max_bytes: int = BUILD_SLICE_BYTES) -> bool:
+        """`build_slice`, reading from the page cache on the event loop and what is not in memory
+        in a worker thread; True while more is left."""
+        step = self.build_slice(bucket, max_bytes, cached_only=True)
+        while type(step) is SliceRead:
+            try:
+                data = await trio.to_thread.run_sync(step.read)
+            except FileNotFoundError:
+                if bucket in self.log.sizes:
+                    raise
+                return False  # the cleaner removed the bucket meanwhile: nothing left to index
+            step = self.index_read(step, data)
+        return step
 
     async def ensure(self, bucket: int) -> None:
         """Return once the bucket's index covers its whole segment (built in slices meanwhile)."""
-        while self.build_slice(bucket):
+        while await self.build_slice_async(bucket):
             await trio.lowlevel.checkpoint()
 
     async def serve(self, *, slice_s: float = 0.001, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -393,7 +446,7 @@ class _LogIndex:
         pending = self.unbuilt()
         for bucket in pending:
             try:
-                while self.build_slice(bucket):
+                while await self.build_slice_async(bucket):
                     await trio.lowlevel.checkpoint()
             except CorruptSegment as e:
                 # A torn tail the loader truncates before it loads the bucket, or damage the

@@ -285,15 +285,17 @@ async def test_a_saved_index_is_read_back_at_start_and_only_the_segment_past_it_
     node = Node(tmp_path, START_MS)
     look = Lookup(node.store, tmp_path / "index")
     parsed = []
-    real = node.store.schedule_log.read
 
-    def counting(bucket, start=0, end=None):
-        data = real(bucket, start, end)
-        if len(data) > 1024:  # a build slice, not a lookup's read of one record
-            parsed.append(start)
-        return data
+    def counting(real):
+        def read(bucket, start=0, end=None):
+            data = real(bucket, start, end)
+            if data is not None and len(data) > 1024:  # a build slice, not a lookup's read of one record
+                parsed.append(start)
+            return data
+        return read
 
-    node.store.schedule_log.read = counting
+    node.store.schedule_log.read = counting(node.store.schedule_log.read)
+    node.store.schedule_log.read_cached = counting(node.store.schedule_log.read_cached)
     assert look.ids.buckets[bucket].covered == saved_at  # read back, not rebuilt
     assert (await look.find(msgs[5][1], msgs[5][0])).state == MessageState.CANCELLED
     for mid, sched in msgs[::97] + later[::7]:
@@ -665,5 +667,137 @@ async def test_a_bucket_the_cleaner_removes_while_its_record_is_read_from_disk_i
 
     log.records_reader = removed_meanwhile
     with trio.fail_after(5):
+        assert (await look.find(sched, "order-0")).state == MessageState.UNKNOWN
+    node.crash()
+
+
+def _on_disk_only(node):
+    """Every read of the node's buckets misses the page cache; returns (whether each plain read
+    ran on the event loop's thread, whether each index slice was read off it)."""
+    on_loop, slices_off_loop = [], []
+    loop_thread = threading.current_thread()
+    for log in (node.store.schedule_log, node.store.dispatch_log):
+        def read_spy(bucket, start=0, end=None, real=log.read):
+            on_loop.append(threading.current_thread() is loop_thread)
+            return real(bucket, start, end)
+
+        def range_spy(bucket, start, end, real=log.range_reader):
+            read = real(bucket, start, end)
+
+            def run():
+                slices_off_loop.append(threading.current_thread() is not loop_thread)
+                return read()
+            return run
+        log.read, log.range_reader = read_spy, range_spy
+        log.read_cached = lambda bucket, start=0, end=None: None
+    return on_loop, slices_off_loop
+
+
+async def test_an_index_slice_not_in_the_page_cache_is_read_in_a_worker_thread(tmp_path):
+    """After a restart with no saved index, the first status in a bucket builds its indexes from
+    the segments, 64 KiB a slice. A slice on disk is read in a worker thread (find_now steps aside),
+    never with a read that waits for the disk on the event loop; the answers are those the
+    indexes give once built from memory."""
+    node = Node(tmp_path, START_MS)
+    sched = START_MS + 1000
+    msgs = [(f"order-{i}", sched) for i in range(1500)]
+    node.send(msgs, body=b"x" * 200)  # about 400 KiB: several slices
+    node.cancel(*msgs[1])
+    node.replay_all()
+    bucket = bucket_of(sched)
+    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
+               in node.store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED}
+    node.dispatch([Fired(0, bucket, offsets["order-2"], None, START_MS)])
+    asked = ["order-0", "order-1", "order-2", "order-1499", "never-sent"]
+    expected = [await Lookup(node.store).find(sched, mid) for mid in asked]
+    assert [f.state for f in expected] == [MessageState.PENDING, MessageState.CANCELLED, MessageState.DELIVERED,
+                                           MessageState.PENDING, MessageState.UNKNOWN]
+    node.replayer.checkpoint()
+    node.crash()
+
+    node = Node(tmp_path, START_MS)
+    look = Lookup(node.store)  # nothing saved: built from the segments
+    on_loop, slices_off_loop = _on_disk_only(node)
+    assert look.find_now(sched, "order-0") is None, "the event loop would wait for the disk"
+    assert look.ids.buckets[bucket].covered == 0
+    for mid, answer in zip(asked, expected):
+        assert await look.find(sched, mid) == answer
+    assert look.ids.buckets[bucket].covered == node.store.schedule_log.size(bucket)
+    assert len(slices_off_loop) >= 6 and all(slices_off_loop)  # both indexes, several slices each
+    assert not any(on_loop), "a read that may wait for the disk on the event loop"
+    node.crash()
+
+
+async def test_a_slice_read_from_disk_before_its_segment_is_cut_back_is_read_again(tmp_path):
+    """A slice read in a worker thread may be stale when it is indexed: its segment cut back
+    (a replay pass rolled back) and appended to again meanwhile. The index reads it again rather
+    than give the new records the keys of the old ones."""
+    node = Node(tmp_path, START_MS)
+    sched = START_MS + 1000
+    msgs = [(f"order-{i}", sched) for i in range(100)]
+    node.send(msgs, body=b"x" * 200)
+    node.replay_all()
+    bucket = bucket_of(sched)
+    log = node.store.schedule_log
+    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
+               in log.records(bucket) if rtype == RecordType.SCHEDULED}
+    look = Lookup(node.store)
+    look.ids.buckets[bucket].covered = 0  # as after a restart with nothing saved
+    look.ids.buckets[bucket].runs = id_index.SortedRuns(False)
+    log.read_cached = lambda bucket, start=0, end=None: None
+    range_reader = log.range_reader
+    fresh = [(f"fresh-{i}", sched) for i in range(20)]
+    reads = []
+
+    def cut_back_meanwhile(bucket, start, end):
+        read = range_reader(bucket, start, end)
+
+        def run():
+            data = read()
+            reads.append(start)
+
+            def cut_and_append():
+                log.truncate(bucket, offsets["order-50"])
+                node.send(fresh, body=b"y" * 200)
+                node.replay_all()
+            if len(reads) == 1:
+                trio.from_thread.run_sync(cut_and_append)
+            return data
+        return run
+
+    log.range_reader = cut_back_meanwhile
+    with trio.fail_after(10):
+        await look.ids.ensure(bucket)
+    log.range_reader = range_reader
+    assert reads == [0, 0]  # read again
+    assert look.ids.buckets[bucket].covered == log.size(bucket)
+    for mid, _ in fresh:
+        assert (await look.find(sched, mid)).state == MessageState.PENDING
+    assert (await look.find(sched, "order-49")).state == MessageState.PENDING
+    assert (await look.find(sched, "order-50")).state == MessageState.UNKNOWN
+    node.crash()
+
+
+async def test_a_bucket_the_cleaner_removes_while_an_index_slice_is_read_is_left(tmp_path):
+    node = Node(tmp_path, START_MS)
+    sched = START_MS + 1000
+    node.send([("order-0", sched)])
+    node.replay_all()
+    bucket = bucket_of(sched)
+    look = Lookup(node.store)
+    look.ids.buckets[bucket].covered = 0
+    log = node.store.schedule_log
+    log.read_cached = lambda bucket, start=0, end=None: None
+    range_reader = log.range_reader
+
+    def removed_meanwhile(bucket, start, end):
+        read = range_reader(bucket, start, end)
+        log.remove(bucket)  # as the cleaner does once a bucket is settled and past retention
+        node.store.dispatch_log.remove(bucket)
+        return read
+
+    log.range_reader = removed_meanwhile
+    with trio.fail_after(5):
+        await look.ids.ensure(bucket)  # (serve builds with the same call: it must not fail)
         assert (await look.find(sched, "order-0")).state == MessageState.UNKNOWN
     node.crash()
