@@ -113,7 +113,7 @@ class Checker:
             log.info("half message %s: no producer of group %s is connected to ask", half.message_id, half.group)
             return None
         self._no_producer.pop(half.key, None)
-        request = self.operations.check_request(half)
+        request = await self.operations.check_request(half)
         if not await self.operations.record_check(half):
             return None
         await self._pace()

@@ -64,9 +64,15 @@ class TransactionOperations:
             while self.replayer.offset < offset:
                 await self.replayer.caught_up.wait(0.01)
 
-    def read_prepare(self, half: Half) -> Prepare:
-        """The PREPARE record of `half` from message_log (StorageError if it cannot be read)."""
-        data, base = self.store.message_log.read(half.offset, 1)
+    async def read_prepare(self, half: Half) -> Prepare:
+        """The PREPARE record of `half` from message_log (StorageError if it cannot be read).
+
+        Read in a worker thread: a half message committed, checked or parked long after it came
+        may be on disk only, and no request waits on the event loop while the disk seeks."""
+        try:
+            data, base = await trio.to_thread.run_sync(self.store.message_log.reader(half.offset, 1))
+        except OSError as e:  # FileNotFoundError: its segment is gone (the half resolved meanwhile)
+            raise StorageError(f"PREPARE record at message_log offset {half.offset}: {e}") from None
         for _, rtype, s, e in iter_records(data):
             if rtype == RecordType.PREPARE:
                 try:
@@ -127,7 +133,7 @@ class TransactionOperations:
                 return await self._settled(key, want)
             now = self.clock.now_ms()
             if want == TS.COMMIT:
-                m = self.read_prepare(half).message
+                m = (await self.read_prepare(half)).message
                 payload = encode_message_fields(m.message_id, m.subject, m.body, m.schedule_time, m.headers, now,
                                                 flags=m.flags | FLAG_TRANSACTIONAL, max_body_bytes=len(m.body))
                 rtype = RecordType.COMMIT
@@ -156,8 +162,8 @@ class TransactionOperations:
 
     # --- the checker's steps --------------------------------------------------------------------
 
-    def check_request(self, half: Half) -> p.CheckRequest:
-        m = self.read_prepare(half).message
+    async def check_request(self, half: Half) -> p.CheckRequest:
+        m = (await self.read_prepare(half)).message
         item = p.SendItem(m.message_id, m.subject, TimeSpec(TimeKind.AT, m.schedule_time), m.body, dict(m.headers))
         return p.CheckRequest(half.group, half.checks + 1, item)
 
@@ -251,7 +257,7 @@ class TransactionOperations:
             await self.halves.park_wakeup.wait()
 
     async def _write_parked(self, half: Half) -> None:
-        m = self.read_prepare(half).message
+        m = (await self.read_prepare(half)).message
         subject = TRANS_CHECK_MAX_PREFIX + half.group
         headers = {**m.headers, "origin-subject": m.subject, "producer-group": half.group,
                    "transaction-checks": str(half.checks)}

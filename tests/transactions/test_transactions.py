@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 import pytest
@@ -363,3 +364,46 @@ async def test_a_half_message_unresolved_past_retention_is_parked_even_with_no_p
     assert (record.message.subject, record.attempt) == ("%TRANS_CHECK_MAX%nobody", 0)
     assert record.reason == "transaction unresolved past retention"
     assert server.halves.outcome((handle.schedule_time, handle.message_id)) == TransactionState.PARKED
+
+
+async def test_a_prepare_record_is_read_back_in_a_worker_thread_never_on_the_event_loop(nursery, tmp_path):
+    """A commit, a check and a park read the half message's PREPARE record back from message_log;
+    one that came hours ago may be on disk only, so they read it in a worker thread, never with a
+    read on the event loop that may wait for the disk."""
+    server = await start(nursery, tmp_path, check_max=2)
+    log = server.store.message_log
+    loop_thread = threading.current_thread()
+    on_loop, off_loop = [], []
+    read, reader = log.read, log.reader
+
+    def read_spy(offset, max_bytes=1 << 20):
+        if max_bytes == 1:  # one record (replay and the slaves' pulls read more)
+            on_loop.append(offset)
+        return read(offset, max_bytes)
+
+    def reader_spy(offset, max_bytes=1 << 20):
+        run = reader(offset, max_bytes)
+
+        def in_thread():
+            off_loop.append((offset, threading.current_thread() is not loop_thread))
+            return run()
+        return in_thread
+
+    log.read, log.reader = read_spy, reader_spy
+    listener = Listener(check=TransactionState.UNKNOWN)
+    prod = await client(server, nursery, group="orders", transaction_listener=listener)
+    committed = await prod.prepare("orders.expire", b"paid", delay=0)
+    await prod.commit(committed)
+    assert await eventually(lambda: delivered_ids(server)) == [committed.message_id]
+    parked = await prod.prepare("orders.expire", b"unanswered", delay=0)
+    server.clock.step(6000)
+    await eventually(lambda: len(listener.checked) == 1)
+    await eventually(lambda: server.halves.open[(parked.schedule_time, parked.message_id)].checks == 1)
+    server.clock.step(60_000)
+    await eventually(lambda: len(listener.checked) == 2)
+    await eventually(lambda: server.halves.open[(parked.schedule_time, parked.message_id)].checks == 2)
+    server.clock.step(60_000)
+    await eventually(lambda: list(iter_parked(server.config.data_dir / "parked")))
+    assert on_loop == []
+    assert [in_thread for _, in_thread in off_loop] == [True] * 4  # the commit, two checks, the park
+    assert len({offset for offset, _ in off_loop}) == 2
