@@ -588,6 +588,20 @@ async def test_the_keys_replay_hands_over_are_the_keys_a_build_parses_from_the_s
     node.crash()
 
 
+def _pending_cancelled_delivered(node, sched: int, count: int) -> int:
+    """`count` messages order-0... due at `sched` with 200-byte bodies, order-1 cancelled and
+    order-2 delivered; returns their bucket."""
+    msgs = [(f"order-{i}", sched) for i in range(count)]
+    node.send(msgs, body=b"x" * 200)
+    node.cancel(*msgs[1])
+    node.replay_all()
+    bucket = bucket_of(sched)
+    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
+               in node.store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED}
+    node.dispatch([Fired(0, bucket, offsets["order-2"], None, START_MS)])
+    return bucket
+
+
 async def test_a_record_not_in_the_page_cache_is_read_in_a_worker_thread_never_on_the_event_loop(tmp_path):
     """A big bucket is mostly on disk, not in memory: a status or cancel that waited for the disk
     on the event loop would hold every other connection while it seeks. `find_now` (the pump's
@@ -597,14 +611,7 @@ async def test_a_record_not_in_the_page_cache_is_read_in_a_worker_thread_never_o
     node = Node(tmp_path, START_MS)
     look = Lookup(node.store)
     sched = START_MS + 1000
-    msgs = [(f"order-{i}", sched) for i in range(100)]
-    node.send(msgs, body=b"x" * 200)
-    node.cancel(*msgs[1])
-    node.replay_all()
-    bucket = bucket_of(sched)
-    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
-               in node.store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED}
-    node.dispatch([Fired(0, bucket, offsets["order-2"], None, START_MS)])
+    bucket = _pending_cancelled_delivered(node, sched, 100)
     asked = ["order-0", "order-1", "order-2", "never-sent"]
     expected = [await look.find(sched, mid) for mid in asked]  # every index built, all in memory
     assert [f.state for f in expected] == [MessageState.PENDING, MessageState.CANCELLED,
@@ -700,14 +707,7 @@ async def test_an_index_slice_not_in_the_page_cache_is_read_in_a_worker_thread(t
     indexes give once built from memory."""
     node = Node(tmp_path, START_MS)
     sched = START_MS + 1000
-    msgs = [(f"order-{i}", sched) for i in range(1500)]
-    node.send(msgs, body=b"x" * 200)  # about 400 KiB: several slices
-    node.cancel(*msgs[1])
-    node.replay_all()
-    bucket = bucket_of(sched)
-    offsets = {scheduled_key(payload, 0)[3]: offset for offset, rtype, payload
-               in node.store.schedule_log.records(bucket) if rtype == RecordType.SCHEDULED}
-    node.dispatch([Fired(0, bucket, offsets["order-2"], None, START_MS)])
+    bucket = _pending_cancelled_delivered(node, sched, 1500)  # about 400 KiB: several slices
     asked = ["order-0", "order-1", "order-2", "order-1499", "never-sent"]
     expected = [await Lookup(node.store).find(sched, mid) for mid in asked]
     assert [f.state for f in expected] == [MessageState.PENDING, MessageState.CANCELLED, MessageState.DELIVERED,
