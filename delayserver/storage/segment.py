@@ -24,7 +24,7 @@ from pathlib import Path
 import attrs
 
 from delayserver import failpoints
-from delayserver.storage.errors import CorruptSegment, DiskFull, FsyncFailed, StorageError
+from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.reader import scan, valid_record_at
 
 log = logging.getLogger("delayserver.storage")
