@@ -214,7 +214,9 @@ class Realigner:
             out = {}
             for bucket in buckets:
                 size = dispatch_log.size(bucket)
-                out[bucket] = (size, prefix_crc(dispatch_log, bucket, size))
+                crc = prefix_crc(dispatch_log, bucket, size)
+                if crc is not None:  # (None: the cleaner removed the bucket meanwhile)
+                    out[bucket] = (size, crc)
             return out
 
         mine = await trio.to_thread.run_sync(digests)

@@ -29,6 +29,7 @@ from delayserver.node.replication.slaves import MAX_LONG_POLL_S, InSync, SlaveSt
 from delayserver.storage.buckets import bucket_name
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.reader import raise_unless_incomplete, read_records
+from delayserver.storage.segment import own_descriptor
 from delayserver.storage.record import RecordError
 
 MAX_SYNC_BYTES = 4 << 20
@@ -204,13 +205,25 @@ def _whole_records_before(data: bytes, start: int, limit: int, what: str) -> byt
 
 
 
-def prefix_crc(dispatch_log, bucket: int, size: int, chunk: int = 4 << 20) -> int:
-    """The crc32c of the first `size` bytes of `bucket`'s dispatch_log, read `chunk` at a time."""
+def prefix_crc(dispatch_log, bucket: int, size: int, chunk: int = 4 << 20) -> int | None:
+    """The crc32c of the first `size` bytes of `bucket`'s dispatch_log, read `chunk` at a time;
+    None when its file is gone (the cleaner removed the bucket).
+
+    For worker threads: it reads through a descriptor of its own. The log's descriptor cache is
+    the event loop's: taking one from it here could close a descriptor the loop is about to write
+    through (another bucket's records would land in whatever file reused its number), and would
+    create the file of a bucket the cleaner has just removed."""
     crc, pos = 0, 0
-    while pos < size:
-        data = dispatch_log.read(bucket, pos, min(size, pos + chunk))
-        if not data:
-            break
-        crc = crc32c.crc32c(data, value=crc)
-        pos += len(data)
+    if size <= 0:
+        return crc
+    try:
+        with own_descriptor(dispatch_log.path(bucket), size) as read:
+            while pos < size:
+                data = read(pos, min(size, pos + chunk))
+                if not data:
+                    break
+                crc = crc32c.crc32c(data, value=crc)
+                pos += len(data)
+    except FileNotFoundError:
+        return None
     return crc

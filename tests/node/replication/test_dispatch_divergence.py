@@ -4,15 +4,17 @@ connection, and a bucket that differs is quarantined, cut and pulled again whole
 dispatch_log is longer than its master's is told DIVERGED, not refused for good (live servers)."""
 from __future__ import annotations
 
-import trio
-
+import crc32c
 import pytest
+import trio
 
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message
 from delayserver.message import DelayServerError, ResultCode
 from delayserver.node.divergence import DIRECTORY
 from delayserver.node.replication import wire
+from delayserver.node.replication.master import prefix_crc
+from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.record import Dispatch, RecordType, encode_dispatch, encode_record
 
 from tests.node.replication.helpers import cfg, spooled_ids, start, wait_until
@@ -103,3 +105,24 @@ def test_the_digest_request_round_trips_and_refuses_what_does_not_add_up():
     assert wire.decode_buckets(wire.encode_buckets([3, -4])) == [3, -4]
     with pytest.raises(p.RemoteProtocolError):
         wire.decode_buckets(wire.encode_buckets([3]) + b"x")
+
+
+def test_a_digest_reads_through_a_descriptor_of_its_own_and_never_revives_a_cleaned_bucket(tmp_path):
+    """Digests are computed in worker threads. A read through the log's own descriptor cache
+    there would close a descriptor the event loop may be writing through (the cache holds few)
+    and would create again the file of a bucket the cleaner has just removed."""
+    log = BucketLog.open(tmp_path / "dispatch_log", max_open=1)
+    hour = 3_600_000
+    records = {k * hour: own_delivery(k * hour, 0, k * hour + 1) * k for k in (1, 2, 3)}
+    for bucket, data in records.items():
+        log.append(bucket, data)
+    held = dict(log._fds)  # what the event loop has open (the last bucket written)
+    assert len(held) == 1
+    for bucket, data in records.items():
+        assert prefix_crc(log, bucket, len(data)) == crc32c.crc32c(data)
+        assert prefix_crc(log, bucket, len(data) // 2, chunk=7) == crc32c.crc32c(data[: len(data) // 2])
+    assert dict(log._fds) == held  # none closed, none opened
+    log.remove(hour)  # as the cleaner does
+    assert prefix_crc(log, hour, len(records[hour])) is None
+    assert not log.path(hour).exists() and hour not in log.buckets()
+    log.close()
