@@ -15,9 +15,8 @@ from delayserver import failpoints
 from delayserver.replayer import Replayer
 from delayserver.storage.checkpoint import read_checkpoint
 from delayserver.storage.message_log import MessageLog
-from delayserver.storage.segment import (
-    CorruptSegment, FsyncFailed, StorageError, fsync_failures, fsync_path, storage_failures,
-)
+from delayserver.storage.errors import CorruptSegment, FsyncFailed, StorageError
+from delayserver.storage.segment import fsync_failures, fsync_path, storage_failures
 from delayserver.storage.store import Store
 from tests.damage import message_record, record_offsets
 from tests.pipeline_node import START_MS, Node
