@@ -61,7 +61,7 @@ class Lookup:
                 continue
             try:
                 if type(step) is SliceRead:  # a slice of an index to build, not in the page cache
-                    step.index.index_read(step, await trio.to_thread.run_sync(step.read))
+                    await step.index.read_slice(step)
                     continue
                 log, bucket, offsets = step
                 await _read_from_disk(log, bucket, offsets, got)

@@ -723,7 +723,7 @@ async def test_an_index_slice_not_in_the_page_cache_is_read_in_a_worker_thread(t
     for mid, answer in zip(asked, expected):
         assert await look.find(sched, mid) == answer
     assert look.ids.buckets[bucket].covered == node.store.schedule_log.size(bucket)
-    assert len(slices_off_loop) >= 6 and all(slices_off_loop)  # both indexes, several slices each
+    assert len(slices_off_loop) == 2 and all(slices_off_loop)  # one read ahead for each index (under 1 MiB)
     assert not any(on_loop), "a read that may wait for the disk on the event loop"
     node.crash()
 
@@ -800,4 +800,57 @@ async def test_a_bucket_the_cleaner_removes_while_an_index_slice_is_read_is_left
     with trio.fail_after(5):
         await look.ids.ensure(bucket)  # (serve builds with the same call: it must not fail)
         assert (await look.find(sched, "order-0")).state == MessageState.UNKNOWN
+    node.crash()
+
+
+async def test_builders_of_one_bucket_share_each_read_from_disk_a_megabyte_at_a_time(tmp_path):
+    """The index's own build and a status's both build a bucket not yet indexed: each range the
+    disk is read for is read once, a megabyte at a time (one worker thread hop for sixteen
+    slices), and indexed from memory a slice at a time."""
+    node = Node(tmp_path, START_MS)
+    sched = START_MS + 1000
+    msgs = [(f"order-{i}", sched) for i in range(1500)]
+    node.send(msgs, body=b"x" * 2000)  # about 3 MiB
+    node.replay_all()
+    bucket = bucket_of(sched)
+    look = Lookup(node.store)
+    look.ids.buckets[bucket].covered = 0  # as after a restart with nothing saved
+    look.ids.buckets[bucket].runs = id_index.SortedRuns(False)
+    log = node.store.schedule_log
+    log.read_cached = lambda bucket, start=0, end=None: None
+    reads, slices = [], []
+    range_reader = log.range_reader
+
+    def counted(bucket, start, end):
+        read = range_reader(bucket, start, end)
+
+        def run():
+            reads.append((start, end))
+            return read()
+        return run
+
+    log.range_reader = counted
+    index = look.ids._index
+
+    def one_slice(bucket, b, data, start, *, checked):
+        slices.append(len(data))
+        return index(bucket, b, data, start, checked=checked)
+
+    look.ids._index = one_slice
+    found = []
+
+    async def status():
+        found.append(await look.find(sched, "order-1499"))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look.ids.ensure, bucket)
+            nursery.start_soon(status)
+    assert found[0].state == MessageState.PENDING
+    size = log.size(bucket)
+    assert look.ids.buckets[bucket].covered == size
+    starts = [start for start, _ in reads]
+    assert len(starts) == len(set(starts)) == -(-size // id_index.BUILD_READ_BYTES), reads
+    assert all(end - start <= id_index.BUILD_READ_BYTES for start, end in reads)
+    assert max(slices) <= id_index.BUILD_SLICE_BYTES and len(slices) >= size // id_index.BUILD_SLICE_BYTES
     node.crash()
