@@ -396,25 +396,11 @@ class _LogIndex:
         if b.covered >= size:
             return False
         if b.ahead is not None:
-            built = self._index_ahead(bucket, b, max_bytes)
-            if built is not None:
-                return built
+            start, cuts, data = b.ahead
+            b.ahead = None
+            if start == b.covered and cuts == b.cuts:  # (else cut back, or grown here, since it was read)
+                return self._index_slice(bucket, b, start, data, max_bytes, cached_only, keep=True)
         return self._read_slice(bucket, b, b.covered, min(size, b.covered + max_bytes), cached_only)
-
-    def _index_ahead(self, bucket: int, b: _Bucket, max_bytes: int) -> bool | None:
-        """Index a slice of what a worker thread read; None when it holds no whole record there."""
-        start, cuts, data = b.ahead
-        b.ahead = None
-        if start != b.covered or cuts != b.cuts:
-            return None  # the segment was cut back, or grew here, since it was read
-        consumed = self._index(bucket, b, data[:max_bytes], start, checked=False)
-        if consumed == 0:  # one record bigger than the slice
-            consumed = self._index(bucket, b, data, start, checked=False)
-            if consumed == 0:
-                return None
-        if consumed < len(data):
-            b.ahead = (start + consumed, cuts, data[consumed:])
-        return b.covered < self.log.size(bucket)
 
     def _read_slice(self, bucket: int, b: _Bucket, start: int, end: int, cached_only: bool):
         if cached_only:
@@ -424,13 +410,24 @@ class _LogIndex:
                 return SliceRead(self, bucket, b, start, b.cuts, self.log.range_reader(bucket, start, far))
         else:
             data = self.log.read(bucket, start, end)
-        consumed = self._index(bucket, b, data, start, checked=False)
+        return self._index_slice(bucket, b, start, data, len(data), cached_only, keep=False)
+
+    def _index_slice(self, bucket: int, b: _Bucket, start: int, data, max_bytes: int, cached_only: bool, *,
+                     keep: bool):
+        """Index the whole records of `data` (read at `start`) in its first `max_bytes`, or its
+        first record when that one is longer; with `keep`, what is left of `data` is kept for the
+        next slice."""
+        consumed = self._index(bucket, b, data[:max_bytes], start, checked=False)
+        if consumed == 0 and len(data) > max_bytes:  # one record bigger than a slice: that record alone
+            consumed = self._index(bucket, b, data[: record_size(data, 0)], start, checked=False)
         size = self.log.size(bucket)
-        if consumed == 0:  # one record bigger than the slice, or cut short by the segment's end
+        if consumed == 0:  # one record bigger than what was read, or cut short by the segment's end
             need = record_size(data, 0) if len(data) >= RECORD_HEADER_SIZE else len(data) + 1
             if len(data) >= need or start + len(data) >= size:
                 raise CorruptSegment(self.log.path(bucket), start, "record cut short before the end")
             return self._read_slice(bucket, b, start, min(size, start + need), cached_only)
+        if keep and consumed < len(data):
+            b.ahead = (start + consumed, b.cuts, data[consumed:])
         return b.covered < size
 
     async def read_slice(self, step: "SliceRead") -> None:

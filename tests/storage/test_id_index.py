@@ -11,6 +11,7 @@ import trio
 from delayserver.lookup import Lookup
 from delayserver.message import MessageState
 from delayserver.storage import id_index
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.id_index import SortedRuns
 from delayserver.storage.record import RecordType, scheduled_key
 from delayserver.storage.time_index import TimeIndex
@@ -853,4 +854,52 @@ async def test_builders_of_one_bucket_share_each_read_from_disk_a_megabyte_at_a_
     assert len(starts) == len(set(starts)) == -(-size // id_index.BUILD_READ_BYTES), reads
     assert all(end - start <= id_index.BUILD_READ_BYTES for start, end in reads)
     assert max(slices) <= id_index.BUILD_SLICE_BYTES and len(slices) >= size // id_index.BUILD_SLICE_BYTES
+    node.crash()
+
+
+@pytest.mark.parametrize("tail", ["whole", "torn"])
+async def test_a_build_from_disk_reads_a_record_bigger_than_its_read_and_stops_at_a_torn_tail(tmp_path, tail):
+    """Read from disk a megabyte at a time, a record longer than that is read whole and indexed;
+    a record cut short by the segment's end is damage (CorruptSegment), never a read again and
+    again."""
+    node = Node(tmp_path, START_MS)
+    sched = START_MS + 1000
+    node.send([(f"small-{i}", sched) for i in range(100)], body=b"x" * 2000)
+    node.send([("big", sched)], body=b"y" * (id_index.BUILD_READ_BYTES + (1 << 19)))
+    node.send([("after", sched)])
+    node.replay_all()
+    bucket = bucket_of(sched)
+    log = node.store.schedule_log
+    if tail == "torn":
+        whole = log.size(bucket)
+        last = log.read(bucket, whole - 64, whole)
+        log.truncate(bucket, whole - 10)  # as a crash leaves it: the last record cut short
+        assert log.read(bucket, whole - 64, whole - 10) == last[:-10]
+    look = Lookup(node.store)
+    look.ids.buckets[bucket].covered = 0
+    look.ids.buckets[bucket].runs = id_index.SortedRuns(False)
+    log.read_cached = lambda bucket, start=0, end=None: None
+    reads = []
+    range_reader = log.range_reader
+
+    def counted(bucket, start, end):
+        read = range_reader(bucket, start, end)
+
+        def run():
+            reads.append((start, end))
+            return read()
+        return run
+
+    log.range_reader = counted
+    with trio.fail_after(10):
+        if tail == "whole":
+            await look.ids.ensure(bucket)
+            assert look.ids.buckets[bucket].covered == log.size(bucket)
+            for mid in ("small-0", "small-99", "big", "after"):
+                assert (await look.find(sched, mid)).state == MessageState.PENDING
+        else:
+            with pytest.raises(CorruptSegment, match="cut short"):
+                await look.ids.ensure(bucket)
+            assert look.ids.buckets[bucket].covered < log.size(bucket)
+    assert len(reads) <= 4, reads
     node.crash()
