@@ -804,6 +804,25 @@ async def test_a_bucket_the_cleaner_removes_while_an_index_slice_is_read_is_left
     node.crash()
 
 
+def _disk_reads_only(log) -> list[tuple[int, int]]:
+    """Make every read of `log` miss the page cache; returns the list of the (start, end) ranges
+    its worker threads then read, as they read them."""
+    reads = []
+    range_reader = log.range_reader
+
+    def counted(bucket, start, end):
+        read = range_reader(bucket, start, end)
+
+        def run():
+            reads.append((start, end))
+            return read()
+        return run
+
+    log.read_cached = lambda bucket, start=0, end=None: None
+    log.range_reader = counted
+    return reads
+
+
 async def test_builders_of_one_bucket_share_each_read_from_disk_a_megabyte_at_a_time(tmp_path):
     """The index's own build and a status's both build a bucket not yet indexed: each range the
     disk is read for is read once, a megabyte at a time (one worker thread hop for sixteen
@@ -818,19 +837,7 @@ async def test_builders_of_one_bucket_share_each_read_from_disk_a_megabyte_at_a_
     look.ids.buckets[bucket].covered = 0  # as after a restart with nothing saved
     look.ids.buckets[bucket].runs = id_index.SortedRuns(False)
     log = node.store.schedule_log
-    log.read_cached = lambda bucket, start=0, end=None: None
-    reads, slices = [], []
-    range_reader = log.range_reader
-
-    def counted(bucket, start, end):
-        read = range_reader(bucket, start, end)
-
-        def run():
-            reads.append((start, end))
-            return read()
-        return run
-
-    log.range_reader = counted
+    reads, slices = _disk_reads_only(log), []
     index = look.ids._index
 
     def one_slice(bucket, b, data, start, *, checked):
@@ -878,19 +885,7 @@ async def test_a_build_from_disk_reads_a_record_bigger_than_its_read_and_stops_a
     look = Lookup(node.store)
     look.ids.buckets[bucket].covered = 0
     look.ids.buckets[bucket].runs = id_index.SortedRuns(False)
-    log.read_cached = lambda bucket, start=0, end=None: None
-    reads = []
-    range_reader = log.range_reader
-
-    def counted(bucket, start, end):
-        read = range_reader(bucket, start, end)
-
-        def run():
-            reads.append((start, end))
-            return read()
-        return run
-
-    log.range_reader = counted
+    reads = _disk_reads_only(log)
     with trio.fail_after(10):
         if tail == "whole":
             await look.ids.ensure(bucket)
