@@ -502,7 +502,6 @@ class Receiver:
         failed fsync is never retried: what it covered is refused with READ_ONLY, as is every
         later write (the kernel may have dropped the dirty pages).
         """
-        message_log = self.store.message_log
         while True:
             if not self._unflushed:
                 self._check_idle()
@@ -511,7 +510,7 @@ class Receiver:
             items, self._unflushed = self._unflushed, []
             self._flushing = True
             try:
-                await run_disk(fsync_path, message_log.path(message_log.active_base))
+                await self._fsync_active()
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 for _, batch in items:
@@ -529,6 +528,14 @@ class Receiver:
             self.set_durable(items[-1][0])
             for _, batch in items:
                 self._acknowledge(batch)
+
+    async def _fsync_active(self) -> None:
+        """fsync the active message_log segment in a disk worker thread, through a descriptor of
+        its own: the event loop may roll the log meanwhile and close the segment's descriptor (a
+        roll fsyncs the segment it seals first, so what was written before it is covered either
+        way). Raises FsyncFailed."""
+        message_log = self.store.message_log
+        await run_disk(fsync_path, message_log.path(message_log.active_base))
 
     def _acknowledge(self, batch: list[_Pending]) -> None:
         if not self.may_acknowledge():
@@ -564,7 +571,7 @@ class Receiver:
             self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
-                    await run_disk(self.store.message_log.sync)
+                    await self._fsync_active()
                 except FsyncFailed as e:
                     self._go_read_only(str(e))
                     continue
@@ -594,7 +601,7 @@ class Receiver:
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
             try:
-                await run_disk(self.store.message_log.sync)
+                await self._fsync_active()
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 return

@@ -2,6 +2,7 @@
 time rules, disk-full mode, and the batches it hands the replayer."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -260,3 +261,39 @@ async def test_a_decoded_request_stores_what_the_messages_one_by_one_would(tmp_p
     finally:
         one_store.close()
         batch_store.close()
+
+
+async def test_an_async_flush_whose_segment_rolls_during_its_fsync_stays_writable(store, autojump_clock, monkeypatch):
+    """flush=async fsyncs message_log from a worker thread while the event loop goes on writing;
+    a roll then may close the segment's descriptor (it fsyncs the segment it seals first). The
+    flush fsyncs through a descriptor of its own, so a roll never makes it fail. (Through the
+    segment's closed descriptor it raised ValueError out of the flush task, which stopped the
+    receiver; an fsync error there would have left the node read-only for good.)"""
+    from delayserver.node import receiver as receiver_module
+    from delayserver.storage.segment import Segment
+
+    staged = []
+    loop_thread = threading.current_thread()
+
+    def roll_first(fn):
+        def run(*args, **kw):
+            if threading.current_thread() is not loop_thread and not staged:
+                staged.append(True)  # the loop rolls the log in the moment this fsync begins
+                trio.from_thread.run_sync(store.message_log.roll)
+            return fn(*args, **kw)
+        return run
+
+    monkeypatch.setattr(Segment, "sync", roll_first(Segment.sync))
+    monkeypatch.setattr(receiver_module, "fsync_path", roll_first(receiver_module.fsync_path))
+    r = receiver(store, flush="async", flush_interval_ms=10)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        (first,) = await r.send([item(0)])
+        with trio.fail_after(5):
+            while r.durable_offset < store.message_log.end_offset:
+                await trio.sleep(0.01)
+        assert staged and not r.read_only_reason
+        (second,) = await r.send([item(1)])
+        nursery.cancel_scope.cancel()
+    assert first.code == second.code == ResultCode.OK
+    assert len(store.message_log.segments) == 2
