@@ -184,7 +184,9 @@ class Slave:
             store.message_log.truncate(offset)
             await trio.sleep(1)
             return
-        receiver.set_durable(store.message_log.end_offset)
+        # What this pull appended and synced: not the log's end, which a node promoted meanwhile
+        # may have written past (its own batch is durable once its own fsync says so).
+        receiver.set_durable(offset + len(data))
         self.pulled += len(data)
         self._note_lag(master_end - offset - len(data))
 

@@ -12,6 +12,7 @@ from delayserver.node.replication import Registry, SlaveStates, slave as slave_m
 from delayserver.node.server import DelayServer
 from delayserver.storage.message_log import MessageLog
 
+from tests.damage import message_record
 from tests.node.replication.helpers import cfg, start, wait_until
 
 HOUR = 3_600_000
@@ -168,3 +169,30 @@ async def test_a_slave_is_in_sync_only_once_the_pulled_bytes_are_stored_here(tmp
     assert seen == (0, False), "in sync before the pulled bytes were stored"
     await wait_until(lambda: slave.slave.in_sync)
     assert slave.slave.pulled == master.store.message_log.end_offset and slave.slave.lag_bytes == 0
+
+
+async def test_a_pull_counts_durable_only_what_it_appended_and_synced(tmp_path, nursery, monkeypatch):
+    """A node promoted while its last pull is in its fsync may append its first batch as master
+    before the pull finishes: the pull then counts durable up to what it appended and synced
+    itself, never the log's end (that batch waits for its own fsync)."""
+    master = await start(nursery, cfg(tmp_path, "m"))
+    async with AsyncProducer(f"127.0.0.1:{master.port}") as producer:
+        await producer.send("r.x", b"x", delay=HOUR)
+    slave_dir = tmp_path / "s"
+    token = trio.lowlevel.current_trio_token()
+    original = MessageLog.sync
+    written_meanwhile = []
+
+    def sync_while_appended_to(self):  # the first sync of pulled bytes: the log grows meanwhile
+        if self.directory.is_relative_to(slave_dir) and self.end_offset and not written_meanwhile:
+            record = message_record(7)
+            trio.from_thread.run_sync(lambda: written_meanwhile.append(self.append(record)), trio_token=token)
+        return original(self)
+
+    monkeypatch.setattr(MessageLog, "sync", sync_while_appended_to)
+    slave = DelayServer(cfg(tmp_path, "s", replicate_from=f"127.0.0.1:{master.port}"))
+    nursery.start_soon(slave.serve)
+    pulled_end = master.store.message_log.end_offset
+    await wait_until(lambda: hasattr(slave, "receiver") and slave.receiver.durable_offset >= pulled_end)
+    assert written_meanwhile == [pulled_end]  # appended right after the pulled bytes
+    assert slave.receiver.durable_offset == pulled_end < slave.store.message_log.end_offset
