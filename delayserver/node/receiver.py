@@ -44,7 +44,7 @@ from delayserver.storage.record import (
     CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, add_sequenced_records,
     encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change,
 )
-from delayserver.storage.segment import fsync_path, storage_failures
+from delayserver.storage.segment import storage_failures
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
@@ -497,10 +497,9 @@ class Receiver:
         """flush=sync: fsync whatever was written since the last fsync, then acknowledge it.
 
         Writes go on while an fsync runs, and the next fsync covers all of them: group commit
-        across batches. The fsync goes through its own descriptor of the active segment (a roll
-        fsyncs the segment it seals before closing it), so a roll during an fsync is safe. A
-        failed fsync is never retried: what it covered is refused with READ_ONLY, as is every
-        later write (the kernel may have dropped the dirty pages).
+        across batches. MessageLog.sync fsyncs through a descriptor of its own, so a roll during
+        an fsync is safe. A failed fsync is never retried: what it covered is refused with
+        READ_ONLY, as is every later write (the kernel may have dropped the dirty pages).
         """
         while True:
             if not self._unflushed:
@@ -510,7 +509,7 @@ class Receiver:
             items, self._unflushed = self._unflushed, []
             self._flushing = True
             try:
-                await self._fsync_active()
+                await run_disk(self.store.message_log.sync)
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 for _, batch in items:
@@ -528,14 +527,6 @@ class Receiver:
             self.set_durable(items[-1][0])
             for _, batch in items:
                 self._acknowledge(batch)
-
-    async def _fsync_active(self) -> None:
-        """fsync the active message_log segment in a disk worker thread, through a descriptor of
-        its own: the event loop may roll the log meanwhile and close the segment's descriptor (a
-        roll fsyncs the segment it seals first, so what was written before it is covered either
-        way). Raises FsyncFailed."""
-        message_log = self.store.message_log
-        await run_disk(fsync_path, message_log.path(message_log.active_base))
 
     def _acknowledge(self, batch: list[_Pending]) -> None:
         if not self.may_acknowledge():
@@ -571,7 +562,7 @@ class Receiver:
             self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
-                    await self._fsync_active()
+                    await run_disk(self.store.message_log.sync)
                 except FsyncFailed as e:
                     self._go_read_only(str(e))
                     continue
@@ -601,7 +592,7 @@ class Receiver:
             await trio.lowlevel.checkpoint()
         if self.store.message_log.end_offset > self.durable_offset and not self.read_only_reason:
             try:
-                await self._fsync_active()
+                await run_disk(self.store.message_log.sync)
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 return

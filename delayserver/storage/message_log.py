@@ -41,7 +41,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import Segment, fsync_dir, own_descriptor, read_file
+from delayserver.storage.segment import Segment, fsync_dir, fsync_path, own_descriptor, read_file
 
 log = logging.getLogger("delayserver.storage")
 
@@ -150,7 +150,11 @@ class MessageLog:
         self._start_segment(base)
 
     def sync(self) -> None:
-        self.active.sync()
+        """fsync the active segment through a descriptor of its own, so that a worker thread may
+        call it while the event loop goes on appending or rolls the log: a roll fsyncs the segment
+        it seals before it closes that segment's descriptor, so whichever segment this finds
+        active, what was written before the call is covered. Raises FsyncFailed."""
+        fsync_path(self.path(self.active_base))
 
     def truncate(self, offset: int) -> None:
         """Drop everything at and after `offset` (a slave realigning with its master)."""

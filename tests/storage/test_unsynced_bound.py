@@ -11,11 +11,11 @@ import time
 
 import trio
 
-from delayserver.node import receiver as receiver_module
 from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
 from delayserver.message import ResultCode
 from delayserver.node.server import DelayServer
+from delayserver.storage import message_log as message_log_module
 from delayserver.storage.store import Store
 
 MAX_UNSYNCED = 4096
@@ -25,13 +25,13 @@ async def test_writes_wait_for_the_fsync_in_progress_rather_than_run_past_the_bo
     real_open = Store.open.__func__
     monkeypatch.setattr(Store, "open", classmethod(
         lambda cls, root, **kw: real_open(cls, root, **{"max_unsynced_bytes": MAX_UNSYNCED, **kw})))
-    real_fsync = receiver_module.fsync_path
+    real_fsync = message_log_module.fsync_path
 
     def slow_fsync(path):
         time.sleep(0.02)  # a slow disk: the group commit writes on meanwhile
         real_fsync(path)
 
-    monkeypatch.setattr(receiver_module, "fsync_path", slow_fsync)
+    monkeypatch.setattr(message_log_module, "fsync_path", slow_fsync)
     server = DelayServer(Config.from_dict(dict(data_dir=str(tmp_path / "node"), listen="127.0.0.1:0",
                                                flush="sync", reserve_bytes=0, max_delay="1d")))
     worst = []
