@@ -682,23 +682,16 @@ async def test_a_bucket_the_cleaner_removes_while_its_record_is_read_from_disk_i
 def _on_disk_only(node):
     """Every read of the node's buckets misses the page cache; returns (whether each plain read
     ran on the event loop's thread, whether each index slice was read off it)."""
-    on_loop, slices_off_loop = [], []
+    on_loop, reads = [], []
     loop_thread = threading.current_thread()
     for log in (node.store.schedule_log, node.store.dispatch_log):
         def read_spy(bucket, start=0, end=None, real=log.read):
             on_loop.append(threading.current_thread() is loop_thread)
             return real(bucket, start, end)
 
-        def range_spy(bucket, start, end, real=log.range_reader):
-            read = real(bucket, start, end)
-
-            def run():
-                slices_off_loop.append(threading.current_thread() is not loop_thread)
-                return read()
-            return run
-        log.read, log.range_reader = read_spy, range_spy
-        log.read_cached = lambda bucket, start=0, end=None: None
-    return on_loop, slices_off_loop
+        _disk_reads_only(log, reads)
+        log.read = read_spy
+    return on_loop, reads
 
 
 async def test_an_index_slice_not_in_the_page_cache_is_read_in_a_worker_thread(tmp_path):
@@ -718,13 +711,13 @@ async def test_an_index_slice_not_in_the_page_cache_is_read_in_a_worker_thread(t
 
     node = Node(tmp_path, START_MS)
     look = Lookup(node.store)  # nothing saved: built from the segments
-    on_loop, slices_off_loop = _on_disk_only(node)
+    on_loop, reads = _on_disk_only(node)
     assert look.find_now(sched, "order-0") is None, "the event loop would wait for the disk"
     assert look.ids.buckets[bucket].covered == 0
     for mid, answer in zip(asked, expected):
         assert await look.find(sched, mid) == answer
     assert look.ids.buckets[bucket].covered == node.store.schedule_log.size(bucket)
-    assert len(slices_off_loop) == 2 and all(slices_off_loop)  # one read ahead for each index (under 1 MiB)
+    assert len(reads) == 2 and all(in_thread for _, _, in_thread in reads)  # one read ahead for each index (under 1 MiB)
     assert not any(on_loop), "a read that may wait for the disk on the event loop"
     node.crash()
 
@@ -804,17 +797,18 @@ async def test_a_bucket_the_cleaner_removes_while_an_index_slice_is_read_is_left
     node.crash()
 
 
-def _disk_reads_only(log) -> list[tuple[int, int]]:
-    """Make every read of `log` miss the page cache; returns the list of the (start, end) ranges
-    its worker threads then read, as they read them."""
-    reads = []
+def _disk_reads_only(log, reads: list | None = None) -> list[tuple[int, int, bool]]:
+    """Make every read of `log` miss the page cache; returns the list (`reads`, or a new one) of
+    the (start, end, off the event loop's thread) of each read its worker threads then make."""
+    reads = [] if reads is None else reads
+    loop_thread = threading.current_thread()
     range_reader = log.range_reader
 
     def counted(bucket, start, end):
         read = range_reader(bucket, start, end)
 
         def run():
-            reads.append((start, end))
+            reads.append((start, end, threading.current_thread() is not loop_thread))
             return read()
         return run
 
@@ -857,9 +851,9 @@ async def test_builders_of_one_bucket_share_each_read_from_disk_a_megabyte_at_a_
     assert found[0].state == MessageState.PENDING
     size = log.size(bucket)
     assert look.ids.buckets[bucket].covered == size
-    starts = [start for start, _ in reads]
+    starts = [start for start, _, _ in reads]
     assert len(starts) == len(set(starts)) == -(-size // id_index.BUILD_READ_BYTES), reads
-    assert all(end - start <= id_index.BUILD_READ_BYTES for start, end in reads)
+    assert all(end - start <= id_index.BUILD_READ_BYTES for start, end, _ in reads)
     assert max(slices) <= id_index.BUILD_SLICE_BYTES and len(slices) >= size // id_index.BUILD_SLICE_BYTES
     node.crash()
 
