@@ -40,6 +40,98 @@ log = logging.getLogger("delayserver.replayer")
 CHECKPOINT_NAME = REPLAY_CHECKPOINT
 
 
+try:  # the compiled walk (delayserver/native/replay.pyx), when the install built it
+    from delayserver.native.replay import walk as _native_walk
+except ImportError:
+    _native_walk = None
+
+
+def walk(data, base: int, limit: int, end: int, scale: int, sizes_of: Callable[[int], int],
+         change_sequence: Callable[[object, int], int], max_sequence: int):
+    """One replay pass over `data`, message_log records checked already (MessageLog.read, or a
+    batch this node wrote) starting at message_log offset `base`, up to offset `limit`: what to
+    append to schedule_log and what to tell about it, without changing anything.
+
+    `end`: the cursor before the pass; `scale`: the bucket width; `sizes_of(bucket)`: a bucket's
+    schedule_log size now; `change_sequence(data, start)`: the sequence of a SCHEDULE payload;
+    `max_sequence`: the highest sequence seen before. Returns ``(per_bucket, ids, notes, txn_notes,
+    followed, end, max_sequence, changes)``:
+
+    - per_bucket: bucket -> its schedule_log records, one buffer to append;
+    - ids: bucket -> ``(offset within that buffer, schedule_log type, schedule_time, message id
+      bytes)`` of each record, the keys the indexes take instead of parsing the records again;
+    - notes: ``(bucket, offset in the bucket, message_log type, schedule_time, message id of a
+      CANCEL else None)`` of each scheduled record, in log order;
+    - txn_notes: ``(message_log offset, type, payload start, payload end)`` of transactional records;
+    - followed: ``(type, payload start, payload end)`` of each MESSAGE, CANCEL, COMMIT and SCHEDULE
+      record (what `on_records` gets);
+    - end: the message_log offset after the last record taken; max_sequence: the highest sequence
+      then; changes: how many SCHEDULE records (followed, not scheduled).
+
+    Raises RecordError at the offset within `data` of a record it cannot take. The compiled
+    `delayserver.native.replay.walk` does the same, or answers None and leaves the pass to this.
+    """
+    view = memoryview(data)
+    per_bucket: dict[int, list] = {}
+    ids: dict[int, list[tuple[int, int, int, memoryview]]] = {}
+    starts: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    notes = []
+    txn_notes = []
+    followed: list[tuple[int, int, int]] = []
+    changes = 0
+    for pos, rtype, s, e in iter_checked_records(data):
+        off = base + pos
+        if off >= limit:
+            break
+        if rtype == T_SCHEDULE:  # a schedule change: followed (on_records), not scheduled
+            max_sequence = max(max_sequence, change_sequence(data, s))
+            followed.append((rtype, s, e))
+            changes += 1
+            end = base + e
+            continue
+        if rtype == T_EPOCH:  # a batch's frame: nothing to schedule
+            end = base + e
+            continue
+        try:
+            sched, seq, id_at, id_end = message_log_head(data, s, rtype)
+        except RecordError as err:
+            raise RecordError(pos, err.reason) from None
+        if rtype in TRANSACTION_TYPES:
+            txn_notes.append((off, rtype, s, e))
+            if rtype != T_COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
+                max_sequence = max(max_sequence, seq)
+                end = base + e
+                continue
+        bucket = sched - sched % scale
+        # The schedule record is a head then the message_log payload as it is: no copy.
+        payload = view[s:e]
+        size, head, kind = scheduled_record_head(off, rtype, payload)
+        recs = per_bucket.get(bucket)
+        if recs is None:
+            recs = per_bucket[bucket] = []
+            ids[bucket] = []
+            sizes[bucket] = starts[bucket] = sizes_of(bucket)
+        at = sizes[bucket]
+        mid = view[id_at : min(id_end, e)]
+        ids[bucket].append((at - starts[bucket], kind, sched, mid))
+        if rtype == T_CANCEL:
+            try:
+                notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
+            except UnicodeDecodeError:
+                raise RecordError(pos, "message id is not UTF-8") from None
+        else:
+            notes.append((bucket, at, rtype, sched, None))
+        sizes[bucket] = at + size
+        recs += (head, payload)
+        if seq > max_sequence:
+            max_sequence = seq
+        followed.append((rtype, s, e))
+        end = base + e
+    return ({b: b"".join(recs) for b, recs in per_bucket.items()}, ids, notes, txn_notes, followed, end,
+            max_sequence, changes)
+
+
 class Replayer:
     def __init__(self, store: Store, ticks, *, offset: int = 0, max_sequence: int = 0,
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
@@ -131,70 +223,17 @@ class Replayer:
         # way every record is whole and checked (we built it, or MessageLog.read checked it).
         recent = self.recent_batch(self.offset)
         data, base = recent if recent is not None else self.store.message_log.read(self.offset, max_bytes)
-        view = memoryview(data)
-        scale = self.store.segment_scale_ms
-        per_bucket: dict[int, list[bytes]] = {}
-        # Per bucket, (offset within its append, schedule_log type, schedule_time, message id) of
-        # each record: the indexes take their keys from here instead of parsing the records again.
-        ids: dict[int, list[tuple[int, int, int, memoryview]]] = {}
-        starts: dict[int, int] = {}
-        sizes: dict[int, int] = {}
-        notes = []  # (bucket, offset in bucket, message_log type, schedule_time, message id or None)
-        txn_notes = []  # (message_log offset, type, payload start, payload end) of transactional records
-        end = self.offset
-        followed: list[tuple[int, int, int]] = []  # what on_records gets
         own = recent is not None
-        changes = 0  # SCHEDULE records: followed, not scheduled
-        # MessageLog.read checked every record it returned: walk the headers only.
-        sizes_of, max_sequence = self.store.schedule_log.size, self.max_sequence
-        for pos, rtype, s, e in iter_checked_records(data):
-            off = base + pos
-            if off >= limit:
-                break
-            if rtype == T_SCHEDULE:  # a schedule change: followed (on_records), not scheduled
-                max_sequence = max(max_sequence, schedule_change_sequence(data, s))
-                followed.append((rtype, s, e))
-                changes += 1
-                end = base + e
-                continue
-            if rtype == T_EPOCH:  # a batch's frame: nothing to schedule
-                end = base + e
-                continue
+        schedule_log = self.store.schedule_log
+        args = (data, base, limit, self.offset, self.store.segment_scale_ms, schedule_log.size,
+                schedule_change_sequence, self.max_sequence)
+        walked = _native_walk(*args) if _native_walk is not None else None
+        if walked is None:
             try:
-                sched, seq, id_at, id_end = message_log_head(data, s, rtype)
+                walked = walk(*args)
             except RecordError as err:
-                raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
-            if rtype in TRANSACTION_TYPES:
-                txn_notes.append((off, rtype, s, e))
-                if rtype != T_COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
-                    max_sequence = max(max_sequence, seq)
-                    end = base + e
-                    continue
-            bucket = sched - sched % scale
-            # The schedule record is a head then the message_log payload as it is: no copy.
-            payload = view[s:e]
-            size, head, kind = scheduled_record_head(off, rtype, payload)
-            recs = per_bucket.get(bucket)
-            if recs is None:
-                recs = per_bucket[bucket] = []
-                ids[bucket] = []
-                sizes[bucket] = starts[bucket] = sizes_of(bucket)
-            at = sizes[bucket]
-            mid = view[id_at : min(id_end, e)]
-            ids[bucket].append((at - starts[bucket], kind, sched, mid))
-            if rtype == T_CANCEL:
-                try:
-                    notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
-                except UnicodeDecodeError:
-                    raise CorruptSegment(self.store.message_log.directory, off, "message id is not UTF-8") from None
-            else:
-                notes.append((bucket, at, rtype, sched, None))
-            sizes[bucket] = at + size
-            recs += (head, payload)
-            if seq > max_sequence:
-                max_sequence = seq
-            followed.append((rtype, s, e))
-            end = base + e
+                raise CorruptSegment(self.store.message_log.directory, base + err.offset, err.reason) from None
+        per_bucket, ids, notes, txn_notes, followed, end, max_sequence, changes = walked
         self.max_sequence = max_sequence
         self._append_all(per_bucket, ids)
         if self.on_records is not None and followed:
@@ -230,13 +269,13 @@ class Replayer:
         for b, entries in run.items():
             ticks.on_replayed_many(b, entries, now)
 
-    def _append_all(self, per_bucket: dict[int, list[bytes]], ids: dict[int, list]) -> None:
+    def _append_all(self, per_bucket: dict[int, bytes], ids: dict[int, list]) -> None:
         schedule_log = self.store.schedule_log
         done: list[tuple[int, int]] = []
         try:
             for bucket, recs in per_bucket.items():
                 before = schedule_log.size(bucket)
-                schedule_log.append(bucket, b"".join(recs), ids[bucket])
+                schedule_log.append(bucket, recs, ids[bucket])
                 done.append((bucket, before))
         except StorageError:
             for bucket, before in done:

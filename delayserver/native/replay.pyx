@@ -1,0 +1,215 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The replayer's walk over a pass of message_log records, compiled (see `walk` in
+delayserver/replayer.py, the reference this must equal: tests/storage/test_native.py holds them
+side by side).
+
+It reads record headers and heads by hand and writes each bucket's schedule_log records (header,
+message_log offset, the message_log payload as it is, a crc over both) straight into one
+bytearray per bucket, without an object per piece. Anything unusual (a record type it does not
+know, a head too short, a cancel whose id is not UTF-8) makes it hand back None, and the Python
+walk does the pass, raising what it raises.
+"""
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+cdef extern from "crc32c.h":
+    void crc32c_init()
+    uint32_t crc32c_update(uint32_t value, const uint8_t *p, size_t n)
+
+crc32c_init()
+
+cdef enum:
+    HEADER_SIZE = 9         # crc u32, length u32, type u8 (record.HEADER)
+    OFFSET_SIZE = 8         # record.OFFSET
+    MESSAGE_HEAD_SIZE = 36  # record.MESSAGE_HEAD
+    CANCEL_HEAD_SIZE = 25   # record.CANCEL_HEAD
+    TXN_PREFIX_SIZE = 24    # record._TXN_PREFIX
+
+# Record types, as record.RecordType numbers them (the tests compare FORMAT with it).
+cdef enum:
+    T_MESSAGE = 1
+    T_CANCEL = 2
+    T_SCHEDULED = 3
+    T_SCHEDULED_CANCEL = 4
+    T_EPOCH = 12
+    T_PREPARE = 16
+    T_COMMIT = 17
+    T_ROLLBACK = 18
+    T_TXN_CHECK = 19
+    T_TXN_PARK = 20
+    T_SCHEDULE = 24
+
+#: What the format constants above stand for, for the tests to compare with record.py.
+FORMAT = dict(HEADER_SIZE=HEADER_SIZE, OFFSET_SIZE=OFFSET_SIZE, MESSAGE_HEAD_SIZE=MESSAGE_HEAD_SIZE,
+              CANCEL_HEAD_SIZE=CANCEL_HEAD_SIZE, TXN_PREFIX_SIZE=TXN_PREFIX_SIZE, MESSAGE=T_MESSAGE,
+              CANCEL=T_CANCEL, SCHEDULED=T_SCHEDULED, SCHEDULED_CANCEL=T_SCHEDULED_CANCEL, EPOCH=T_EPOCH,
+              PREPARE=T_PREPARE, COMMIT=T_COMMIT, ROLLBACK=T_ROLLBACK, TXN_CHECK=T_TXN_CHECK,
+              TXN_PARK=T_TXN_PARK, SCHEDULE=T_SCHEDULE)
+
+
+cdef inline uint32_t be32(const uint8_t *p) noexcept nogil:
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+
+
+cdef inline uint64_t be64(const uint8_t *p) noexcept nogil:
+    return (<uint64_t>be32(p) << 32) | be32(p + 4)
+
+
+cdef inline void put32(uint8_t *p, uint32_t v) noexcept nogil:
+    p[0] = v >> 24
+    p[1] = v >> 16
+    p[2] = v >> 8
+    p[3] = v
+
+
+cdef inline void put64(uint8_t *p, uint64_t v) noexcept nogil:
+    put32(p, <uint32_t>(v >> 32))
+    put32(p + 4, <uint32_t>v)
+
+
+cdef inline bint is_transactional(int rtype) noexcept nogil:
+    return rtype == T_PREPARE or rtype == T_COMMIT or rtype == T_ROLLBACK or rtype == T_TXN_CHECK or rtype == T_TXN_PARK
+
+
+def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64_t scale, sizes_of,
+         change_sequence, uint64_t max_sequence):
+    """The replayer's walk (replayer.walk documents the arguments and the result), or None."""
+    cdef const uint8_t[::1] view = data
+    cdef const uint8_t *buf = &view[0] if view.shape[0] else NULL
+    cdef Py_ssize_t n = view.shape[0]
+    cdef Py_ssize_t pos = 0, s, e, off, end = start_offset, id_at, id_end, at, size, old
+    cdef uint32_t length, crc, seed_scheduled, seed_cancel, seed
+    cdef int rtype, kind
+    cdef bint hit, have_last = False
+    cdef int64_t sched, bucket, last_bucket = 0, m
+    cdef uint64_t seq
+    cdef Py_ssize_t changes = 0, start = 0
+    cdef uint8_t type_byte
+    cdef bytearray arr = None
+    cdef list bucket_ids = None
+    cdef uint8_t *out
+    cdef object mid, cancel_id, key
+    per_bucket = {}
+    ids = {}
+    starts = {}
+    notes = []
+    txn_notes = []
+    followed = []
+    type_byte = T_SCHEDULED
+    seed_scheduled = crc32c_update(0, &type_byte, 1)
+    type_byte = T_SCHEDULED_CANCEL
+    seed_cancel = crc32c_update(0, &type_byte, 1)
+    while pos + HEADER_SIZE <= n:
+        length = be32(buf + pos + 4)
+        rtype = buf[pos + 8]
+        s = pos + HEADER_SIZE
+        e = s + length
+        if e > n:
+            break
+        off = base + pos
+        if off >= limit:
+            break
+        if rtype == T_SCHEDULE:
+            seq = change_sequence(data, s)
+            if seq > max_sequence:
+                max_sequence = seq
+            followed.append((rtype, s, e))
+            changes += 1
+            end = base + e
+            pos = e
+            continue
+        if rtype == T_EPOCH:
+            end = base + e
+            pos = e
+            continue
+        if rtype == T_MESSAGE or rtype == T_COMMIT:
+            if s + MESSAGE_HEAD_SIZE > n:
+                return None
+            sched = <int64_t>be64(buf + s + 8)
+            seq = be64(buf + s + 16)
+            id_at = s + MESSAGE_HEAD_SIZE
+            id_end = id_at + buf[s + 26]
+        elif rtype == T_CANCEL:
+            if s + CANCEL_HEAD_SIZE > n:
+                return None
+            sched = <int64_t>be64(buf + s + 8)
+            seq = be64(buf + s + 16)
+            id_at = s + CANCEL_HEAD_SIZE
+            id_end = id_at + buf[s + 24]
+        elif is_transactional(rtype):
+            if s + TXN_PREFIX_SIZE > n:
+                return None
+            sched = <int64_t>be64(buf + s + 8)
+            seq = be64(buf + s + 16)
+            id_at = id_end = s
+        else:
+            return None  # not a message_log type: the Python walk reports it
+        if is_transactional(rtype):
+            txn_notes.append((off, rtype, s, e))
+            if rtype != T_COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
+                if seq > max_sequence:
+                    max_sequence = seq
+                end = base + e
+                pos = e
+                continue
+        m = sched % scale
+        if m < 0:
+            m += scale
+        if sched < 0:  # sched - m may be below int64's range: Python's ints work it out
+            key = <object>sched - <object>m
+            hit = False
+        else:
+            bucket = sched - m
+            hit = have_last and bucket == last_bucket
+            if not hit:
+                key = bucket
+        if not hit:  # `key` is the bucket's int: notes share it
+            arr = per_bucket.get(key)
+            if arr is None:
+                arr = per_bucket[key] = PyByteArray_FromStringAndSize(NULL, 0)
+                bucket_ids = ids[key] = []
+                start = sizes_of(key)
+                starts[key] = start
+            else:
+                bucket_ids = ids[key]
+                start = starts[key]
+            have_last = sched >= 0
+            last_bucket = bucket
+        if rtype == T_CANCEL:
+            kind, seed = T_SCHEDULED_CANCEL, seed_cancel
+        else:
+            kind, seed = T_SCHEDULED, seed_scheduled
+        old = PyByteArray_GET_SIZE(arr)
+        at = start + old
+        size = HEADER_SIZE + OFFSET_SIZE + (e - s)
+        PyByteArray_Resize(arr, old + size)
+        out = <uint8_t *>PyByteArray_AS_STRING(arr) + old
+        put64(out + HEADER_SIZE, <uint64_t>off)
+        memcpy(out + HEADER_SIZE + OFFSET_SIZE, buf + s, e - s)
+        crc = crc32c_update(crc32c_update(seed, out + HEADER_SIZE, OFFSET_SIZE), buf + s, e - s)
+        put32(out, crc)
+        put32(out + 4, <uint32_t>(OFFSET_SIZE + (e - s)))
+        out[8] = kind
+        if id_end > e:
+            id_end = e
+        if id_end < id_at:
+            id_end = id_at
+        mid = PyBytes_FromStringAndSize(<const char *>buf + id_at, id_end - id_at)
+        bucket_ids.append((at - start, kind, sched, mid))
+        if rtype == T_CANCEL:
+            try:
+                cancel_id = PyUnicode_DecodeUTF8(<const char *>buf + id_at, id_end - id_at, NULL)
+            except UnicodeDecodeError:
+                return None
+            notes.append((key, at, rtype, sched, cancel_id))
+        else:
+            notes.append((key, at, rtype, sched, None))
+        if seq > max_sequence:
+            max_sequence = seq
+        followed.append((rtype, s, e))
+        end = base + e
+        pos = e
+    return per_bucket, ids, notes, txn_notes, followed, end, max_sequence, changes

@@ -1,0 +1,11 @@
+"""Everything about the project is in setup.cfg; this file only declares the compiled kernels of
+delayserver/native (Cython). `optional=True`: an install without a C compiler still works, on the
+Python references the kernels stand in for."""
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+KERNELS = [
+    Extension("delayserver.native.replay", ["delayserver/native/replay.pyx"], optional=True),
+]
+
+setup(ext_modules=cythonize(KERNELS, language_level=3))

@@ -1,0 +1,143 @@
+"""The compiled kernels (delayserver/native) against the Python references they stand in for.
+
+Whatever the input, a kernel gives what its reference gives, or hands back None (the caller then
+runs the reference). The kernels must be built: `ops/test` installs with a C compiler, and a
+build that failed quietly (the extensions are optional) would leave every node on the slower path.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from delayserver import replayer
+from delayserver.storage import record as r
+from delayserver.storage.record import RecordType as T
+
+from delayserver.native import replay as native_replay  # must be built: see the module docstring
+
+SETTINGS = settings(max_examples=300, deadline=None)
+SCALE = 3_600_000
+
+
+def test_the_kernels_know_the_record_format_as_record_py_does():
+    f = native_replay.FORMAT
+    assert (f["HEADER_SIZE"], f["OFFSET_SIZE"], f["MESSAGE_HEAD_SIZE"], f["CANCEL_HEAD_SIZE"], f["TXN_PREFIX_SIZE"]) == (
+        r.HEADER_SIZE, r.OFFSET.size, r.MESSAGE_HEAD.size, r.CANCEL_HEAD.size, r._TXN_PREFIX.size)
+    for name in ("MESSAGE", "CANCEL", "SCHEDULED", "SCHEDULED_CANCEL", "EPOCH", "PREPARE", "COMMIT", "ROLLBACK",
+                 "TXN_CHECK", "TXN_PARK", "SCHEDULE"):
+        assert f[name] == T[name], name
+    # The id length bytes the kernel reads: MESSAGE's at 26, CANCEL's at 24.
+    payload = r.encode_message_fields("id-\u00e9", "s.x", b"body", 5, {"k": "v"}, 1)
+    assert payload[26] == len("id-\u00e9".encode())
+    assert r.encode_cancel(r.Cancel("abc", 5, 1))[24] == 3
+
+
+ids = st.text(st.characters(codec="utf-8"), min_size=1, max_size=6).filter(lambda s: len(s.encode()) <= 255)
+times = st.integers(0, 6 * SCALE) | st.integers(-(2**63), 2**63 - 1)
+
+
+def stamped(payload: bytes, sched: int, seq: int) -> bytes:
+    """`payload` (any message_log type: each starts store_time, schedule_time, sequence) with that
+    schedule time and sequence, whatever the encoders would accept."""
+    payload = bytearray(payload)
+    payload[8:24] = sched.to_bytes(8, "big", signed=True) + seq.to_bytes(8, "big")
+    return bytes(payload)
+
+
+@st.composite
+def message_logs(draw):
+    """Records as a node's message_log holds them (epochs framing batches, each type it knows),
+    sequences in order, and sometimes a damaged one: a type that is not message_log's, a cancel
+    whose id is not UTF-8, a head cut short."""
+    parts, seq = [], draw(st.integers(0, 2**40))
+    for _ in range(draw(st.integers(0, 25))):
+        kind = draw(st.sampled_from(["message", "message", "message", "cancel", "commit", "prepare", "rollback",
+                                     "check", "park", "schedule", "epoch"]))
+        if draw(st.integers(0, 60)) == 0:
+            kind = draw(st.sampled_from(["bad-type", "bad-cancel-id", "short"]))
+        seq += 1
+        sched, mid = draw(times), draw(ids)
+        if kind == "message" or kind == "commit":
+            body = draw(st.binary(max_size=40))
+            payload = r.encode_message_fields(mid, "s.x", body, 0, {"h": "v"} if draw(st.booleans()) else {}, 7)
+            parts.append(r.encode_record(T.MESSAGE if kind == "message" else T.COMMIT, stamped(payload, sched, seq)))
+        elif kind == "cancel" or kind == "rollback":
+            payload = stamped(r.encode_cancel(r.Cancel(mid, 0, 7)), sched, seq)
+            parts.append(r.encode_record(T.CANCEL if kind == "cancel" else T.ROLLBACK, payload))
+        elif kind == "prepare":
+            message = r.encode_message_fields(mid, "s.x", b"b", 0, {}, 7, 0)
+            parts.append(r.encode_record(T.PREPARE, stamped(r.encode_prepare("g", 10, message), sched, seq)))
+        elif kind == "check":
+            payload = stamped(r.encode_txn_check(r.TxnCheck(mid, 0, 2, 7)), sched, seq)
+            parts.append(r.encode_record(T.TXN_CHECK, payload))
+        elif kind == "park":
+            payload = stamped(r.encode_txn_park(r.TxnPark(mid, 0, r.ParkReason(1), 7)), sched, seq)
+            parts.append(r.encode_record(T.TXN_PARK, payload))
+        elif kind == "schedule":
+            parts.append(r.encode_record(T.SCHEDULE, stamped(r.encode_schedule_change({"name": mid}, 7), 0, seq)))
+        elif kind == "epoch":
+            parts.append(r.encode_epoch_record(draw(st.integers(1, 9))))
+        elif kind == "bad-type":
+            parts.append(r.encode_record(draw(st.sampled_from([T.SCHEDULED, T.DISPATCH, T.PARKED])), b"x" * 40))
+        elif kind == "bad-cancel-id":
+            payload = r.CANCEL_HEAD.pack(7, 0, seq, 2) + b"\xff\xfe"
+            parts.append(r.encode_record(T.CANCEL, payload))
+        else:  # a MESSAGE whose head is cut short: at the end, nothing follows to read it from
+            parts.append(r.encode_record(T.MESSAGE, b"\x00" * draw(st.integers(0, 35))))
+            break
+    return b"".join(parts)
+
+
+def comparable(walked):
+    """A walk's result with its buffers and ids as bytes (the kernel writes bytearrays and ids as
+    bytes, the reference joins bytes and slices memoryviews)."""
+    per_bucket, ids, notes, txn_notes, followed, end, max_sequence, changes = walked
+    return ({b: bytes(v) for b, v in per_bucket.items()},
+            {b: [(at, kind, sched, bytes(mid)) for at, kind, sched, mid in v] for b, v in ids.items()},
+            notes, txn_notes, followed, end, max_sequence, changes)
+
+
+def reference(*args):
+    try:
+        return "ok", comparable(replayer.walk(*args))
+    except r.RecordError as e:
+        return "error", e.offset, e.reason
+
+
+@SETTINGS
+@given(message_logs(), st.integers(0, 2**40), st.integers(0, 5000), st.integers(0, 2**20), st.booleans(),
+       st.integers(1, 2 * SCALE))
+def test_the_replay_walk_is_the_reference(data, base, limit_at, start, as_bytearray, scale):
+    sizes = {}
+
+    def sizes_of(bucket):  # a bucket's size: anything, the same for both walks
+        return sizes.setdefault(bucket, random.Random(bucket).randrange(0, 1 << 30))
+
+    buf = bytearray(data) if as_bytearray else data
+    args = (buf, base, base + limit_at, base - start, scale, sizes_of, r.schedule_change_sequence, start)
+    native = native_replay.walk(*args)
+    expected = reference(*args)
+    if native is None:  # left to the reference: only for what the reference refuses
+        assert expected[0] == "error"
+    else:
+        assert ("ok", comparable(native)) == expected
+
+
+def test_the_replay_walk_takes_a_node_s_batch():
+    """A batch as the receiver writes one: the kernel takes it (no None) and equals the reference."""
+    payloads = [r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, SCALE * (i % 3) + i, {}, 1, 0) for i in range(64)]
+    parts = [r.encode_epoch_record(3)]
+    r.add_sequenced_records(parts, T.MESSAGE, [bytearray(p) for p in payloads], 100)
+    data = b"".join(parts)
+    args = (data, 4096, 4096 + len(data), 4096, SCALE, lambda b: 10 * b // SCALE, r.schedule_change_sequence, 0)
+    native = native_replay.walk(*args)
+    assert native is not None
+    assert comparable(native) == comparable(replayer.walk(*args))
+    per_bucket = native[0]
+    assert sorted(per_bucket) == [0, SCALE, 2 * SCALE]
+    # What it wrote decodes as schedule_log records whose crc checks out.
+    records = list(r.iter_records(bytes(per_bucket[SCALE])))
+    assert len(records) == 21 and all(rtype == T.SCHEDULED for _, rtype, _, _ in records)
