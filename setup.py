@@ -6,6 +6,7 @@ from setuptools import Extension, setup
 
 KERNELS = [
     Extension("delayserver.native.replay", ["delayserver/native/replay.pyx"], optional=True),
+    Extension("delayserver.native.send", ["delayserver/native/send.pyx"], optional=True),
 ]
 
 setup(ext_modules=cythonize(KERNELS, language_level=3))

@@ -81,6 +81,11 @@ from delayserver.message import (
     MAX_BODY_BYTES, CancelOutcome, Handle, MessageState, ResultCode, TimeKind, TimeSpec, TransactionState,
 )
 
+try:  # the compiled SEND decoder (delayserver/native/send.pyx), when the install built it
+    from delayserver.native.send import decode_rows as _native_decode_rows
+except ImportError:
+    _native_decode_rows = None
+
 #: The delay server's default port (the meta server's is 20800).
 DEFAULT_PORT = 20801
 MAGIC = 0x444C5953
@@ -560,8 +565,24 @@ class SendBatch(Sequence[SendItem]):
         return f"SendBatch({list(self)!r})"
 
 
+def _time_spec(kind: int, value: int) -> TimeSpec | None:
+    time_kind = _TIME_KIND_BY_VALUE[kind]
+    return None if time_kind is None else TimeSpec(time_kind, value)
+
+
 def _decode_send_request_fast(payload: bytes) -> SendBatch | None:
-    """One pass over the payload with every bound checked by hand; None on anything else."""
+    """One pass over the payload with every bound checked; None on anything else. The compiled
+    kernel (delayserver/native/send.pyx) when built, else `_decode_send_request_py`."""
+    buf = payload if type(payload) is bytes else bytes(payload)
+    if _native_decode_rows is None:
+        return _decode_send_request_py(buf)
+    rows = _native_decode_rows(buf, _time_spec)
+    return None if rows is None else SendBatch(buf, rows)
+
+
+def _decode_send_request_py(payload: bytes) -> SendBatch | None:
+    """`_decode_send_request_fast` in Python: every bound checked by hand; the compiled kernel's
+    reference."""
     buf = payload if type(payload) is bytes else bytes(payload)
     end = len(buf)
     if end < 4:

@@ -141,3 +141,55 @@ def test_the_replay_walk_takes_a_node_s_batch():
     # What it wrote decodes as schedule_log records whose crc checks out.
     records = list(r.iter_records(bytes(per_bucket[SCALE])))
     assert len(records) == 21 and all(rtype == T.SCHEDULED for _, rtype, _, _ in records)
+
+
+# --- the SEND decoder ---------------------------------------------------------------------------
+
+from delayserver import protocol as p  # noqa: E402
+from delayserver.message import TimeKind, TimeSpec  # noqa: E402
+from delayserver.native import send as native_send  # noqa: E402
+
+any_text = st.text(max_size=8) | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1,
+                                         max_size=2)
+send_items = st.builds(p.SendItem, st.text(max_size=8), st.sampled_from(["s.x", "s.y", ""]) | st.text(max_size=4),
+                       st.builds(TimeSpec, st.sampled_from(TimeKind), st.integers(-(2**63), 2**63 - 1)),
+                       st.binary(max_size=16), st.dictionaries(st.sampled_from(["k1", "k2"]) | st.text(max_size=4),
+                                                               st.text(max_size=4), max_size=3))
+
+
+@st.composite
+def send_requests(draw):
+    """SEND request payloads: encoded batches, some damaged (bytes changed, cut, added)."""
+    payload = bytearray(p.encode_send_request(draw(st.lists(send_items, max_size=6))))
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2, 3]))):
+        what = draw(st.sampled_from(["flip", "cut", "add", "twin"]))
+        if what == "twin" and b"\x00\x02k1" in payload:  # a header key given twice
+            payload = payload.replace(b"\x00\x02k2", b"\x00\x02k1", 1)
+        elif what == "flip" and payload:
+            payload[draw(st.integers(0, len(payload) - 1))] = draw(st.integers(0, 255))
+        elif what == "cut":
+            del payload[draw(st.integers(0, len(payload))):]
+        else:
+            payload += draw(st.binary(min_size=1, max_size=4))
+    return bytes(payload)
+
+
+def rows_of(batch):
+    return None if batch is None else (batch.buf, batch.rows)
+
+
+@SETTINGS
+@given(send_requests() | st.binary(max_size=64))
+def test_the_send_decoder_is_the_reference(payload):
+    rows = native_send.decode_rows(payload, p._time_spec)
+    assert rows_of(None if rows is None else p.SendBatch(payload, rows)) == rows_of(p._decode_send_request_py(payload))
+
+
+def test_the_send_decoder_takes_a_producer_s_batch():
+    items = [p.SendItem(f"m{i}", "orders.timeout", TimeSpec.delay(1800_000), b"x" * 100, {"k": "\u00e9"} if i % 2 else {})
+             for i in range(64)]
+    payload = p.encode_send_request(items)
+    rows = native_send.decode_rows(payload, p._time_spec)
+    assert rows is not None and list(p.SendBatch(payload, rows)) == items
+    assert rows == p._decode_send_request_py(payload).rows
+    assert p.decode_send_request(payload).rows == rows  # the public decoder takes the kernel's rows

@@ -5,5 +5,6 @@ falls back to that reference when the kernel is not built (no C compiler at inst
 back None for input it leaves to the reference. tests/test_native.py holds each kernel to its
 reference, output for output.
 
-- `replay.walk`: the replayer's pass over message_log records (`delayserver.replayer.walk`).
+- `replay.walk`: the replayer's pass over message_log records (`delayserver.replayer.walk`);
+- `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`).
 """
