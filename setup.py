@@ -5,7 +5,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 KERNELS = [
-    Extension("delayserver.native.replay", ["delayserver/native/replay.pyx"], optional=True),
+    Extension("delayserver.native.records", ["delayserver/native/records.pyx"], optional=True),
     Extension("delayserver.native.send", ["delayserver/native/send.pyx"], optional=True),
 ]
 

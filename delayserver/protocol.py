@@ -82,9 +82,9 @@ from delayserver.message import (
 )
 
 try:  # the compiled SEND decoder (delayserver/native/send.pyx), when the install built it
-    from delayserver.native.send import decode_rows as _native_decode_rows
+    from delayserver.native.send import decode_rows as _native_decode_rows, encode_results as _native_encode_results
 except ImportError:
-    _native_decode_rows = None
+    _native_decode_rows = _native_encode_results = None
 
 #: The delay server's default port (the meta server's is 20800).
 DEFAULT_PORT = 20801
@@ -662,6 +662,15 @@ def encode_send_response(results: Sequence[SendResult]) -> bytes:
 
 
 def _encode_send_response_fast(results: Sequence[SendResult]) -> bytes | None:
+    """The compiled kernel (delayserver/native/send.pyx) when built, else `_encode_send_response_py`;
+    None on anything they do not take whole."""
+    if _native_encode_results is not None:
+        return _native_encode_results(results, SendResult)
+    return _encode_send_response_py(results)
+
+
+def _encode_send_response_py(results: Sequence[SendResult]) -> bytes | None:
+    """The SEND response in one pass, in Python: the compiled kernel's reference."""
     try:
         parts = [_U32.pack(len(results))]
         append, pack_result, pack_u32 = parts.append, _SEND_RESULT.pack, _U32.pack

@@ -40,8 +40,8 @@ log = logging.getLogger("delayserver.replayer")
 CHECKPOINT_NAME = REPLAY_CHECKPOINT
 
 
-try:  # the compiled walk (delayserver/native/replay.pyx), when the install built it
-    from delayserver.native.replay import walk as _native_walk
+try:  # the compiled walk (delayserver/native/records.pyx), when the install built it
+    from delayserver.native.records import walk as _native_walk
 except ImportError:
     _native_walk = None
 
@@ -69,7 +69,7 @@ def walk(data, base: int, limit: int, end: int, scale: int, sizes_of: Callable[[
       then; changes: how many SCHEDULE records (followed, not scheduled).
 
     Raises RecordError at the offset within `data` of a record it cannot take. The compiled
-    `delayserver.native.replay.walk` does the same, or answers None and leaves the pass to this.
+    `delayserver.native.records.walk` does the same, or answers None and leaves the pass to this.
     """
     view = memoryview(data)
     per_bucket: dict[int, list] = {}

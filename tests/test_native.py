@@ -16,14 +16,14 @@ from delayserver import replayer
 from delayserver.storage import record as r
 from delayserver.storage.record import RecordType as T
 
-from delayserver.native import replay as native_replay  # must be built: see the module docstring
+from delayserver.native import records as native_records  # must be built: see the module docstring
 
 SETTINGS = settings(max_examples=300, deadline=None)
 SCALE = 3_600_000
 
 
 def test_the_kernels_know_the_record_format_as_record_py_does():
-    f = native_replay.FORMAT
+    f = native_records.FORMAT
     assert (f["HEADER_SIZE"], f["OFFSET_SIZE"], f["MESSAGE_HEAD_SIZE"], f["CANCEL_HEAD_SIZE"], f["TXN_PREFIX_SIZE"]) == (
         r.HEADER_SIZE, r.OFFSET.size, r.MESSAGE_HEAD.size, r.CANCEL_HEAD.size, r._TXN_PREFIX.size)
     for name in ("MESSAGE", "CANCEL", "SCHEDULED", "SCHEDULED_CANCEL", "EPOCH", "PREPARE", "COMMIT", "ROLLBACK",
@@ -118,7 +118,7 @@ def test_the_replay_walk_is_the_reference(data, base, limit_at, start, as_bytear
 
     buf = bytearray(data) if as_bytearray else data
     args = (buf, base, base + limit_at, base - start, scale, sizes_of, r.schedule_change_sequence, start)
-    native = native_replay.walk(*args)
+    native = native_records.walk(*args)
     expected = reference(*args)
     if native is None:  # left to the reference: only for what the reference refuses
         assert expected[0] == "error"
@@ -133,7 +133,7 @@ def test_the_replay_walk_takes_a_node_s_batch():
     r.add_sequenced_records(parts, T.MESSAGE, [bytearray(p) for p in payloads], 100)
     data = b"".join(parts)
     args = (data, 4096, 4096 + len(data), 4096, SCALE, lambda b: 10 * b // SCALE, r.schedule_change_sequence, 0)
-    native = native_replay.walk(*args)
+    native = native_records.walk(*args)
     assert native is not None
     assert comparable(native) == comparable(replayer.walk(*args))
     per_bucket = native[0]
@@ -193,3 +193,64 @@ def test_the_send_decoder_takes_a_producer_s_batch():
     assert rows is not None and list(p.SendBatch(payload, rows)) == items
     assert rows == p._decode_send_request_py(payload).rows
     assert p.decode_send_request(payload).rows == rows  # the public decoder takes the kernel's rows
+
+
+# --- the receiver's framing ---------------------------------------------------------------------
+
+def framed(fn, rtype, payloads, sequence):
+    """What `fn` (a framing) makes of copies of `payloads`: the parts as bytes and the size, or
+    what it raises."""
+    copies = [bytearray(x) if type(x) is bytearray else x for x in payloads]
+    parts = [b"epoch"]
+    try:
+        size = fn(parts, rtype, copies, sequence)
+    except Exception as e:  # noqa: BLE001 (the kind is compared)
+        return type(e)
+    return None if size is None else ([bytes(x) for x in parts], size)
+
+
+@SETTINGS
+@given(st.sampled_from([T.MESSAGE, T.CANCEL, T.PREPARE, T.COMMIT, 0, 255]),
+       st.lists(st.binary(min_size=24, max_size=80).map(bytearray) | st.binary(max_size=30).map(bytearray)
+                | st.binary(min_size=24, max_size=30), max_size=5),
+       st.integers(0, 2**64 - 1) | st.integers(2**64 - 6, 2**64 - 1))
+def test_the_framing_is_the_reference(rtype, payloads, sequence):
+    native = framed(native_records.add_sequenced_records, rtype, payloads, sequence)
+    reference_ = framed(r._add_sequenced_records_py, rtype, payloads, sequence)
+    if native is None:  # left to the reference: only what it refuses (or a payload not a bytearray)
+        assert reference_ is not None and (not isinstance(reference_, tuple)
+                                           or any(type(x) is not bytearray for x in payloads))
+    else:
+        assert native == reference_
+    assert framed(r.add_sequenced_records, rtype, payloads, sequence) == reference_
+
+
+def test_the_framing_writes_records_that_check():
+    payloads = [bytearray(r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, 5, {}, 1)) for i in range(64)]
+    parts = []
+    size = native_records.add_sequenced_records(parts, T.MESSAGE, payloads, 41)
+    data = b"".join(parts)
+    assert size == len(data)
+    assert [r.decode_message(data, s, e).sequence for _, _, s, e in r.iter_records(data)] == list(range(41, 105))
+
+
+# --- the SEND response encoder ------------------------------------------------------------------
+
+from delayserver.message import ResultCode  # noqa: E402
+
+values = st.integers(-(2**63), 2**63 - 1) | st.integers(2**63, 2**64) | st.integers(-(2**64), -(2**63) - 1)
+send_results = st.builds(p.SendResult, st.sampled_from(ResultCode) | st.integers(-1, 0x10000) | st.booleans()
+                         | st.just(1.0), any_text | st.just(b"x"), values, any_text | st.just(None))
+
+
+@SETTINGS
+@given(st.lists(st.builds(p.SendResult, st.sampled_from(ResultCode), st.sampled_from(["stored", "dup"]),
+                          st.integers(0, 2**45), st.text(max_size=8)), max_size=8)
+       | st.lists(send_results, max_size=4) | st.lists(st.tuples(st.just(0), st.just("a"), st.just(1), st.just("b")),
+                                                        max_size=2))
+def test_the_send_response_encoder_is_the_reference(results):
+    native, reference_ = native_send.encode_results(results, p.SendResult), p._encode_send_response_py(results)
+    if native is None:  # left to the reference: what it refuses too, or results of another type
+        assert reference_ is None or any(type(x) is not p.SendResult for x in results)
+    else:
+        assert native == reference_

@@ -5,6 +5,12 @@ falls back to that reference when the kernel is not built (no C compiler at inst
 back None for input it leaves to the reference. tests/test_native.py holds each kernel to its
 reference, output for output.
 
-- `replay.walk`: the replayer's pass over message_log records (`delayserver.replayer.walk`);
-- `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`).
+- `records.walk`: the replayer's pass over message_log records (`delayserver.replayer.walk`);
+- `records.add_sequenced_records`: the receiver's framing of a request's records
+  (`delayserver.storage.record._add_sequenced_records_py`);
+- `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`);
+- `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`).
+
+The crc32c of the records kernels is crc32c.h: SSE4.2 when the processor has it (checked at
+import), else a table; the same values as the crc32c package, which the rest of the code uses.
 """

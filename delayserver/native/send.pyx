@@ -1,12 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""A SEND request's items, decoded by a compiled kernel (see `_decode_send_request_py` in
-delayserver/protocol.py, the reference this must equal: tests/test_native.py holds them side by
-side). The request comes from a connection: every length is checked against the payload before a
+"""SEND codec kernels, compiled; each must equal its Python reference in delayserver/protocol.py
+(tests/test_native.py holds them side by side): `decode_rows` a request's items
+(`_decode_send_request_py`), `encode_results` the response (`_encode_send_response_py`). The
+request comes from a connection: every length is checked against the payload before a
 byte of it is read, and anything the reference would not take gives None.
 """
-from cpython.unicode cimport PyUnicode_DecodeUTF8
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 
 cdef enum:
     ITEM_SIZE = 19  # time kind u8, time value i64, id u16, subject u16, header count u16, body u32
@@ -98,3 +100,84 @@ def decode_rows(bytes payload, make_spec):
     except UnicodeDecodeError:
         return None
     return rows if pos == end else None
+
+
+cdef inline void put16(uint8_t *p, uint32_t v) noexcept nogil:
+    p[0] = v >> 8
+    p[1] = v
+
+
+cdef inline void put32(uint8_t *p, uint32_t v) noexcept nogil:
+    p[0] = v >> 24
+    p[1] = v >> 16
+    p[2] = v >> 8
+    p[3] = v
+
+
+def encode_results(results, result_type):
+    """The SEND response payload of `results` (`protocol._encode_send_response_py`, the reference),
+    or None where that answers None: a result not of `result_type` (a tuple of code, message,
+    schedule time, message id), a field out of its range, text that is not str or not encodable."""
+    cdef Py_ssize_t count, i, total = 4, id_n, msg_n, last_n = 0
+    cdef const char *id_p
+    cdef const char *msg_p
+    cdef const char *last_p = NULL
+    cdef long code
+    cdef int64_t when
+    cdef object result, message_id, message, last_message = None
+    cdef bytes out
+    cdef uint8_t *w
+    cdef tuple row
+    if type(results) is not list:
+        results = list(results)
+    count = len(results)
+    if count > 0xFFFFFFFF:
+        return None
+    try:
+        for i in range(count):  # checked and measured first, written after
+            result = results[i]
+            if type(result) is not result_type:
+                return None
+            row = <tuple>result
+            if not isinstance(row[0], int) or not isinstance(row[2], int):  # (C conversions take floats)
+                return None
+            code = row[0]
+            when = row[2]
+            message_id, message = row[3], row[1]
+            if type(message_id) is not str or type(message) is not str or not 0 <= code <= 0xFFFF:
+                return None
+            PyUnicode_AsUTF8AndSize(message_id, &id_n)
+            if id_n > 0xFFFF:
+                return None
+            if message is not last_message:
+                PyUnicode_AsUTF8AndSize(message, &msg_n)
+                if msg_n > 0xFFFFFFFF:
+                    return None
+                last_message, last_n = message, msg_n
+            total += 12 + id_n + 4 + last_n
+    except Exception:  # a field of the wrong type or out of range, a lone surrogate: the reference decides
+        return None
+    out = PyBytes_FromStringAndSize(NULL, total)
+    w = <uint8_t *><char *>out
+    put32(w, <uint32_t>count)
+    w += 4
+    last_message = None
+    for i in range(count):
+        row = <tuple>results[i]
+        code = row[0]
+        when = row[2]
+        message_id, message = row[3], row[1]
+        id_p = PyUnicode_AsUTF8AndSize(message_id, &id_n)
+        if message is not last_message:
+            last_p = PyUnicode_AsUTF8AndSize(message, &last_n)
+            last_message = message
+        put16(w, <uint32_t>code)
+        put32(w + 2, <uint32_t>(<uint64_t>when >> 32))
+        put32(w + 6, <uint32_t><uint64_t>when)
+        put16(w + 10, <uint32_t>id_n)
+        memcpy(w + 12, id_p, id_n)
+        w += 12 + id_n
+        put32(w, <uint32_t>last_n)
+        memcpy(w + 4, last_p, last_n)
+        w += 4 + last_n
+    return out

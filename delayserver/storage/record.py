@@ -63,6 +63,11 @@ from delayserver.message import (
     check_schedule_time, encode_id, encode_subject,
 )
 
+try:  # the compiled framing (delayserver/native/records.pyx), when the install built it
+    from delayserver.native.records import add_sequenced_records as _native_add_sequenced_records
+except ImportError:
+    _native_add_sequenced_records = None
+
 HEADER = struct.Struct(">IIB")
 HEADER_SIZE = HEADER.size
 
@@ -448,7 +453,17 @@ def add_sequenced_records(parts: list, rtype: int, payloads: list[bytearray], se
     """Give each of `payloads`, records of type `rtype` for message_log (each payload starts with
     its store time, schedule time and sequence), its sequence from `sequence` on (the master
     assigns it at append), and add its record to `parts`, the pieces of one write: the header and the payload as two
-    pieces, no copy. Returns the bytes added (the receiver's path: no call per record)."""
+    pieces, no copy. Returns the bytes added (the receiver's path: no call per record). The
+    compiled kernel (delayserver/native/records.pyx) when built, else `_add_sequenced_records_py`."""
+    if _native_add_sequenced_records is not None:
+        size = _native_add_sequenced_records(parts, rtype, payloads, sequence)
+        if size is not None:
+            return size
+    return _add_sequenced_records_py(parts, rtype, payloads, sequence)
+
+
+def _add_sequenced_records_py(parts: list, rtype: int, payloads: list[bytearray], sequence: int) -> int:
+    """`add_sequenced_records` in Python: the compiled kernel's reference."""
     put, crc, seed, header, at = _SEQUENCE.pack_into, _crc32c.crc32c, _TYPE_CRC[rtype], HEADER.pack, _SEQUENCE_AT
     size = HEADER_SIZE * len(payloads)
     for payload in payloads:
