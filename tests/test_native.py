@@ -254,3 +254,41 @@ def test_the_send_response_encoder_is_the_reference(results):
         assert reference_ is None or any(type(x) is not p.SendResult for x in results)
     else:
         assert native == reference_
+
+
+# --- index keys ---------------------------------------------------------------------------------
+
+from delayserver.storage import id_index, time_index  # noqa: E402
+
+index_ids = st.lists(st.tuples(st.integers(0, 2**30) | st.just(2**70),
+                               st.sampled_from([T.SCHEDULED, T.SCHEDULED_CANCEL, 3, 4, 2**70]),
+                               st.integers(-(2**63), 2**63 - 1) | st.integers(0, 6 * SCALE) | st.just(-(2**70)),
+                               st.binary(max_size=12) | st.binary(max_size=4).map(memoryview)), max_size=6)
+
+
+@SETTINGS
+@given(index_ids, st.integers(0, 2**39), st.integers(1, 2 * SCALE))
+def test_the_index_keys_are_the_reference(ids, pos, scale):
+    native = native_records.id_keys(ids, pos)
+    expected = id_index._id_keys(ids, pos)
+    big = any(abs(x) >= 2**64 for at, rtype, sched, _ in ids for x in (at, rtype, sched))
+    if native is None:  # left to the reference: ids as the Python walk gives them (memoryviews), or odd
+        assert big or any(type(mid) is not bytes for _, _, _, mid in ids)
+    else:
+        assert native == expected
+    native = native_records.time_keys(ids, pos, scale)
+    assert native == time_index._time_keys(ids, pos, scale) or (native is None and big)
+
+
+def test_the_indexes_take_the_walk_s_keys():
+    """A replayed batch: the id and time indexes find each message by the keys the kernels made."""
+    payloads = [r.encode_message_fields(f"m{i}", "s.x", b"x", SCALE + i * 7, {}, 1, 0) for i in range(50)]
+    parts = [r.encode_epoch_record(1)]
+    r.add_sequenced_records(parts, T.MESSAGE, [bytearray(x) for x in payloads], 1)
+    data = b"".join(parts)
+    per_bucket, ids = native_records.walk(data, 0, len(data), 0, SCALE, lambda b: 512, r.schedule_change_sequence, 0)[:2]
+    keys = native_records.id_keys(ids[SCALE], 512)
+    assert keys == [id_index.key_hash(SCALE + i * 7, f"m{i}".encode()) << id_index.OFFSET_BITS | (512 + at)
+                    for i, (at, _, _, _) in enumerate(ids[SCALE])]
+    assert native_records.time_keys(ids[SCALE], 512, SCALE) == [
+        time_index.time_key(SCALE + i * 7, SCALE, 512 + at) for i, (at, _, _, _) in enumerate(ids[SCALE])]

@@ -254,3 +254,70 @@ def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequenc
         parts.append(payload)
         size += n
     return size
+
+
+cdef enum:
+    OFFSET_BITS = 40  # id_index.OFFSET_BITS: a key is a hash or a time above a segment offset
+    HASH_MASK = 0xFFFFFF  # id_index.HASH_MASK
+
+
+def id_keys(list ids, Py_ssize_t pos):
+    """The id index keys of the records an append at `pos` added, from their `ids` (as the walk
+    gives them): `IdIndex._add_ids`'s list, or None for ids it leaves to it (a message id that
+    is not bytes, an offset past the key's)."""
+    cdef list out = []
+    cdef tuple entry
+    cdef object mid
+    cdef int64_t sched
+    cdef Py_ssize_t at
+    cdef uint32_t crc
+    cdef uint64_t h
+    for item in ids:
+        if type(item) is not tuple or len(<tuple>item) != 4:
+            return None
+        entry = <tuple>item
+        mid = entry[3]
+        if type(mid) is not bytes or not isinstance(entry[0], int) or not isinstance(entry[2], int):
+            return None
+        try:
+            at = entry[0]
+            sched = entry[2]
+        except OverflowError:
+            return None
+        if at < 0 or pos + at >= (<Py_ssize_t>1 << OFFSET_BITS):
+            return None
+        crc = crc32c_update(<uint32_t>(<uint64_t>sched & 0xFFFFFFFF), <const uint8_t *><char *>mid, len(<bytes>mid))
+        h = (<uint64_t>(<int64_t>crc ^ (sched >> 32))) & HASH_MASK
+        out.append((h << OFFSET_BITS) | <uint64_t>(pos + at))
+    return out
+
+
+def time_keys(list ids, Py_ssize_t pos, int64_t scale):
+    """The time index keys of the SCHEDULED records an append at `pos` added, from their `ids`:
+    `TimeIndex._add_ids`'s list, or None for what it leaves to it."""
+    cdef list out = []
+    cdef tuple entry
+    cdef int64_t sched, m
+    cdef Py_ssize_t at
+    if scale <= 0:
+        return None
+    for item in ids:
+        if type(item) is not tuple or len(<tuple>item) != 4:
+            return None
+        entry = <tuple>item
+        if not isinstance(entry[0], int) or not isinstance(entry[1], int) or not isinstance(entry[2], int):
+            return None
+        if entry[1] != T_SCHEDULED:
+            continue
+        try:
+            at = entry[0]
+            sched = entry[2]
+        except OverflowError:
+            return None
+        if at < 0 or pos + at >= (<Py_ssize_t>1 << OFFSET_BITS):
+            return None
+        m = sched % scale
+        if m < 0:
+            m += scale
+        out.append((<uint64_t>m << OFFSET_BITS) | <uint64_t>(pos + at))
+    return out

@@ -58,6 +58,11 @@ from delayserver.storage.record import (
 )
 from delayserver.storage.errors import CorruptSegment
 
+try:  # the compiled key making (delayserver/native/records.pyx), when the install built it
+    from delayserver.native.records import id_keys as _native_id_keys
+except ImportError:
+    _native_id_keys = None
+
 log = logging.getLogger("delayserver.storage")
 
 OFFSET_BITS = 40
@@ -95,6 +100,12 @@ _CHUNK_MAGIC = b"DSIDJ\x00\x00\x01"
 def key_hash(schedule_time: int, message_id: bytes) -> int:
     """The 24-bit hash of a message key (stable across processes)."""
     return (crc32c(message_id, schedule_time & 0xFFFFFFFF) ^ (schedule_time >> 32)) & HASH_MASK
+
+
+def _id_keys(ids: list, pos: int) -> list[int]:
+    """The keys of the records an append at `pos` added, from their ids as `BucketLog.append` takes
+    them (the compiled `delayserver.native.records.id_keys`'s reference)."""
+    return [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, _, sched, mid in ids]
 
 
 def _write_saved(path: Path, runs, covered: int, head: int, saved_id: int | None = None) -> int:
@@ -639,7 +650,8 @@ class IdIndex(_LogIndex):
         self._keep(b, key_hash(sched, bytes(data[at : min(at + idlen, e)])) << OFFSET_BITS | offset)
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
-        self._keep_all(b, [key_hash(sched, mid) << OFFSET_BITS | (pos + at) for at, _, sched, mid in ids])
+        keys = _native_id_keys(ids, pos) if _native_id_keys is not None else None
+        self._keep_all(b, _id_keys(ids, pos) if keys is None else keys)
         return True
 
     @staticmethod

@@ -21,12 +21,24 @@ import numpy as np
 from delayserver.storage.id_index import OFFSET_BITS, OFFSET_MASK, IdIndex, SortedRuns, _Bucket
 from delayserver.storage.record import SCHEDULED_HEAD, RecordType
 
+try:  # the compiled key making (delayserver/native/records.pyx), when the install built it
+    from delayserver.native.records import time_keys as _native_time_keys
+except ImportError:
+    _native_time_keys = None
+
 #: Keys per bucket are < this: 24 bits of time within the bucket above 40 bits of offset.
 KEY_LIMIT = 1 << 64
 
 
 def time_key(schedule_time: int, scale_ms: int, offset: int) -> int:
     return (schedule_time % scale_ms) << OFFSET_BITS | offset
+
+
+def _time_keys(ids: list, pos: int, scale_ms: int) -> list[int]:
+    """The keys of the SCHEDULED records an append at `pos` added, from their ids as
+    `BucketLog.append` takes them (the compiled `delayserver.native.records.time_keys`'s reference)."""
+    scheduled = RecordType.SCHEDULED
+    return [time_key(sched, scale_ms, pos + at) for at, rtype, sched, _ in ids if rtype == scheduled]
 
 
 def key_parts(bucket: int, key: int) -> tuple[int, int]:
@@ -50,8 +62,8 @@ class TimeIndex(IdIndex):
             self._keep(b, time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset))
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
-        scale, scheduled = self.scale_ms, RecordType.SCHEDULED
-        self._keep_all(b, [time_key(sched, scale, pos + at) for at, rtype, sched, _ in ids if rtype == scheduled])
+        keys = _native_time_keys(ids, pos, self.scale_ms) if _native_time_keys is not None else None
+        self._keep_all(b, _time_keys(ids, pos, self.scale_ms) if keys is None else keys)
         return True
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
