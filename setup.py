@@ -7,6 +7,7 @@ from setuptools import Extension, setup
 KERNELS = [
     Extension("delayserver.native.records", ["delayserver/native/records.pyx"], optional=True),
     Extension("delayserver.native.send", ["delayserver/native/send.pyx"], optional=True),
+    Extension("delayserver.native.dedupe", ["delayserver/native/dedupe.pyx"], optional=True),
 ]
 
 setup(ext_modules=cythonize(KERNELS, language_level=3))

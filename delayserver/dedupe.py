@@ -62,6 +62,11 @@ import xxhash
 
 from delayserver.storage.record import MESSAGE_HEAD, RecordType, decode_headers, iter_checked_records
 
+try:  # the compiled bookkeeping (delayserver/native/dedupe.pyx), when the install built it
+    from delayserver.native.dedupe import remember_many as _native_remember_many
+except ImportError:
+    _native_remember_many = None
+
 log = logging.getLogger("delayserver.dedupe")
 
 FILE_NAME = "dedupe.bin"
@@ -178,7 +183,17 @@ class DedupeTable:
 
     def remember_many(self, entries, store_time: int) -> None:
         """`remember` of each ``(message_id, schedule_time)`` of `entries`, in order, all accepted
-        at `store_time` (a request's messages: the table's columns bound once, no call per id)."""
+        at `store_time` (a request's messages). The compiled kernel (delayserver/native/dedupe.pyx)
+        when built, else `_remember_many_py`."""
+        if _native_remember_many is None:
+            return self._remember_many_py(entries, store_time)
+        self.changes += _native_remember_many(
+            self._positions, self._keys, self._stores, self._scheds, self._hashes, self._updates, self._base,
+            self.window_ms, entries, store_time, self._saved, self._saved_position, key_hash)
+
+    def _remember_many_py(self, entries, store_time: int) -> None:
+        """`remember_many` in Python, the table's columns bound once, no call per id: the compiled
+        kernel's reference."""
         positions, keys, stores, scheds, hashes = self._positions, self._keys, self._stores, self._scheds, self._hashes
         saved, base, window = self._saved, self._base, self.window_ms
         for message_id, schedule_time in entries:

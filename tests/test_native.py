@@ -292,3 +292,63 @@ def test_the_indexes_take_the_walk_s_keys():
                     for i, (at, _, _, _) in enumerate(ids[SCALE])]
     assert native_records.time_keys(ids[SCALE], 512, SCALE) == [
         time_index.time_key(SCALE + i * 7, SCALE, 512 + at) for i, (at, _, _, _) in enumerate(ids[SCALE])]
+
+
+# --- the dedupe table ---------------------------------------------------------------------------
+
+from delayserver import dedupe  # noqa: E402
+from delayserver.native import dedupe as native_dedupe  # noqa: E402
+
+WINDOW = 1000
+
+
+def columns(table):
+    saved = None if table._saved is None else table._saved.current.tolist()
+    return (dict(table._positions), list(table._keys), list(table._stores), list(table._scheds),
+            list(table._hashes), list(table._updates), table.changes, table._base, table._head, saved, len(table))
+
+
+@st.composite
+def dedupe_steps(draw):
+    """Requests' ids (from a small pool, so that ids come again within and after the window) with
+    their acceptance times, and expiries between them."""
+    steps, now = [], 0
+    for _ in range(draw(st.integers(1, 12))):
+        now += draw(st.sampled_from([0, 1, 10, WINDOW - 1, WINDOW, 3 * WINDOW]))
+        if draw(st.integers(0, 4)) == 0:
+            steps.append(("expire", now))
+        else:
+            ids = draw(st.lists(st.sampled_from(["a", "b", "c", "d", "\u00e9", "a\x00redriven"]), max_size=6))
+            steps.append(("remember", [(i, now + draw(st.integers(0, 5))) for i in ids], now))
+    return steps
+
+
+def replay_steps(table, steps, native: bool):
+    for step in steps:
+        if step[0] == "expire":
+            table.expire(step[1])
+        elif native:
+            table.remember_many(step[1], step[2])
+        else:
+            table._remember_many_py(step[1], step[2])
+
+
+@SETTINGS
+@given(dedupe_steps(), dedupe_steps())
+def test_the_dedupe_bookkeeping_is_the_reference(tmp_path_factory, before, after):
+    assert dedupe._native_remember_many is native_dedupe.remember_many
+    tables = [dedupe.DedupeTable(WINDOW), dedupe.DedupeTable(WINDOW)]
+    for table, native in zip(tables, (True, False)):
+        replay_steps(table, before, native)
+    assert columns(tables[0]) == columns(tables[1])
+    # Then as a node restarted on what it saved: the ids read back are looked for among the saved.
+    path = tmp_path_factory.mktemp("dedupe") / "dedupe.bin"
+    tables[1].save_to(path, 0)
+    restarted = [dedupe.DedupeTable(WINDOW), dedupe.DedupeTable(WINDOW)]
+    for table, native in zip(restarted, (True, False)):
+        table.load(path)
+        replay_steps(table, after, native)
+    assert columns(restarted[0]) == columns(restarted[1])
+    now = max([s[-1] for s in after], default=0)
+    for key in ("a", "b", "c", "d", "\u00e9", "a\x00redriven"):
+        assert restarted[0].find(key, now) == restarted[1].find(key, now)

@@ -9,7 +9,11 @@ reference, output for output.
 - `records.add_sequenced_records`: the receiver's framing of a request's records
   (`delayserver.storage.record._add_sequenced_records_py`);
 - `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`);
-- `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`).
+- `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`);
+- `records.id_keys`, `records.time_keys`: the id and time index keys of a replayed append
+  (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
+- `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids
+  (`delayserver.dedupe.DedupeTable._remember_many_py`).
 
 The crc32c of the records kernels is crc32c.h: SSE4.2 when the processor has it (checked at
 import), else a table; the same values as the crc32c package, which the rest of the code uses.

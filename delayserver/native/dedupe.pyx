@@ -1,0 +1,62 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The dedupe table's bookkeeping of accepted ids, compiled (`DedupeTable._remember_many_py` in
+delayserver/dedupe.py is the reference this must equal: tests/test_native.py holds them side by
+side, column for column)."""
+from cpython cimport array
+from libc.stdint cimport int64_t, uint32_t
+
+
+cdef inline int append_q(array.array a, long long v) except -1:
+    cdef Py_ssize_t n = len(a)
+    array.resize_smart(a, n + 1)
+    a.data.as_longlongs[n] = v
+    return 0
+
+
+cdef inline int append_i(array.array a, unsigned int v) except -1:
+    cdef Py_ssize_t n = len(a)
+    array.resize_smart(a, n + 1)
+    a.data.as_uints[n] = v
+    return 0
+
+
+def remember_many(dict positions, list keys, array.array stores, array.array scheds, array.array hashes,
+                  list updates, Py_ssize_t base, long long window, entries, long long store_time, saved,
+                  saved_position, key_hash):
+    """`DedupeTable.remember_many` over the table's columns (`stores`, `scheds`: array "q";
+    `hashes`: array "I"); `saved`, `saved_position(key, raw, h)`: the entries read back at start
+    and the lookup among them, or None; `key_hash(raw)`: the saved hash. Returns how many changes
+    it made (the table's `changes` grows by that)."""
+    cdef Py_ssize_t changes = 0, i
+    cdef object message_id, position, h, raw
+    cdef long long schedule_time
+    if stores.ob_descr.typecode != b"q"[0] or scheds.ob_descr.typecode != b"q"[0] or hashes.ob_descr.typecode != b"I"[0]:
+        raise TypeError("dedupe columns of unexpected types")
+    for message_id, schedule_time in entries:
+        position = positions.get(message_id)
+        h = None
+        if position is None and saved is not None:  # its hash is taken once, for the lookup and to keep
+            raw = message_id.encode("utf-8")
+            h = key_hash(raw)
+            position = saved_position(message_id, raw, h)
+            if position is not None and not 0 <= <Py_ssize_t>position - base < len(stores):
+                raise IndexError(f"dedupe position {position} is not in the table")
+            if position is not None and store_time - stores.data.as_longlongs[<Py_ssize_t>position - base] >= window:
+                saved.supersede(position)  # its window is over: the dict's new entry is its current one
+                position = None
+        if position is not None:
+            i = <Py_ssize_t>position - base
+            if not 0 <= i < len(stores):
+                raise IndexError(f"dedupe position {position} is not in the table")
+            if store_time - stores.data.as_longlongs[i] < window:
+                scheds.data.as_longlongs[i] = schedule_time
+                updates.append(position)
+                changes += 1
+                continue
+        positions[message_id] = base + len(keys)
+        keys.append(message_id)
+        append_q(stores, store_time)
+        append_q(scheds, schedule_time)
+        append_i(hashes, key_hash(message_id.encode("utf-8")) if h is None else h)
+        changes += 1
+    return changes
