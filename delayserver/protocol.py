@@ -82,9 +82,11 @@ from delayserver.message import (
 )
 
 try:  # the compiled SEND decoder (delayserver/native/send.pyx), when the install built it
-    from delayserver.native.send import decode_rows as _native_decode_rows, encode_results as _native_encode_results
+    from delayserver.native.send import (
+        decode_rows as _native_decode_rows, encode_items as _native_encode_items, encode_results as _native_encode_results,
+    )
 except ImportError:
-    _native_decode_rows = _native_encode_results = None
+    _native_decode_rows = _native_encode_items = _native_encode_results = None
 
 #: The delay server's default port (the meta server's is 20800).
 DEFAULT_PORT = 20801
@@ -466,6 +468,15 @@ def encode_send_request(items: Sequence[SendItem]) -> bytes:
 
 
 def _encode_send_request_fast(items: Sequence[SendItem]) -> bytes | None:
+    """The compiled kernel (delayserver/native/send.pyx) when built, else `_encode_send_request_py`;
+    None on anything they do not take whole."""
+    if _native_encode_items is not None:
+        return _native_encode_items(items, SendItem, TimeKind)
+    return _encode_send_request_py(items)
+
+
+def _encode_send_request_py(items: Sequence[SendItem]) -> bytes | None:
+    """The SEND request in one pass, in Python: the compiled kernel's reference."""
     try:
         parts = [_U32.pack(len(items))]
         append, pack_item, pack_u16 = parts.append, _SEND_ITEM.pack, _U16.pack

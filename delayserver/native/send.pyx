@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """SEND codec kernels, compiled; each must equal its Python reference in delayserver/protocol.py
-(tests/test_native.py holds them side by side): `decode_rows` a request's items
-(`_decode_send_request_py`), `encode_results` the response (`_encode_send_response_py`). The
+(tests/test_native.py holds them side by side): `encode_items` a request (`_encode_send_request_py`,
+the producer's side), `decode_rows` a request's items (`_decode_send_request_py`), `encode_results`
+the response (`_encode_send_response_py`). The
 request comes from a connection: every length is checked against the payload before a
 byte of it is read, and anything the reference would not take gives None.
 """
@@ -180,4 +181,95 @@ def encode_results(results, result_type):
         put32(w, <uint32_t>last_n)
         memcpy(w + 4, last_p, last_n)
         w += 4 + last_n
+    return out
+
+
+cdef inline void put64(uint8_t *p, uint64_t v) noexcept nogil:
+    put32(p, <uint32_t>(v >> 32))
+    put32(p + 4, <uint32_t>v)
+
+
+cdef Py_ssize_t utf8_size(object text, Py_ssize_t limit) except -2:
+    """The UTF-8 length of `text` (a str), -1 when over `limit` or not a str; raises for text
+    that is not encodable (a lone surrogate)."""
+    cdef Py_ssize_t n
+    if type(text) is not str:
+        return -1
+    PyUnicode_AsUTF8AndSize(text, &n)
+    return -1 if n > limit else n
+
+
+def encode_items(items, item_type, time_kind_type):
+    """The SEND request payload of `items` (`protocol._encode_send_request_py`, the reference), or
+    None where that answers None: an item not of `item_type` (a tuple of id, subject, time spec,
+    body, headers), text that is not str or not encodable, a field out of its range."""
+    cdef Py_ssize_t count, i, total = 4, n, nh, body_n
+    cdef object item, time, kind, headers, key, value, body
+    cdef const char *p
+    cdef tuple row
+    cdef int64_t time_value
+    cdef bytes out
+    cdef uint8_t *w
+    cdef uint8_t *w2
+    if type(items) is not list:
+        items = list(items)
+    count = len(items)
+    if count > 0xFFFFFFFF:
+        return None
+    try:
+        for i in range(count):  # checked and measured first, written after
+            item = items[i]
+            if type(item) is not item_type:
+                return None
+            row = <tuple>item
+            time, body, headers = row[2], row[3], row[4]
+            kind = time.kind
+            if type(kind) is not time_kind_type or type(body) is not bytes or not isinstance(time.value, int):
+                return None
+            time_value = time.value  # OverflowError outside int64: the reference decides
+            if not 0 <= <long>kind <= 0xFF or len(<bytes>body) > 0xFFFFFFFF or len(headers) > 0xFFFF:
+                return None
+            total += ITEM_SIZE + len(<bytes>body)
+            for text in (row[0], row[1]):
+                n = utf8_size(text, 0xFFFF)
+                if n < 0:
+                    return None
+                total += n
+            for key, value in headers.items():
+                for text in (key, value):
+                    n = utf8_size(text, 0xFFFF)
+                    if n < 0:
+                        return None
+                    total += 2 + n
+    except Exception:  # a lone surrogate, a value out of its field, an odd mapping: the reference decides
+        return None
+    out = PyBytes_FromStringAndSize(NULL, total)
+    w = <uint8_t *><char *>out
+    put32(w, <uint32_t>count)
+    w += 4
+    for i in range(count):
+        row = <tuple>items[i]
+        time, body, headers = row[2], row[3], row[4]
+        w[0] = <uint8_t><long>time.kind
+        time_value = time.value
+        put64(w + 1, <uint64_t>time_value)
+        p = PyUnicode_AsUTF8AndSize(row[0], &n)
+        put16(w + 9, <uint32_t>n)
+        memcpy(w + ITEM_SIZE, p, n)
+        w2 = w + ITEM_SIZE + n
+        p = PyUnicode_AsUTF8AndSize(row[1], &n)
+        put16(w + 11, <uint32_t>n)
+        memcpy(w2, p, n)
+        w2 += n
+        put16(w + 13, <uint32_t>len(headers))
+        body_n = len(<bytes>body)
+        put32(w + 15, <uint32_t>body_n)
+        for key, value in headers.items():
+            for text in (key, value):
+                p = PyUnicode_AsUTF8AndSize(text, &n)
+                put16(w2, <uint32_t>n)
+                memcpy(w2 + 2, p, n)
+                w2 += 2 + n
+        memcpy(w2, <const char *>body, body_n)
+        w = w2 + body_n
     return out
