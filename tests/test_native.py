@@ -373,3 +373,58 @@ def test_the_send_request_encoder_is_the_reference(items):
         assert reference_ is None or any(type(x) is not p.SendItem for x in items)
     else:
         assert native == reference_
+
+
+# --- the receiver's pass over a request ---------------------------------------------------------
+
+from delayserver.message import BadScheduleTime  # noqa: E402
+from delayserver.native import receive as native_receive  # noqa: E402
+from delayserver.node import receiver as receiver_module  # noqa: E402
+
+NOW = 1_700_000_000_000
+PENDING = object()  # another request's commit, as `committing` names it
+
+admit_items = st.builds(
+    p.SendItem, st.sampled_from(["a", "b", "c", "d", "e", "f", "", "x" * 129, "\u00e9"]),
+    st.sampled_from(["orders.timeout"] * 4 + ["orders.x", "bad subject", "s" * 300, ""]),
+    st.builds(TimeSpec, st.sampled_from([TimeKind.DELAY, TimeKind.AT]), st.sampled_from([0, 5, 1000, 1000, -5])),
+    st.binary(max_size=24), st.sampled_from([{}, {}, {}, {"k": "v"}, {"reconsume-times": "2"}, {"": "v"}]))
+
+
+def schedule_time(spec, now):
+    if spec.value < 0:
+        raise BadScheduleTime(f"schedule time {spec.value} is outside the range")
+    return now + spec.value if spec.kind == TimeKind.DELAY else NOW + spec.value
+
+
+def admitted(fn, rows, items, view, refused, table, committing, max_bytes):
+    results, accepted, payloads, keys, twins, waits = fn(
+        rows, items, view, NOW, refused, None if refused is None else "refused: reasons", table, committing,
+        schedule_time, max_bytes, receiver_module._admit_context())
+    return results, accepted, [bytes(x) for x in payloads], keys, twins, waits
+
+
+@SETTINGS
+@given(st.lists(admit_items, max_size=8), st.booleans(), st.sampled_from([None, None, None, ResultCode.READ_ONLY]),
+       st.booleans(), st.lists(st.sampled_from(["a", "b", "c\x002"]), max_size=2),
+       st.lists(st.sampled_from(["a", "b", "c"]), max_size=2), st.sampled_from([10, 1 << 20]))
+def test_the_receivers_pass_is_the_reference(items, as_batch, refused, with_table, known, committing_ids, max_bytes):
+    from delayserver.storage import record
+    if as_batch:
+        batch = p.decode_send_request(p.encode_send_request(items))
+        if type(batch) is not p.SendBatch:
+            return
+        rows, view, items = batch.rows, memoryview(batch.buf), batch
+    else:
+        rows, view = [(i.message_id, i.subject, i.time, i.headers, -1, 0, 0, 0, 0) for i in items], None
+    table = None
+    if with_table:
+        table = dedupe.DedupeTable(60_000)
+        table.remember_many([(k, NOW + 7) for k in known], NOW - 10)
+    committing = {k: (PENDING, NOW + 9) for k in committing_ids}
+    checked = dict(record.CHECKED_SUBJECTS)  # the first run may add subjects: the second starts from the same
+    expected = admitted(receiver_module._admit, rows, items, view, refused, table, committing, max_bytes)
+    record.CHECKED_SUBJECTS.clear()
+    record.CHECKED_SUBJECTS.update(checked)
+    assert admitted(native_receive.admit, rows, items, view, refused, table, committing, max_bytes) == expected
+    assert receiver_module._native_admit is native_receive.admit

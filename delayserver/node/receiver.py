@@ -48,12 +48,87 @@ from delayserver.storage.segment import storage_failures
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
+try:  # the compiled pass over a request's messages (delayserver/native/receive.pyx), when built
+    from delayserver.native.receive import admit as _native_admit
+except ImportError:
+    _native_admit = None
+
 log = logging.getLogger("delayserver.receiver")
 
 
 def _duplicate(schedule_time: int, message_id: str) -> SendResult:
     return SendResult(ResultCode.DUPLICATE, "duplicate: the message accepted earlier under this id",
                       schedule_time, message_id)
+
+def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text: str | None, table,
+           committing: dict, schedule_time: Callable, max_bytes: int, context: tuple) -> tuple:
+    """`Receiver.send`'s pass over a request's messages, in order: the ones refused (`refused`, with
+    `refusal_text`), invalid, or duplicates of an id in the dedupe `table`, earlier in the request
+    or committing for another request (`committing`: key -> (its _Pending, its schedule time)), and
+    the payloads of the others, each a new MESSAGE head in front of its span of the request (`view`
+    over it; a row without a span, or whose fields need checks, goes through `encode_message_fields`).
+
+    Returns ``(results, accepted, payloads, keys, twins, waits)``: a result per row (None for the
+    ones to store), ``(index, schedule time)`` and the payload of each to store, the dedupe key of
+    each row (None without a table), ``(index, index of the first row with its id)`` of the twins,
+    ``(index, the other request's _Pending, its schedule time)`` of those that wait. Changes
+    nothing. `context`: `_admit_context()` (what the compiled `delayserver.native.receive.admit`
+    needs from this module; it must answer as this does: tests/test_native.py)."""
+    results: list[SendResult | None] = [None] * len(rows)
+    accepted: list[tuple[int, int]] = []
+    payloads: list[bytearray] = []
+    in_batch: dict[str, int] = {}
+    keys: list[str | None] = [None] * len(rows)
+    twins: list[tuple[int, int]] = []
+    waits: list[tuple[int, _Pending, int]] = []
+    last_spec, last_when = None, 0
+    pack_head, checked_subjects = MESSAGE_HEAD.pack, CHECKED_SUBJECTS
+    for i, row in enumerate(rows):
+        message_id, subject, spec, headers, id_at, id_len, subject_len, headers_len, body_len = row
+        if refused is not None:
+            results[i] = SendResult(refused, refusal_text, 0, message_id)
+            continue
+        if table is not None:
+            key = keys[i] = dedupe_key(message_id, headers)
+            known = table.find(key, now)
+            if known is not None:
+                results[i] = _duplicate(known, message_id)
+                continue
+            if key in in_batch:
+                twins.append((i, in_batch[key]))
+                continue
+            if key in committing:
+                waits.append((i, *committing[key]))
+                continue
+        try:
+            # Items of a batch usually share one time spec object (protocol.decode_send_request).
+            if spec is not last_spec:
+                last_when, last_spec = schedule_time(spec, now), spec
+            when = last_when  # checked by check_schedule_time in schedule_time
+            if (id_at >= 0 and 0 < id_len <= MAX_ID_BYTES and subject in checked_subjects
+                    and body_len <= max_bytes
+                    and (not headers_len or (headers_len <= MAX_HEADERS_BYTES and "" not in headers))):
+                payload = bytearray(pack_head(now, when, 0, 0, id_len, subject_len, headers_len, body_len))
+                payload += view[id_at : id_at + id_len + subject_len + headers_len + body_len]
+            else:
+                item = items[i]
+                payload = bytearray(encode_message_fields(item.message_id, item.subject, item.body, when,
+                                                          item.headers, now, max_body_bytes=max_bytes))
+        except InvalidMessage as e:
+            results[i] = SendResult(e.code, str(e), 0, message_id)
+            continue
+        accepted.append((i, when))
+        payloads.append(payload)
+        if table is not None:
+            in_batch[key] = i
+    return results, accepted, payloads, keys, twins, waits
+
+
+def _admit_context() -> tuple:
+    """What the compiled `admit` takes from this module (it imports nothing of the project), as the
+    module holds it now (a request's worth of lookups: tests replace some of these)."""
+    return (SendResult, _duplicate, InvalidMessage, encode_message_fields, CHECKED_SUBJECTS, dedupe_key,
+            MAX_ID_BYTES, MAX_HEADERS_BYTES)
 
 RECENT_BATCHES = 64
 
@@ -238,56 +313,12 @@ class Receiver:
         else:  # rows as SendBatch has them, without a span (id_at -1)
             rows, view = [(item.message_id, item.subject, item.time, item.headers, -1, 0, 0, 0, 0)
                           for item in items], None
-        results: list[SendResult | None] = [None] * len(rows)
-        accepted: list[tuple[int, int]] = []
-        payloads: list[bytearray] = []
         refused = self._refuse_writes()
-        max_bytes = self.config.max_message_bytes
         table = self.dedupe if self.dedupe is not None and self.dedupe.enabled else None
-        in_batch: dict[str, int] = {}
-        keys: list[str | None] = [None] * len(rows)
-        twins: list[tuple[int, int]] = []  # (index, index of the first item with that id)
-        waits: list[tuple[int, _Pending, int]] = []  # (index, another request's commit, its time)
-        last_spec, last_when = None, 0
-        pack_head, checked_subjects = MESSAGE_HEAD.pack, CHECKED_SUBJECTS
-        for i, row in enumerate(rows):
-            message_id, subject, spec, headers, id_at, id_len, subject_len, headers_len, body_len = row
-            if refused is not None:
-                results[i] = SendResult(refused, self._refusal_text(refused), 0, message_id)
-                continue
-            if table is not None:
-                key = keys[i] = dedupe_key(message_id, headers)
-                known = table.find(key, now)
-                if known is not None:
-                    results[i] = _duplicate(known, message_id)
-                    continue
-                if key in in_batch:
-                    twins.append((i, in_batch[key]))
-                    continue
-                if key in self._committing:
-                    waits.append((i, *self._committing[key]))
-                    continue
-            try:
-                # Items of a batch usually share one time spec object (protocol.decode_send_request).
-                if spec is not last_spec:
-                    last_when, last_spec = self.schedule_time(spec, now), spec
-                when = last_when  # checked by check_schedule_time in schedule_time
-                if (id_at >= 0 and 0 < id_len <= MAX_ID_BYTES and subject in checked_subjects
-                        and body_len <= max_bytes
-                        and (not headers_len or (headers_len <= MAX_HEADERS_BYTES and "" not in headers))):
-                    payload = bytearray(pack_head(now, when, 0, 0, id_len, subject_len, headers_len, body_len))
-                    payload += view[id_at : id_at + id_len + subject_len + headers_len + body_len]
-                else:
-                    item = items[i]
-                    payload = bytearray(encode_message_fields(item.message_id, item.subject, item.body, when,
-                                                              item.headers, now, max_body_bytes=max_bytes))
-            except InvalidMessage as e:
-                results[i] = SendResult(e.code, str(e), 0, message_id)
-                continue
-            accepted.append((i, when))
-            payloads.append(payload)
-            if table is not None:
-                in_batch[key] = i
+        admit = _admit if _native_admit is None else _native_admit
+        results, accepted, payloads, keys, twins, waits = admit(
+            rows, items, view, now, refused, None if refused is None else self._refusal_text(refused), table,
+            self._committing, self.schedule_time, self.config.max_message_bytes, _admit_context())
         if payloads:
             p = _Pending(RecordType.MESSAGE, payloads)
             if table is not None:

@@ -1,0 +1,106 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The receiver's pass over a request's messages, compiled (`_admit` in delayserver/node/receiver.py
+is the reference this must equal, row for row: tests/test_native.py holds them side by side).
+
+A message that passes the checks at a glance gets its payload here: a MESSAGE head written in
+front of a copy of its span of the request, into one new bytearray. Everything else (a refusal,
+a duplicate, a message whose fields need `encode_message_fields`'s checks) is answered as the
+reference answers it, through the same Python objects (`context`).
+"""
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+cdef enum:
+    MESSAGE_HEAD_SIZE = 36  # store q, schedule q, sequence Q, flags H, id B, subject B, headers I, body I
+
+
+cdef inline void put32(uint8_t *p, uint32_t v) noexcept nogil:
+    p[0] = v >> 24
+    p[1] = v >> 16
+    p[2] = v >> 8
+    p[3] = v
+
+
+cdef inline void put64(uint8_t *p, uint64_t v) noexcept nogil:
+    put32(p, <uint32_t>(v >> 32))
+    put32(p + 4, <uint32_t>v)
+
+
+def admit(list rows, items, view, long long now, refused, refusal_text, table, dict committing, schedule_time,
+          long long max_bytes, tuple context):
+    """`receiver._admit`: the same arguments, the same answer."""
+    send_result, duplicate, invalid_message, encode_message_fields, checked_subjects, dedupe_key, max_id, max_headers = context
+    cdef Py_ssize_t count = len(rows), i, span, id_at, id_len, subject_len, headers_len, body_len
+    cdef Py_ssize_t max_id_bytes = max_id, max_headers_bytes = max_headers
+    cdef list results = [None] * count
+    cdef list accepted = []
+    cdef list payloads = []
+    cdef dict in_batch = {}
+    cdef list keys = [None] * count
+    cdef list twins = []
+    cdef list waits = []
+    cdef object last_spec = None, last_when = 0, when, spec, message_id, subject, headers, key = None, known
+    cdef object payload, item
+    cdef tuple row
+    cdef const uint8_t[::1] buf
+    cdef Py_ssize_t buf_n = 0
+    cdef uint8_t *out
+    cdef long long when_c
+    if view is not None:
+        buf = view
+        buf_n = buf.shape[0]
+    for i in range(count):
+        row = <tuple>rows[i]
+        message_id, subject, spec, headers = row[0], row[1], row[2], row[3]
+        if refused is not None:
+            results[i] = send_result(refused, refusal_text, 0, message_id)
+            continue
+        if table is not None:
+            key = message_id if not headers else dedupe_key(message_id, headers)
+            keys[i] = key
+            known = table.find(key, now)
+            if known is not None:
+                results[i] = duplicate(known, message_id)
+                continue
+            if key in in_batch:
+                twins.append((i, in_batch[key]))
+                continue
+            if key in committing:
+                waits.append((i, *committing[key]))
+                continue
+        try:
+            if spec is not last_spec:
+                last_when, last_spec = schedule_time(spec, now), spec
+            when = last_when
+            id_at, id_len, subject_len, headers_len, body_len = row[4], row[5], row[6], row[7], row[8]
+            span = id_len + subject_len + headers_len + body_len
+            if (id_at >= 0 and 0 < id_len <= max_id_bytes and subject in checked_subjects
+                    and body_len <= max_bytes and subject_len <= 0xFF and id_len <= 0xFF
+                    and (not headers_len or (headers_len <= max_headers_bytes and "" not in headers))
+                    and id_at + span <= buf_n and type(when) is int):
+                when_c = when
+                payload = PyByteArray_FromStringAndSize(NULL, MESSAGE_HEAD_SIZE + span)
+                out = <uint8_t *>PyByteArray_AS_STRING(payload)
+                put64(out, <uint64_t>now)
+                put64(out + 8, <uint64_t>when_c)
+                put64(out + 16, 0)
+                out[24] = 0
+                out[25] = 0
+                out[26] = <uint8_t>id_len
+                out[27] = <uint8_t>subject_len
+                put32(out + 28, <uint32_t>headers_len)
+                put32(out + 32, <uint32_t>body_len)
+                memcpy(out + MESSAGE_HEAD_SIZE, &buf[id_at], span)
+            else:
+                item = items[i]
+                payload = bytearray(encode_message_fields(item.message_id, item.subject, item.body, when,
+                                                          item.headers, now, max_body_bytes=max_bytes))
+        except invalid_message as e:
+            results[i] = send_result(e.code, str(e), 0, message_id)
+            continue
+        accepted.append((i, when))
+        payloads.append(payload)
+        if table is not None:
+            in_batch[key] = i
+    return results, accepted, payloads, keys, twins, waits
