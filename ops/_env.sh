@@ -3,7 +3,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 # The stamp names what the install depends on: the metadata, and the compiled kernels' sources
 # (pip builds them in place; a changed kernel is built again by installing again).
-STAMP="$VENV/.installed-$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/delayserver/native/*.pyx "$ROOT"/delayserver/native/*.h | sha1sum | cut -c1-12)"
+STAMP="$VENV/.installed-$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/delayserver/native/*.pyx "$ROOT"/delayserver/native/*.pxd "$ROOT"/delayserver/native/*.h | sha1sum | cut -c1-12)"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi

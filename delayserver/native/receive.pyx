@@ -10,21 +10,10 @@ reference answers it, through the same Python objects (`context`).
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
+from delayserver.native.endian cimport put32, put64
 
 cdef enum:
     MESSAGE_HEAD_SIZE = 36  # store q, schedule q, sequence Q, flags H, id B, subject B, headers I, body I
-
-
-cdef inline void put32(uint8_t *p, uint32_t v) noexcept nogil:
-    p[0] = v >> 24
-    p[1] = v >> 16
-    p[2] = v >> 8
-    p[3] = v
-
-
-cdef inline void put64(uint8_t *p, uint64_t v) noexcept nogil:
-    put32(p, <uint32_t>(v >> 32))
-    put32(p + 4, <uint32_t>v)
 
 
 def admit(list rows, items, view, long long now, refused, refusal_text, table, dict committing, schedule_time,

@@ -17,6 +17,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
+from delayserver.native.endian cimport be32, be64, put32, put64
 
 cdef extern from "crc32c.h":
     void crc32c_init()
@@ -51,26 +52,6 @@ FORMAT = dict(HEADER_SIZE=HEADER_SIZE, OFFSET_SIZE=OFFSET_SIZE, MESSAGE_HEAD_SIZ
               CANCEL=T_CANCEL, SCHEDULED=T_SCHEDULED, SCHEDULED_CANCEL=T_SCHEDULED_CANCEL, EPOCH=T_EPOCH,
               PREPARE=T_PREPARE, COMMIT=T_COMMIT, ROLLBACK=T_ROLLBACK, TXN_CHECK=T_TXN_CHECK,
               TXN_PARK=T_TXN_PARK, SCHEDULE=T_SCHEDULE)
-
-
-cdef inline uint32_t be32(const uint8_t *p) noexcept nogil:
-    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
-
-
-cdef inline uint64_t be64(const uint8_t *p) noexcept nogil:
-    return (<uint64_t>be32(p) << 32) | be32(p + 4)
-
-
-cdef inline void put32(uint8_t *p, uint32_t v) noexcept nogil:
-    p[0] = v >> 24
-    p[1] = v >> 16
-    p[2] = v >> 8
-    p[3] = v
-
-
-cdef inline void put64(uint8_t *p, uint64_t v) noexcept nogil:
-    put32(p, <uint32_t>(v >> 32))
-    put32(p + 4, <uint32_t>v)
 
 
 cdef inline bint is_transactional(int rtype) noexcept nogil:
@@ -261,30 +242,39 @@ cdef enum:
     HASH_MASK = 0xFFFFFF  # id_index.HASH_MASK
 
 
+cdef bint key_fields(object item, Py_ssize_t pos, Py_ssize_t *at, int64_t *sched):
+    """`at` and `sched` of an ids entry ``(offset, type, schedule time, message id)``; false for an
+    entry the kernels leave to the reference (not such a tuple, a field out of range, an offset
+    past the key's)."""
+    cdef tuple entry
+    if type(item) is not tuple or len(<tuple>item) != 4:
+        return False
+    entry = <tuple>item
+    if not isinstance(entry[0], int) or not isinstance(entry[1], int) or not isinstance(entry[2], int):
+        return False
+    try:
+        at[0] = entry[0]
+        sched[0] = entry[2]
+    except OverflowError:
+        return False
+    return 0 <= at[0] and pos + at[0] < (<Py_ssize_t>1 << OFFSET_BITS)
+
+
 def id_keys(list ids, Py_ssize_t pos):
     """The id index keys of the records an append at `pos` added, from their `ids` (as the walk
     gives them): `IdIndex._add_ids`'s list, or None for ids it leaves to it (a message id that
-    is not bytes, an offset past the key's)."""
+    is not bytes, a field out of range, an offset past the key's)."""
     cdef list out = []
-    cdef tuple entry
     cdef object mid
     cdef int64_t sched
     cdef Py_ssize_t at
     cdef uint32_t crc
     cdef uint64_t h
     for item in ids:
-        if type(item) is not tuple or len(<tuple>item) != 4:
+        if not key_fields(item, pos, &at, &sched):
             return None
-        entry = <tuple>item
-        mid = entry[3]
-        if type(mid) is not bytes or not isinstance(entry[0], int) or not isinstance(entry[2], int):
-            return None
-        try:
-            at = entry[0]
-            sched = entry[2]
-        except OverflowError:
-            return None
-        if at < 0 or pos + at >= (<Py_ssize_t>1 << OFFSET_BITS):
+        mid = (<tuple>item)[3]
+        if type(mid) is not bytes:
             return None
         crc = crc32c_update(<uint32_t>(<uint64_t>sched & 0xFFFFFFFF), <const uint8_t *><char *>mid, len(<bytes>mid))
         h = (<uint64_t>(<int64_t>crc ^ (sched >> 32))) & HASH_MASK
@@ -296,26 +286,15 @@ def time_keys(list ids, Py_ssize_t pos, int64_t scale):
     """The time index keys of the SCHEDULED records an append at `pos` added, from their `ids`:
     `TimeIndex._add_ids`'s list, or None for what it leaves to it."""
     cdef list out = []
-    cdef tuple entry
     cdef int64_t sched, m
     cdef Py_ssize_t at
     if scale <= 0:
         return None
     for item in ids:
-        if type(item) is not tuple or len(<tuple>item) != 4:
+        if not key_fields(item, pos, &at, &sched):
             return None
-        entry = <tuple>item
-        if not isinstance(entry[0], int) or not isinstance(entry[1], int) or not isinstance(entry[2], int):
-            return None
-        if entry[1] != T_SCHEDULED:
+        if (<tuple>item)[1] != T_SCHEDULED:
             continue
-        try:
-            at = entry[0]
-            sched = entry[2]
-        except OverflowError:
-            return None
-        if at < 0 or pos + at >= (<Py_ssize_t>1 << OFFSET_BITS):
-            return None
         m = sched % scale
         if m < 0:
             m += scale

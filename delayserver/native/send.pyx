@@ -10,17 +10,10 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
+from delayserver.native.endian cimport be16, be32, put16, put32, put64
 
 cdef enum:
     ITEM_SIZE = 19  # time kind u8, time value i64, id u16, subject u16, header count u16, body u32
-
-
-cdef inline uint32_t be16(const uint8_t *p) noexcept nogil:
-    return (<uint32_t>p[0] << 8) | p[1]
-
-
-cdef inline uint32_t be32(const uint8_t *p) noexcept nogil:
-    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
 
 
 cdef inline object text(const uint8_t *buf, Py_ssize_t start, Py_ssize_t stop):
@@ -103,18 +96,6 @@ def decode_rows(bytes payload, make_spec):
     return rows if pos == end else None
 
 
-cdef inline void put16(uint8_t *p, uint32_t v) noexcept nogil:
-    p[0] = v >> 8
-    p[1] = v
-
-
-cdef inline void put32(uint8_t *p, uint32_t v) noexcept nogil:
-    p[0] = v >> 24
-    p[1] = v >> 16
-    p[2] = v >> 8
-    p[3] = v
-
-
 def encode_results(results, result_type):
     """The SEND response payload of `results` (`protocol._encode_send_response_py`, the reference),
     or None where that answers None: a result not of `result_type` (a tuple of code, message,
@@ -182,11 +163,6 @@ def encode_results(results, result_type):
         memcpy(w + 4, last_p, last_n)
         w += 4 + last_n
     return out
-
-
-cdef inline void put64(uint8_t *p, uint64_t v) noexcept nogil:
-    put32(p, <uint32_t>(v >> 32))
-    put32(p + 4, <uint32_t>v)
 
 
 cdef Py_ssize_t utf8_size(object text, Py_ssize_t limit) except -2:
