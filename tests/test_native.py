@@ -428,3 +428,64 @@ def test_the_receivers_pass_is_the_reference(items, as_batch, refused, with_tabl
     record.CHECKED_SUBJECTS.update(checked)
     assert admitted(native_receive.admit, rows, items, view, refused, table, committing, max_bytes) == expected
     assert receiver_module._native_admit is native_receive.admit
+
+
+# --- the timing wheel's adds in bulk ------------------------------------------------------------
+
+from delayserver.native import wheel as native_wheel  # noqa: E402
+from delayserver.wheel import timingwheel  # noqa: E402
+from delayserver.wheel.timingwheel import TimingWheel  # noqa: E402
+
+WHEEL_START = 1_000_000
+
+
+def wheel_state(w):
+    return ([None if e is None else list(e) for e in w._slot_entries], list(w._heap), len(w), w._nonempty,
+            w.next_due())
+
+
+@st.composite
+def wheel_steps(draw):
+    """Adds in bulk (due times before, at and after now, over several rounds of a small wheel,
+    ties, descending runs), advances (the clock stepping back too) and cancels."""
+    steps, now, ref = [], WHEEL_START, 0
+    for _ in range(draw(st.integers(1, 15))):
+        what = draw(st.sampled_from(["add", "add", "add", "advance", "cancel"]))
+        if what == "add":
+            items = []
+            for _ in range(draw(st.integers(0, 12))):
+                ref += 1
+                items.append((now + draw(st.integers(-30, 2000) | st.sampled_from([0, 1, 5, 5, 640, 1280])), ref))
+            steps.append(("add", items, now))
+        elif what == "advance":
+            now += draw(st.integers(-200, 700))
+            steps.append(("advance", now))
+        else:
+            steps.append(("cancel", draw(st.integers(1, max(ref, 1)))))
+    return steps
+
+
+@SETTINGS
+@given(wheel_steps())
+def test_the_wheel_adds_in_bulk_as_the_reference(steps):
+    assert timingwheel._native_add_many is native_wheel.add_many
+    wheels = [TimingWheel(start_ms=WHEEL_START, tick_ms=10, slots=64) for _ in range(2)]
+    for step in steps:
+        if step[0] == "add":
+            refused = [native_wheel.add_many(wheels[0], list(step[1]), step[2]),
+                       wheels[1]._add_many_py(list(step[1]), step[2])]
+            assert refused[0] == refused[1]
+        elif step[0] == "advance":
+            assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
+        else:
+            assert wheels[0].cancel(step[1]) == wheels[1].cancel(step[1])
+        assert wheel_state(wheels[0]) == wheel_state(wheels[1])
+
+
+def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():
+    wheels = [TimingWheel(start_ms=WHEEL_START), TimingWheel(start_ms=WHEEL_START)]
+    items = [(WHEEL_START + 50, 1), (WHEEL_START + 60, -1), (WHEEL_START + 70, 3)]
+    for fn, w in ((native_wheel.add_many, wheels[0]), (TimingWheel._add_many_py, wheels[1])):
+        with pytest.raises(ValueError, match="ref must be"):
+            fn(w, list(items), WHEEL_START)
+    assert wheel_state(wheels[0]) == wheel_state(wheels[1]) and len(wheels[0]) == 1

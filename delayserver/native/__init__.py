@@ -13,7 +13,10 @@ reference, output for output.
 - `records.id_keys`, `records.time_keys`: the id and time index keys of a replayed append
   (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
 - `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids
-  (`delayserver.dedupe.DedupeTable._remember_many_py`).
+  (`delayserver.dedupe.DedupeTable._remember_many_py`);
+- `receive.admit`: the receiver's pass over a request's messages (`delayserver.node.receiver._admit`);
+- `wheel.add_many`: the timing wheel's adds of a replayed append
+  (`delayserver.wheel.timingwheel.TimingWheel._add_many_py`).
 
 The crc32c of the records kernels is crc32c.h: SSE4.2 when the processor has it (checked at
 import), else a table; the same values as the crc32c package, which the rest of the code uses.

@@ -201,18 +201,12 @@ class TickManager:
             entries = [entry for entry in entries if entry[0] >= end]
             if not entries:
                 return
-        ref, wheel, ready = self.ref, self.wheel, self.ready
-        changed = False
-        sleeping_until = self.sleeping_until
         self.outstanding[bucket] += len(entries)
-        for offset, schedule_time in entries:
-            r = ref(bucket, offset)
-            if not wheel.add(schedule_time, r, now):
-                ready.append(r)
-                changed = True
-            elif sleeping_until is not None and schedule_time < sleeping_until:
-                changed = True
-        if changed:
+        base = self.ref(bucket, 0)  # the bucket's refs: its id above the offset
+        due = self.wheel.add_many([(schedule_time, base | offset) for offset, schedule_time in entries], now)
+        self.ready += due
+        sleeping_until = self.sleeping_until
+        if due or (sleeping_until is not None and any(now < s < sleeping_until for _, s in entries)):
             self.changed.set()
 
     def on_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:

@@ -33,6 +33,11 @@ from operator import itemgetter
 
 import attrs
 
+try:  # the compiled adds in bulk (delayserver/native/wheel.pyx), when the install built it
+    from delayserver.native.wheel import add_many as _native_add_many
+except ImportError:
+    _native_add_many = None
+
 MAX_REF = (1 << 63) - 1
 
 #: Stale heap keys (left by adds in front of a slot, cancels and emptied slots) are dropped once
@@ -82,6 +87,19 @@ class TimingWheel:
         self._slot_entries = [None] * self.slots
         self._mask = self.slots - 1
         self._shift = self.slots.bit_length() - 1
+
+    def add_many(self, items: list[tuple[int, int]], now: int) -> list[int]:
+        """`add` of each ``(due_ms, ref)`` of `items`, in order; returns the refs refused (already
+        due at ``now``), in order. Raises as `add` does, with the items before it added. The
+        compiled kernel (delayserver/native/wheel.pyx) when built, else `_add_many_py`."""
+        if _native_add_many is None:
+            return self._add_many_py(items, now)
+        return _native_add_many(self, items, now)
+
+    def _add_many_py(self, items: list[tuple[int, int]], now: int) -> list[int]:
+        """`add_many` in Python: the compiled kernel's reference."""
+        add = self.add
+        return [ref for due_ms, ref in items if not add(due_ms, ref, now)]
 
     def add(self, due_ms: int, ref: int, now: int) -> bool:
         """Store the entry and return True, or return False when it is already due at ``now``.
