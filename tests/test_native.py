@@ -12,11 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delayserver import replayer
+from delayserver import dedupe, replayer
+from delayserver import protocol as p
+from delayserver.message import BadScheduleTime, ResultCode, TimeKind, TimeSpec
+# The kernels must be built (see the module docstring): imported here, not skipped when missing.
+from delayserver.native import dedupe as native_dedupe
+from delayserver.native import receive as native_receive
+from delayserver.native import records as native_records
+from delayserver.native import send as native_send
+from delayserver.native import wheel as native_wheel
+from delayserver.node import receiver as receiver_module
+from delayserver.storage import id_index, time_index
 from delayserver.storage import record as r
 from delayserver.storage.record import RecordType as T
-
-from delayserver.native import records as native_records  # must be built: see the module docstring
+from delayserver.wheel import timingwheel
+from delayserver.wheel.timingwheel import TimingWheel
 
 SETTINGS = settings(max_examples=300, deadline=None)
 SCALE = 3_600_000
@@ -145,9 +155,6 @@ def test_the_replay_walk_takes_a_node_s_batch():
 
 # --- the SEND decoder ---------------------------------------------------------------------------
 
-from delayserver import protocol as p  # noqa: E402
-from delayserver.message import TimeKind, TimeSpec  # noqa: E402
-from delayserver.native import send as native_send  # noqa: E402
 
 any_text = st.text(max_size=8) | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1,
                                          max_size=2)
@@ -236,7 +243,6 @@ def test_the_framing_writes_records_that_check():
 
 # --- the SEND response encoder ------------------------------------------------------------------
 
-from delayserver.message import ResultCode  # noqa: E402
 
 values = st.integers(-(2**63), 2**63 - 1) | st.integers(2**63, 2**64) | st.integers(-(2**64), -(2**63) - 1)
 send_results = st.builds(p.SendResult, st.sampled_from(ResultCode) | st.integers(-1, 0x10000) | st.booleans()
@@ -258,7 +264,6 @@ def test_the_send_response_encoder_is_the_reference(results):
 
 # --- index keys ---------------------------------------------------------------------------------
 
-from delayserver.storage import id_index, time_index  # noqa: E402
 
 index_ids = st.lists(st.tuples(st.integers(0, 2**30) | st.just(2**70),
                                st.sampled_from([T.SCHEDULED, T.SCHEDULED_CANCEL, 3, 4, 2**70]),
@@ -296,8 +301,6 @@ def test_the_indexes_take_the_walk_s_keys():
 
 # --- the dedupe table ---------------------------------------------------------------------------
 
-from delayserver import dedupe  # noqa: E402
-from delayserver.native import dedupe as native_dedupe  # noqa: E402
 
 WINDOW = 1000
 
@@ -377,9 +380,6 @@ def test_the_send_request_encoder_is_the_reference(items):
 
 # --- the receiver's pass over a request ---------------------------------------------------------
 
-from delayserver.message import BadScheduleTime  # noqa: E402
-from delayserver.native import receive as native_receive  # noqa: E402
-from delayserver.node import receiver as receiver_module  # noqa: E402
 
 NOW = 1_700_000_000_000
 PENDING = object()  # another request's commit, as `committing` names it
@@ -409,7 +409,6 @@ def admitted(fn, rows, items, view, refused, table, committing, max_bytes):
        st.booleans(), st.lists(st.sampled_from(["a", "b", "c\x002"]), max_size=2),
        st.lists(st.sampled_from(["a", "b", "c"]), max_size=2), st.sampled_from([10, 1 << 20]))
 def test_the_receivers_pass_is_the_reference(items, as_batch, refused, with_table, known, committing_ids, max_bytes):
-    from delayserver.storage import record
     if as_batch:
         batch = p.decode_send_request(p.encode_send_request(items))
         if type(batch) is not p.SendBatch:
@@ -422,19 +421,16 @@ def test_the_receivers_pass_is_the_reference(items, as_batch, refused, with_tabl
         table = dedupe.DedupeTable(60_000)
         table.remember_many([(k, NOW + 7) for k in known], NOW - 10)
     committing = {k: (PENDING, NOW + 9) for k in committing_ids}
-    checked = dict(record.CHECKED_SUBJECTS)  # the first run may add subjects: the second starts from the same
+    checked = dict(r.CHECKED_SUBJECTS)  # the first run may add subjects: the second starts from the same
     expected = admitted(receiver_module._admit, rows, items, view, refused, table, committing, max_bytes)
-    record.CHECKED_SUBJECTS.clear()
-    record.CHECKED_SUBJECTS.update(checked)
+    r.CHECKED_SUBJECTS.clear()
+    r.CHECKED_SUBJECTS.update(checked)
     assert admitted(native_receive.admit, rows, items, view, refused, table, committing, max_bytes) == expected
     assert receiver_module._native_admit is native_receive.admit
 
 
 # --- the timing wheel's adds in bulk ------------------------------------------------------------
 
-from delayserver.native import wheel as native_wheel  # noqa: E402
-from delayserver.wheel import timingwheel  # noqa: E402
-from delayserver.wheel.timingwheel import TimingWheel  # noqa: E402
 
 WHEEL_START = 1_000_000
 
