@@ -67,6 +67,7 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     cdef Py_ssize_t pos = 0, s, e, off, end = start_offset, id_at, id_end, at, size, old
     cdef uint32_t length, crc, seed_scheduled, seed_cancel, seed
     cdef int rtype, kind
+    cdef Py_ssize_t head, id_len_at
     cdef bint hit, have_last = False
     cdef int64_t sched, bucket, last_bucket = 0, m
     cdef uint64_t seq
@@ -109,28 +110,25 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
             end = base + e
             pos = e
             continue
+        # Every message_log payload starts store_time, schedule_time, sequence; MESSAGE (and COMMIT)
+        # and CANCEL heads then give the id's length at `id_len_at`, the id following the head.
         if rtype == T_MESSAGE or rtype == T_COMMIT:
-            if s + MESSAGE_HEAD_SIZE > n:
-                return None
-            sched = <int64_t>be64(buf + s + 8)
-            seq = be64(buf + s + 16)
-            id_at = s + MESSAGE_HEAD_SIZE
-            id_end = id_at + buf[s + 26]
+            head, id_len_at = MESSAGE_HEAD_SIZE, 26
         elif rtype == T_CANCEL:
-            if s + CANCEL_HEAD_SIZE > n:
-                return None
-            sched = <int64_t>be64(buf + s + 8)
-            seq = be64(buf + s + 16)
-            id_at = s + CANCEL_HEAD_SIZE
-            id_end = id_at + buf[s + 24]
+            head, id_len_at = CANCEL_HEAD_SIZE, 24
         elif is_transactional(rtype):
-            if s + TXN_PREFIX_SIZE > n:
-                return None
-            sched = <int64_t>be64(buf + s + 8)
-            seq = be64(buf + s + 16)
-            id_at = id_end = s
+            head, id_len_at = TXN_PREFIX_SIZE, -1
         else:
             return None  # not a message_log type: the Python walk reports it
+        if s + head > n:
+            return None
+        sched = <int64_t>be64(buf + s + 8)
+        seq = be64(buf + s + 16)
+        if id_len_at < 0:  # the other transactional records: no id to index
+            id_at = id_end = s
+        else:
+            id_at = s + head
+            id_end = id_at + buf[s + id_len_at]
         if is_transactional(rtype):
             txn_notes.append((off, rtype, s, e))
             if rtype != T_COMMIT:  # a COMMIT is scheduled as a MESSAGE is, below
