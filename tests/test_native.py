@@ -6,6 +6,7 @@ build that failed quietly (the extensions are optional) would leave every node o
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -24,6 +25,7 @@ from delayserver.native import wheel as native_wheel
 from delayserver.node import receiver as receiver_module
 from delayserver.storage import id_index, time_index
 from delayserver.storage import record as r
+from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import RecordType as T
 from delayserver.wheel import timingwheel
 from delayserver.wheel.timingwheel import TimingWheel
@@ -485,3 +487,108 @@ def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():
         with pytest.raises(ValueError, match="ref must be"):
             fn(w, list(items), WHEEL_START)
     assert wheel_state(wheels[0]) == wheel_state(wheels[1]) and len(wheels[0]) == 1
+
+
+# --- reading due messages ------------------------------------------------------------------------
+
+@st.composite
+def schedule_segments(draw):
+    """(segment bytes, record starts, big) of SCHEDULED records (a SCHEDULED_CANCEL now and
+    then), some damaged: a byte changed, an id or subject that is not UTF-8, headers that do not
+    decode."""
+    parts, starts, pos = [], [], 0
+    for _ in range(draw(st.integers(0, 12))):
+        if draw(st.integers(0, 5)) == 0:
+            rec = r.encode_record(T.SCHEDULED_CANCEL, r.OFFSET.pack(draw(st.integers(0, 2**64 - 1)))
+                                  + r.encode_cancel(r.Cancel(draw(ids), draw(st.integers(0, 2**40)))))
+        else:
+            body = draw(st.binary(max_size=64) | st.binary(min_size=4000, max_size=9000))
+            headers = draw(st.dictionaries(st.text(min_size=1, max_size=4), st.text(max_size=4), max_size=3))
+            payload = r.encode_message_fields(draw(ids), draw(st.sampled_from(["s.a", "s|b:%", "x" * 200])), body,
+                                              0, headers, draw(st.integers(-(2**63), 2**63 - 1)), 0,
+                                              draw(st.integers(0, 0xFFFF)))
+            payload = stamped(payload, draw(times), draw(st.integers(0, 2**64 - 1)))
+            payload = r.encode_scheduled(draw(st.integers(0, 2**64 - 1)), payload)
+            rec = bytearray(r.encode_record(T.SCHEDULED, payload))
+            damage = draw(st.sampled_from(["none"] * 6 + ["byte", "id", "headers"]))
+            if damage == "byte":
+                at = draw(st.integers(0, len(rec) - 1))
+                rec[at] ^= draw(st.integers(1, 255))
+            elif damage in ("id", "headers"):
+                at = r.HEADER_SIZE + r.SCHEDULED_HEAD.size
+                if damage == "headers":
+                    at += rec[r.HEADER_SIZE + 42] + rec[r.HEADER_SIZE + 43]
+                if at < len(rec):
+                    rec[at] = 0xFF  # not UTF-8; or a headers block whose first key length is wrong
+                    rec[:4] = r.checksum(T.SCHEDULED, bytes(rec[r.HEADER_SIZE:])).to_bytes(4, "big")
+            rec = bytes(rec)
+        parts.append(rec)
+        starts.append(pos)
+        pos += len(rec)
+    tail = draw(st.binary(max_size=20))  # a torn tail now and then
+    return b"".join(parts) + tail, starts
+
+
+def reference_reads(data: bytes, offsets: list[int], guess: int, bucket: int) -> list:
+    """Per offset what TickManager.read_messages gives from the page cache: its tuple, None, the
+    CorruptSegment, or ("raises", text) for an error it raises."""
+    from delayserver.storage.bucket_log import _records_at
+    from delayserver.wheel.tick_manager import _message_of
+
+    def read(_bucket, start, end):
+        return data[start:min(end, len(data))] if min(end, len(data)) > start else b""
+    out = []
+    for offset, record in zip(offsets, _records_at(read, lambda _: "seg", bucket, offsets, guess)):
+        try:
+            out.append(_message_of(bucket, offset, record))
+        except Exception as e:
+            out.append(("raises", str(e)))
+    return out
+
+
+@SETTINGS
+@given(schedule_segments(), st.data(), st.sampled_from([9, 16, 100, 512, 4096]))
+def test_due_messages_are_read_as_the_reference_reads_them(tmp_path_factory, segment, data, guess):
+    body, starts = segment
+    offsets = data.draw(st.lists(st.sampled_from(starts), max_size=16) if starts else st.just([]))
+    offsets += data.draw(st.lists(st.integers(0, len(body) + 50), max_size=3))
+    if starts:  # beside a record: a run's read shares it with records read on their own
+        offsets += data.draw(st.lists(st.builds(lambda s, d: max(0, s + d), st.sampled_from(starts),
+                                                st.integers(-12, 12)), max_size=4))
+    if offsets:  # the same record asked for twice
+        offsets += data.draw(st.lists(st.sampled_from(offsets), max_size=3))
+    offsets = data.draw(st.permutations(offsets))
+    path = tmp_path_factory.mktemp("seg") / "bucket.log"
+    path.write_bytes(body)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = native_records.read_scheduled(fd, len(body), offsets, guess, 7, r.Message, r.decode_headers)
+    finally:
+        os.close(fd)
+    assert got is not None, "the kernel left the whole read to the reference (no RWF_NOWAIT here?)"
+    expected = reference_reads(body, offsets, guess, 7)
+    for offset, mine, theirs in zip(offsets, got, expected):
+        if mine is False:  # left to the reference: only what it reports as damage or raises
+            assert isinstance(theirs, CorruptSegment) or (isinstance(theirs, tuple) and theirs[0] == "raises"), offset
+        else:
+            assert mine == theirs, offset
+            assert mine is None or type(mine[3]) is r.Message
+
+
+def test_due_messages_the_kernel_reads_are_all_the_good_ones():
+    """Undamaged records are the kernel's own (a kernel that left everything to the reference
+    would pass the property above)."""
+    messages = [r.encode_record(T.SCHEDULED, r.encode_scheduled(
+        i, r.encode_message_fields(f"m-{i}", "s.a", bytes(i * 300), 1000 + i, {"k": str(i)} if i % 2 else {}, 5)))
+        for i in range(40)]
+    body = b"".join(messages)
+    starts = [sum(map(len, messages[:i])) for i in range(40)]
+    offsets = starts[::-1] + starts[:5]
+    import tempfile
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(body)
+        f.flush()
+        got = native_records.read_scheduled(f.fileno(), len(body), offsets, 4096, 3, r.Message, r.decode_headers)
+    assert [(b, o, mlo, m.message_id, len(m.body), m.headers) for b, o, mlo, m in got] == [
+        (3, o, starts.index(o), f"m-{starts.index(o)}", starts.index(o) * 300,
+         {"k": str(starts.index(o))} if starts.index(o) % 2 else {}) for o in offsets]

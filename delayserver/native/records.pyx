@@ -17,7 +17,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
-from delayserver.native.endian cimport be32, be64, put32, put64
+from delayserver.native.endian cimport be16, be32, be64, put32, put64
 
 cdef extern from "crc32c.h":
     void crc32c_init()
@@ -298,3 +298,219 @@ def time_keys(list ids, Py_ssize_t pos, int64_t scale):
             m += scale
         out.append((<uint64_t>m << OFFSET_BITS) | <uint64_t>(pos + at))
     return out
+
+
+# --- reading due messages -------------------------------------------------------------------------
+
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.ref cimport Py_INCREF
+from libc.errno cimport errno, EAGAIN
+from libc.stdlib cimport free, malloc, qsort
+from posix.types cimport off_t
+
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    ssize_t preadv2(int fd, const iovec *iov, int iovcnt, off_t offset, int flags)
+    int RWF_NOWAIT
+
+cdef enum:
+    SCHEDULED_HEAD_SIZE = 44       # record.SCHEDULED_HEAD: OFFSET + MESSAGE_HEAD
+    SHARED_READ_BYTES = 1 << 16    # bucket_log.SHARED_READ_BYTES
+    MAX_PAYLOAD_BYTES = 64 << 20   # record.MAX_PAYLOAD_BYTES
+
+FORMAT.update(SCHEDULED_HEAD_SIZE=SCHEDULED_HEAD_SIZE, SHARED_READ_BYTES=SHARED_READ_BYTES,
+              MAX_PAYLOAD_BYTES=MAX_PAYLOAD_BYTES)
+
+cdef struct Wanted:
+    int64_t offset
+    Py_ssize_t index
+
+
+cdef int by_offset(const void *a, const void *b) noexcept nogil:
+    cdef const Wanted *x = <const Wanted *>a
+    cdef const Wanted *y = <const Wanted *>b
+    if x.offset != y.offset:
+        return -1 if x.offset < y.offset else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+# What a read answers: all of the range read, some of it not in the page cache, or an error the
+# reference must meet itself (the kernel then answers None for the whole call).
+cdef enum:
+    READ_WHOLE = 1
+    READ_NOT_CACHED = 0
+    READ_ERROR = -1
+
+
+cdef int read_nowait(int fd, uint8_t *into, int64_t start, int64_t end) noexcept nogil:
+    """`BucketLog.read_cached` of [start, end) into `into`: a page-cache-only read (RWF_NOWAIT)."""
+    cdef iovec iov
+    cdef ssize_t n
+    iov.iov_base = into
+    iov.iov_len = <size_t>(end - start)
+    n = preadv2(fd, &iov, 1, <off_t>start, RWF_NOWAIT)
+    if n < 0:
+        return READ_NOT_CACHED if errno == EAGAIN else READ_ERROR
+    return READ_WHOLE if n == end - start else READ_NOT_CACHED
+
+
+cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,
+                        object message_type, object decode_headers):
+    """`_message_of(bucket, offset, record)` of the whole record at `p` (`length` bytes, header
+    included), or False for what the kernel leaves to the reference: a type other than SCHEDULED,
+    a crc that does not match, fields that do not add up, text that is not UTF-8."""
+    cdef uint32_t plen
+    cdef const uint8_t *q
+    cdef uint64_t mlo, seq
+    cdef int64_t store, sched
+    cdef uint32_t flags, idlen, slen, hlen, blen
+    cdef const uint8_t *id_at
+    cdef tuple fields
+    if length < HEADER_SIZE or p[8] != T_SCHEDULED:
+        return False
+    plen = be32(p + 4)
+    if HEADER_SIZE + <Py_ssize_t>plen != length or plen < SCHEDULED_HEAD_SIZE:
+        return False
+    q = p + HEADER_SIZE
+    if crc32c_update(seed, q, plen) != be32(p):
+        return False
+    mlo = be64(q)
+    store = <int64_t>be64(q + 8)
+    sched = <int64_t>be64(q + 16)
+    seq = be64(q + 24)
+    flags = be16(q + 32)
+    idlen = q[34]
+    slen = q[35]
+    hlen = be32(q + 36)
+    blen = be32(q + 40)
+    if <uint64_t>SCHEDULED_HEAD_SIZE + idlen + slen + hlen + blen != plen:
+        return False
+    id_at = q + SCHEDULED_HEAD_SIZE
+    try:
+        mid = PyUnicode_DecodeUTF8(<const char *>id_at, idlen, NULL)
+        subject = PyUnicode_DecodeUTF8(<const char *>(id_at + idlen), slen, NULL)
+        headers = decode_headers(PyBytes_FromStringAndSize(<const char *>(id_at + idlen + slen), hlen)) if hlen else {}
+    except Exception:
+        return False  # the reference raises what it raises
+    body = PyBytes_FromStringAndSize(<const char *>(id_at + idlen + slen + hlen), blen)
+    fields = (mid, subject, body, sched, headers, store, seq, flags)
+    return (bucket, offset, mlo, tuple.__new__(message_type, fields))
+
+
+def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object bucket, object message_type,
+                   object decode_headers):
+    """The due messages at `offsets` of one schedule_log segment (`fd`, `size` bytes long), read
+    from the page cache only: per offset what `TickManager.read_messages(..., cached_only=True)`
+    answers for it, (bucket, offset, message_log offset, Message) or None (not all in the page
+    cache), or False for a record it leaves to the reference (damaged, or anything unusual: the
+    reference reads it again and raises or reports what it does). None for the whole call on an
+    error the reference must meet (a read the file system refuses, an offset that is not one).
+
+    As `BucketLog.read_records_at`: offsets near each other share one read of at most
+    SHARED_READ_BYTES; a record it does not hold whole is read on its own, `guess` bytes first."""
+    cdef Py_ssize_t n = len(offsets), i, j, k, cap
+    cdef Wanted *wanted = NULL
+    cdef uint8_t *buf = NULL
+    cdef uint8_t *one
+    cdef uint8_t *rec
+    cdef int64_t first, last, off, end, run_end, at, rsize
+    cdef int got
+    cdef bint shared
+    cdef uint8_t type_byte = T_SCHEDULED
+    cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
+    cdef list out = [None] * n
+    if guess < HEADER_SIZE or size < 0:
+        return None
+    if n == 0:
+        return out
+    wanted = <Wanted *>malloc(n * sizeof(Wanted))
+    # A run's shared read, then (not to overwrite it) room for the read of one record.
+    cap = SHARED_READ_BYTES + guess
+    buf = <uint8_t *>malloc(cap + guess)
+    one = buf + cap
+    try:
+        if wanted == NULL or buf == NULL:
+            raise MemoryError()
+        for k in range(n):
+            item = offsets[k]
+            if type(item) is not int:
+                return None
+            try:
+                wanted[k].offset = item
+            except OverflowError:
+                return None
+            if wanted[k].offset < 0:
+                return None
+            wanted[k].index = k
+        qsort(wanted, n, sizeof(Wanted), by_offset)
+        i = 0
+        while i < n:
+            first = last = wanted[i].offset
+            j = i + 1
+            while j < n:
+                off = wanted[j].offset
+                if off - last > guess or off + guess - first > SHARED_READ_BYTES:
+                    break
+                last = off
+                j += 1
+            shared = False
+            run_end = min(last + guess, size)
+            if j - i > 1 and run_end > first:
+                got = read_nowait(fd, buf, first, run_end)
+                if got == READ_ERROR:
+                    return None
+                if got == READ_NOT_CACHED:
+                    i = j  # the whole run is left to a read that may wait (None each)
+                    continue
+                shared = True
+            for k in range(i, j):
+                off = wanted[k].offset
+                item = offsets[wanted[k].index]
+                if shared:
+                    at = off - first
+                    if at + HEADER_SIZE <= run_end - first:
+                        rsize = HEADER_SIZE + <int64_t>be32(buf + at + 4)
+                        if at + rsize <= run_end - first:
+                            out[wanted[k].index] = due_message(buf + at, rsize, seed, bucket, item, message_type,
+                                                               decode_headers)
+                            continue
+                # On its own, as `_record_at`: `guess` bytes, then the whole record if bigger.
+                end = min(off + guess, size)
+                if end - off < HEADER_SIZE:
+                    out[wanted[k].index] = False
+                    continue
+                got = read_nowait(fd, one, off, end)
+                if got == READ_ERROR:
+                    return None
+                if got == READ_NOT_CACHED:
+                    continue  # None
+                if one[8] != T_SCHEDULED or be32(one + 4) > MAX_PAYLOAD_BYTES:
+                    out[wanted[k].index] = False
+                    continue
+                rsize = HEADER_SIZE + <int64_t>be32(one + 4)
+                rec = one
+                if rsize > end - off:
+                    if off + rsize > size:
+                        out[wanted[k].index] = False  # cut short
+                        continue
+                    rec = <uint8_t *>malloc(rsize)
+                    if rec == NULL:
+                        raise MemoryError()
+                    try:
+                        got = read_nowait(fd, rec, off, off + rsize)
+                        if got == READ_ERROR:
+                            return None
+                        if got == READ_WHOLE:
+                            out[wanted[k].index] = due_message(rec, rsize, seed, bucket, item, message_type,
+                                                               decode_headers)
+                    finally:
+                        free(rec)
+                    continue
+                out[wanted[k].index] = due_message(rec, rsize, seed, bucket, item, message_type, decode_headers)
+            i = j
+        return out
+    finally:
+        free(wanted)
+        free(buf)

@@ -259,6 +259,14 @@ class BucketLog:
             return self.read(bucket, start, end)
         return bytes(buf) if n == len(buf) else None  # one copy, as os.pread makes
 
+    def cached_reader(self, bucket: int) -> tuple[int, int] | None:
+        """(descriptor, size) of the bucket's segment for a page-cache-only read of its own
+        (RWF_NOWAIT, on the event loop's thread: the descriptor is the cache's), or None where reads
+        cannot be page-cache-only (then `read_cached` reads plainly)."""
+        if not self._nowait_reads:
+            return None
+        return self._fd(bucket), self.size(bucket)
+
     def read_record(self, bucket: int, offset: int, guess: int = 512) -> tuple[int, bytes, int, int]:
         """(rtype, data, payload start, payload end) of the whole, checked record at `offset`.
 

@@ -50,11 +50,16 @@ import numpy as np
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
     HEADER_SIZE, T_SCHEDULED, T_SCHEDULED_CANCEL, RecordError, cancel_key, record_size, scheduled_time,
-    decode_scheduled, iter_records,
+    Message, decode_headers, decode_scheduled, iter_records,
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.timingwheel import TimingWheel
+
+try:  # the compiled kernel (delayserver/native/records.pyx), when built
+    from delayserver.native.records import read_scheduled as _native_read_scheduled
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _native_read_scheduled = None
 
 log = logging.getLogger("delayserver.wheel")
 
@@ -517,11 +522,29 @@ class TickManager:
         page cache), or the CorruptSegment."""
         out: list = [None] * len(refs)
         for bucket, indexes, offsets in self._by_bucket(refs):
-            records = self.store.schedule_log.read_records_at(bucket, offsets, READ_GUESS_BYTES,
-                                                              cached_only=cached_only)
-            for k, offset, record in zip(indexes, offsets, records):
-                out[k] = _message_of(bucket, offset, record)
+            for k, read in zip(indexes, self._read_bucket(bucket, offsets, cached_only)):
+                out[k] = read
         return out
+
+    def _read_bucket(self, bucket: int, offsets: list[int], cached_only: bool) -> list:
+        """`read_messages` of one bucket's `offsets`: the compiled kernel's reading from the page
+        cache where it is built, with the records it leaves to this reference read again here."""
+        schedule_log = self.store.schedule_log
+        target = schedule_log.cached_reader(bucket) if cached_only and _native_read_scheduled is not None else None
+        got = None
+        if target is not None:
+            fd, size = target
+            got = _native_read_scheduled(fd, size, offsets, READ_GUESS_BYTES, bucket, Message, decode_headers)
+        if got is None:
+            records = schedule_log.read_records_at(bucket, offsets, READ_GUESS_BYTES, cached_only=cached_only)
+            return [_message_of(bucket, offset, record) for offset, record in zip(offsets, records)]
+        left = [k for k, read in enumerate(got) if read is False]
+        if left:
+            records = schedule_log.read_records_at(bucket, [offsets[k] for k in left], READ_GUESS_BYTES,
+                                                   cached_only=True)
+            for k, record in zip(left, records):
+                got[k] = _message_of(bucket, offsets[k], record)
+        return got
 
     def disk_reader(self, refs: list[int]):
         """A function for a worker thread that reads the messages of `refs` as `read_messages`

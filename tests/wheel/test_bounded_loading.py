@@ -85,6 +85,7 @@ def evict_every_segment(node, in_thread) -> None:
     and each read the loader then makes in a worker thread first calls `in_thread()` there."""
     log_ = node.store.schedule_log
     log_.read_cached = lambda bucket, start=0, end=None: None
+    log_.cached_reader = lambda bucket: None  # (the compiled reading of due messages, likewise)
     range_reader = log_.range_reader
 
     def reader(bucket, begin, end):

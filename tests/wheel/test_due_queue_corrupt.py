@@ -76,12 +76,18 @@ async def test_records_not_in_the_page_cache_are_read_in_a_worker_thread(tmp_pat
     assert spy.threads and threading.main_thread() not in spy.threads
 
 
+def _evict(node) -> None:
+    """Every page-cache-only read of schedule_log misses, the compiled one's too."""
+    node.store.schedule_log.read_cached = lambda bucket, start=0, end=None: None
+    node.store.schedule_log.cached_reader = lambda bucket: None
+
+
 async def test_a_reset_while_the_disk_is_read_hands_out_nothing(tmp_path):
     node, bucket = _node(tmp_path)
     # Every record misses the cache. (Evicting the segment was not enough: once, in a full-suite
     # run, all five records were found in the page cache after it, so nothing went to the thread
     # this test is about.)
-    node.store.schedule_log.read_cached = lambda bucket, start=0, end=None: None
+    _evict(node)
     disk_reader = node.ticks.disk_reader
 
     def reset_meanwhile(refs):
@@ -99,7 +105,7 @@ async def test_an_unreadable_due_record_is_quarantined_settled_and_skipped(tmp_p
     if evicted:
         # Every record misses the cache (the kernel's readahead after a real miss would bring the
         # damaged one back in memory before it is read, at random): all are read in the thread.
-        node.store.schedule_log.read_cached = lambda bucket, start=0, end=None: None
+        _evict(node)
     quarantined = []
     due = DueQueue(node.ticks, on_corrupt=lambda b, e: quarantined.append((b, e)))
     taken = await due.take(100)
