@@ -25,6 +25,7 @@ from delayserver.native import wheel as native_wheel
 from delayserver.node import receiver as receiver_module
 from delayserver.storage import id_index, time_index
 from delayserver.storage import record as r
+from delayserver.sender.transport import OutboundMessage
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import RecordType as T
 from delayserver.wheel import timingwheel
@@ -38,8 +39,12 @@ def test_the_kernels_know_the_record_format_as_record_py_does():
     f = native_records.FORMAT
     assert (f["HEADER_SIZE"], f["OFFSET_SIZE"], f["MESSAGE_HEAD_SIZE"], f["CANCEL_HEAD_SIZE"], f["TXN_PREFIX_SIZE"]) == (
         r.HEADER_SIZE, r.OFFSET.size, r.MESSAGE_HEAD.size, r.CANCEL_HEAD.size, r._TXN_PREFIX.size)
+    assert (f["SCHEDULED_HEAD_SIZE"], f["DELIVERED_HEAD_SIZE"], f["DISPATCH_HEAD_SIZE"], f["MAX_PAYLOAD_BYTES"]) == (
+        r.SCHEDULED_HEAD.size, r.DELIVERED_HEAD.size, r.DISPATCH_HEAD.size, r.MAX_PAYLOAD_BYTES)
+    from delayserver.storage.bucket_log import SHARED_READ_BYTES
+    assert f["SHARED_READ_BYTES"] == SHARED_READ_BYTES
     for name in ("MESSAGE", "CANCEL", "SCHEDULED", "SCHEDULED_CANCEL", "EPOCH", "PREPARE", "COMMIT", "ROLLBACK",
-                 "TXN_CHECK", "TXN_PARK", "SCHEDULE"):
+                 "TXN_CHECK", "TXN_PARK", "SCHEDULE", "DELIVERED", "DISPATCH"):
         assert f[name] == T[name], name
     # The id length bytes the kernel reads: MESSAGE's at 26, CANCEL's at 24.
     payload = r.encode_message_fields("id-\u00e9", "s.x", b"body", 5, {"k": "v"}, 1)
@@ -592,3 +597,56 @@ def test_due_messages_the_kernel_reads_are_all_the_good_ones():
     assert [(b, o, mlo, m.message_id, len(m.body), m.headers) for b, o, mlo, m in got] == [
         (3, o, starts.index(o), f"m-{starts.index(o)}", starts.index(o) * 300,
          {"k": str(starts.index(o))} if starts.index(o) % 2 else {}) for o in offsets]
+
+
+# --- the spool's DELIVERED records -----------------------------------------------------------------
+
+outbound = st.builds(
+    OutboundMessage,
+    st.sampled_from(["m-1", "\u00e9t\u00e9", "", "x" * 128, "x" * 129]) | ids,
+    st.sampled_from(["s.a", "s|b:%", "bad subject", "x" * 256, "unseen.subject"]),
+    st.binary(max_size=40) | st.sampled_from([bytearray(b"ba"), memoryview(b"mv")]),
+    st.sampled_from([{}, {"k": "v"}, {"": "v"}]),
+    st.integers(-5, 2**48) | st.sampled_from([True, 2**63, 1.5]),
+    st.integers(-(2**63), 2**63 - 1) | st.sampled_from([2**63, "x"]),
+    st.integers(0, 2**32 - 1) | st.sampled_from([-1, 2**32, None]),
+)
+
+
+@SETTINGS
+@given(st.lists(outbound, max_size=8))
+def test_the_spool_records_are_the_reference(messages):
+    from delayserver.message import MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS
+    from delayserver.sender import spool
+    r.encode_message_fields("x", "s.a", b"", 1, {})  # the subjects a node has checked by then
+    r.encode_message_fields("x", "s|b:%", b"", 1, {})
+    got = native_records.delivered_records(messages, r.CHECKED_SUBJECTS, MIN_TIME_MS, MAX_TIME_MS, MAX_ID_BYTES)
+    assert len(got) == len(messages)
+    for m, mine in zip(messages, got):
+        try:
+            theirs = spool._encode(m)
+        except Exception as e:
+            theirs = e
+        if mine is not None:
+            assert mine == theirs
+        elif m.headers == {} and type(m.body) is bytes and m.message_id in ("m-1", "x" * 128) \
+                and m.subject in ("s.a", "s|b:%") and type(m.schedule_time) is int and 0 <= m.schedule_time <= MAX_TIME_MS \
+                and type(m.dispatch_time) is int and -(2**63) <= m.dispatch_time < 2**63 \
+                and type(m.attempt) is int and 0 <= m.attempt < 2**32:
+            raise AssertionError(f"the kernel left an ordinary message to the reference: {m}")
+
+
+@SETTINGS
+@given(st.integers(-(2**63), 2**63 - 1), st.sampled_from(["g", "group-\u00e9", "x" * 255]),
+       st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1) | st.integers(-3, -1)), max_size=6))
+def test_the_dispatch_records_are_the_reference(when, group, offsets):
+    mine = native_records.dispatch_records(when, r._group_bytes(group), offsets)
+    theirs = r._encode_dispatch_records_py(when, group, r._group_bytes(group), offsets)
+    if mine is None:
+        assert any(mlo < 0 for _, mlo in offsets), "an ordinary batch was left to the reference"
+    else:
+        assert mine == theirs
+    assert r.encode_dispatch_records(when, group, offsets) == theirs
+    for rec, (so, mlo) in zip(theirs, offsets):
+        d = r.decode_dispatch(rec, r.HEADER_SIZE)
+        assert (d.schedule_offset, d.dispatch_time, d.broker_group, d.message_log_offset) == (so, when, group, max(mlo, -1))

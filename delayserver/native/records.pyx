@@ -514,3 +514,135 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     finally:
         free(wanted)
         free(buf)
+
+
+# --- the spool's DELIVERED records -----------------------------------------------------------------
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    const char *PyUnicode_AsUTF8AndSize(object o, Py_ssize_t *size) except NULL
+
+cdef enum:
+    T_DELIVERED = 6
+    DELIVERED_HEAD_SIZE = 12  # record.DELIVERED_HEAD: dispatch time i64, attempt u32
+
+FORMAT.update(DELIVERED=T_DELIVERED, DELIVERED_HEAD_SIZE=DELIVERED_HEAD_SIZE)
+
+
+def delivered_records(list messages, dict checked_subjects, int64_t min_time, int64_t max_time,
+                      Py_ssize_t max_id_bytes):
+    """Per OutboundMessage of `messages`, its DELIVERED record as the spool's `_encode` writes it,
+    or None for one it leaves to `_encode` (headers, an id not ASCII, a subject not checked yet,
+    anything out of range or of another type: `_encode` accepts or refuses it itself)."""
+    cdef list out = [None] * len(messages)
+    cdef Py_ssize_t k, idlen, slen, blen, plen
+    cdef const char *mid
+    cdef object m, mid_o, subject, raw_subject, body, headers, sched_o, when_o, attempt_o
+    cdef uint8_t *q
+    cdef int64_t sched, when
+    cdef uint64_t attempt
+    cdef bytes rec
+    cdef uint8_t *p
+    cdef uint8_t type_byte = T_DELIVERED
+    cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
+    for k in range(len(messages)):
+        m = messages[k]
+        if not isinstance(m, tuple) or len(<tuple>m) != 7:
+            continue
+        mid_o, subject, body, headers, sched_o, when_o, attempt_o = <tuple>m
+        if type(mid_o) is not str or not PyUnicode_IS_ASCII(mid_o):
+            continue
+        idlen = PyUnicode_GET_LENGTH(mid_o)
+        if not 1 <= idlen <= max_id_bytes:
+            continue
+        raw_subject = checked_subjects.get(subject) if type(subject) is str else None
+        if type(raw_subject) is not bytes:
+            continue
+        if type(body) is not bytes or type(headers) is not dict or headers:
+            continue
+        if type(sched_o) is not int or type(when_o) is not int or type(attempt_o) is not int:
+            continue
+        try:
+            sched, when, attempt = sched_o, when_o, attempt_o
+        except OverflowError:
+            continue
+        if not min_time <= sched <= max_time or attempt > 0xFFFFFFFF:
+            continue
+        slen = len(<bytes>raw_subject)
+        blen = len(<bytes>body)
+        plen = DELIVERED_HEAD_SIZE + MESSAGE_HEAD_SIZE + idlen + slen + blen
+        if blen > MAX_PAYLOAD_BYTES or plen > MAX_PAYLOAD_BYTES:
+            continue
+        mid = PyUnicode_AsUTF8AndSize(mid_o, NULL)
+        rec = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + plen)
+        p = <uint8_t *><char *>rec
+        q = p + HEADER_SIZE
+        put64(q, <uint64_t>when)
+        put32(q + 8, <uint32_t>attempt)
+        q += DELIVERED_HEAD_SIZE
+        put64(q, 0)                  # store time
+        put64(q + 8, <uint64_t>sched)
+        put64(q + 16, 0)             # sequence
+        q[24] = 0                    # flags
+        q[25] = 0
+        q[26] = <uint8_t>idlen
+        q[27] = <uint8_t>slen
+        put32(q + 28, 0)             # headers
+        put32(q + 32, <uint32_t>blen)
+        q += MESSAGE_HEAD_SIZE
+        memcpy(q, mid, idlen)
+        memcpy(q + idlen, <const char *><bytes>raw_subject, slen)
+        memcpy(q + idlen + slen, <const char *><bytes>body, blen)
+        put32(p, crc32c_update(seed, p + HEADER_SIZE, plen))
+        put32(p + 4, <uint32_t>plen)
+        p[8] = T_DELIVERED
+        out[k] = rec
+    return out
+
+
+# --- dispatch_log records ---------------------------------------------------------------------------
+
+cdef enum:
+    T_DISPATCH = 5
+    DISPATCH_HEAD_SIZE = 17  # record.DISPATCH_HEAD: schedule offset u64, dispatch time i64, group length u8
+
+FORMAT.update(DISPATCH=T_DISPATCH, DISPATCH_HEAD_SIZE=DISPATCH_HEAD_SIZE)
+
+
+def dispatch_records(int64_t dispatch_time, bytes group, list offsets):
+    """`record.encode_dispatch_records(dispatch_time, group.decode(), offsets)` for `group` (the
+    broker group's name as `_group_bytes` gives it), or None for what it leaves to it: a
+    message_log offset below zero (a record without one), anything out of range or of another
+    type."""
+    cdef Py_ssize_t glen = len(group), plen = DISPATCH_HEAD_SIZE + glen + OFFSET_SIZE
+    cdef list out = []
+    cdef uint64_t schedule_offset, message_log_offset
+    cdef bytes rec
+    cdef uint8_t *p
+    cdef uint8_t type_byte = T_DISPATCH
+    cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
+    if not 1 <= glen <= 255:
+        return None
+    for item in offsets:
+        if type(item) is not tuple or len(<tuple>item) != 2:
+            return None
+        so, mlo = <tuple>item
+        if type(so) is not int or type(mlo) is not int:
+            return None
+        try:
+            schedule_offset, message_log_offset = so, mlo
+        except OverflowError:
+            return None  # a negative message_log offset among them
+        rec = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + plen)
+        p = <uint8_t *><char *>rec
+        put32(p + 4, <uint32_t>plen)
+        p[8] = T_DISPATCH
+        put64(p + HEADER_SIZE, schedule_offset)
+        put64(p + HEADER_SIZE + 8, <uint64_t>dispatch_time)
+        p[HEADER_SIZE + 16] = <uint8_t>glen
+        memcpy(p + HEADER_SIZE + DISPATCH_HEAD_SIZE, <const char *>group, glen)
+        put64(p + HEADER_SIZE + DISPATCH_HEAD_SIZE + glen, message_log_offset)
+        put32(p, crc32c_update(seed, p + HEADER_SIZE, plen))
+        out.append(rec)
+    return out

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 import attrs
 import trio
 
-from delayserver.message import SUBJECT_RE, InvalidMessage
+from delayserver.message import MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS, SUBJECT_RE, InvalidMessage
 from delayserver.sender.transport import (
     ACKED, TRANSPORT_THREADS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names,
 )
@@ -44,10 +44,15 @@ from delayserver import failpoints
 from delayserver.storage.errors import StorageError
 from delayserver.storage.reader import Damage, read_file_records
 from delayserver.storage.record import (
-    HEADER_SIZE, MAX_PAYLOAD_BYTES, Message, RecordError, RecordType, decode_delivered, encode_delivered,
-    encode_message, encode_record,
+    CHECKED_SUBJECTS, HEADER_SIZE, MAX_PAYLOAD_BYTES, Message, RecordError, RecordType, decode_delivered,
+    encode_delivered, encode_message, encode_record,
 )
 from delayserver.storage.segment import fsync_dir, fsync_fd, note_io_error
+
+try:  # the compiled kernel (delayserver/native/records.pyx), when built
+    from delayserver.native.records import delivered_records as _native_delivered_records
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _native_delivered_records = None
 
 log = logging.getLogger("delayserver.sender.spool")
 
@@ -234,6 +239,14 @@ def _truncate_torn_tail(fd: int, path: Path) -> None:
         fsync_fd(fd, path)
 
 
+def _encode_batch(batch: list[OutboundMessage]) -> list:
+    """Per message of `batch`, its DELIVERED record from the compiled kernel, or None where it
+    leaves the message to `_encode` (or is not built)."""
+    if _native_delivered_records is None:
+        return [None] * len(batch)
+    return _native_delivered_records(batch, CHECKED_SUBJECTS, MIN_TIME_MS, MAX_TIME_MS, MAX_ID_BYTES)
+
+
 def _encode(m: OutboundMessage) -> bytes:
     """The DELIVERED record of `m`; raises an InvalidMessage subtype for a message out of limits."""
     message = Message(m.message_id, m.subject, m.body, m.schedule_time, m.headers)
@@ -304,9 +317,9 @@ class SpoolTransport(Transport):
             return [DeliveryResult(Outcome.REJECTED, str(e))] * len(batch)
         results: list[DeliveryResult] = []
         records = []
-        for m in batch:
+        for m, record in zip(batch, _encode_batch(batch)):
             try:
-                records.append(_encode(m))
+                records.append(_encode(m) if record is None else record)
                 results.append(ACKED)
             except InvalidMessage as e:
                 results.append(DeliveryResult(Outcome.REJECTED, str(e)))

@@ -67,6 +67,10 @@ try:  # the compiled framing (delayserver/native/records.pyx), when the install 
     from delayserver.native.records import add_sequenced_records as _native_add_sequenced_records
 except ImportError:
     _native_add_sequenced_records = None
+try:
+    from delayserver.native.records import dispatch_records as _native_dispatch_records
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _native_dispatch_records = None
 
 HEADER = struct.Struct(">IIB")
 HEADER_SIZE = HEADER.size
@@ -564,6 +568,17 @@ def encode_dispatch_records(dispatch_time: int, broker_group: str, offsets) -> l
     `encode_record(DISPATCH, encode_dispatch(...))`, with one struct for the batch's fixed part
     (the sender's path: one per delivered message)."""
     group = _group_bytes(broker_group)
+    if _native_dispatch_records is not None and type(offsets) is list and type(dispatch_time) is int \
+            and -(2**63) <= dispatch_time < 2**63:
+        records = _native_dispatch_records(dispatch_time, group, offsets)
+        if records is not None:
+            return records
+    return _encode_dispatch_records_py(dispatch_time, broker_group, group, offsets)
+
+
+def _encode_dispatch_records_py(dispatch_time: int, broker_group: str, group: bytes, offsets) -> list[bytes]:
+    """`encode_dispatch_records` in Python: the reference of the compiled kernel
+    (delayserver/native/records.pyx `dispatch_records`), and what runs where it is not built."""
     whole = struct.Struct(f">QqB{len(group)}sQ")  # DISPATCH_HEAD, the group, OFFSET
     pack, crc, seed, header = whole.pack, _crc32c.crc32c, _TYPE_CRC[RecordType.DISPATCH], HEADER.pack
     records = []
