@@ -383,9 +383,10 @@ class Sender:
                 self._retry_later(d, backoff_ms(d.attempt))
             return
         now = self.clock.now_ms()  # wall clock: the dispatch time the message carries
+        # As OutboundMessage(...) makes each, without the named tuple's Python-level constructor.
+        new, cls = tuple.__new__, OutboundMessage
         out = [
-            OutboundMessage(d.message.message_id, d.message.subject, d.message.body, d.message.headers,
-                            d.message.schedule_time, now, d.attempt)
+            new(cls, ((m := d.message).message_id, m.subject, m.body, m.headers, m.schedule_time, now, d.attempt))
             for d in batch
         ]
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0

@@ -229,6 +229,11 @@ class TickManager:
         if keyed.get(key, -1) < offset:
             keyed[key] = offset
 
+    def cancels_in(self, bucket: int) -> int:
+        """How many cancels of `bucket` are in memory (none: none of its messages is cancelled)."""
+        cancels = self.cancels.get(bucket)
+        return len(cancels) if cancels is not None else 0
+
     def is_cancelled(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> bool:
         """Whether a cancel of this (schedule_time, id) follows `offset` in the bucket's segment;
         exact for every message in memory (its bucket's cancels are all loaded or replayed)."""
