@@ -319,6 +319,7 @@ cdef enum:
     SCHEDULED_HEAD_SIZE = 44       # record.SCHEDULED_HEAD: OFFSET + MESSAGE_HEAD
     SHARED_READ_BYTES = 1 << 16    # bucket_log.SHARED_READ_BYTES
     MAX_PAYLOAD_BYTES = 64 << 20   # record.MAX_PAYLOAD_BYTES
+    FIRST_READ_BYTES = 512         # the least a record read on its own reads first
 
 FORMAT.update(SCHEDULED_HEAD_SIZE=SCHEDULED_HEAD_SIZE, SHARED_READ_BYTES=SHARED_READ_BYTES,
               MAX_PAYLOAD_BYTES=MAX_PAYLOAD_BYTES)
@@ -409,7 +410,8 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     error the reference must meet (a read the file system refuses, an offset that is not one).
 
     As `BucketLog.read_records_at`: offsets near each other share one read of at most
-    SHARED_READ_BYTES; a record it does not hold whole is read on its own, `guess` bytes first."""
+    SHARED_READ_BYTES; a record it does not hold whole is read on its own (a first read of the
+    biggest record's size so far, FIRST_READ_BYTES up to `guess`, then the whole record)."""
     cdef Py_ssize_t n = len(offsets), i, j, k, cap
     cdef Wanted *wanted = NULL
     cdef uint8_t *buf = NULL
@@ -418,6 +420,7 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     cdef int64_t first, last, off, end, run_end, at, rsize
     cdef int got
     cdef bint shared
+    cdef Py_ssize_t single = min(guess, FIRST_READ_BYTES)
     cdef uint8_t type_byte = T_SCHEDULED
     cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
     cdef list out = [None] * n
@@ -476,8 +479,11 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
                             out[wanted[k].index] = due_message(buf + at, rsize, seed, bucket, item, message_type,
                                                                decode_headers)
                             continue
-                # On its own, as `_record_at`: `guess` bytes, then the whole record if bigger.
-                end = min(off + guess, size)
+                # On its own, as `_record_at`: a first read, then the whole record if bigger. The
+                # first read is not all of `guess` (most records are far smaller: a page copied
+                # per record cost a quarter of the kernel's time) but the size of the biggest
+                # record read so far, from FIRST_READ_BYTES up.
+                end = min(off + single, size)
                 if end - off < HEADER_SIZE:
                     out[wanted[k].index] = False
                     continue
@@ -490,6 +496,8 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
                     out[wanted[k].index] = False
                     continue
                 rsize = HEADER_SIZE + <int64_t>be32(one + 4)
+                if rsize > single:
+                    single = min(guess, (rsize + FIRST_READ_BYTES - 1) // FIRST_READ_BYTES * FIRST_READ_BYTES)
                 rec = one
                 if rsize > end - off:
                     if off + rsize > size:
