@@ -15,8 +15,11 @@ walk does the pass, raising what it raises.
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.errno cimport EAGAIN, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy
+from posix.types cimport off_t
 from delayserver.native.endian cimport be16, be32, be64, put32, put64
 
 cdef extern from "crc32c.h":
@@ -31,6 +34,10 @@ cdef enum:
     MESSAGE_HEAD_SIZE = 36  # record.MESSAGE_HEAD
     CANCEL_HEAD_SIZE = 25   # record.CANCEL_HEAD
     TXN_PREFIX_SIZE = 24    # record._TXN_PREFIX
+    SCHEDULED_HEAD_SIZE = 44  # record.SCHEDULED_HEAD: OFFSET + MESSAGE_HEAD
+    DELIVERED_HEAD_SIZE = 12  # record.DELIVERED_HEAD: dispatch time i64, attempt u32
+    DISPATCH_HEAD_SIZE = 17   # record.DISPATCH_HEAD: schedule offset u64, dispatch time i64, group length u8
+    MAX_PAYLOAD_BYTES = 64 << 20  # record.MAX_PAYLOAD_BYTES
 
 # Record types, as record.RecordType numbers them (the tests compare FORMAT with it).
 cdef enum:
@@ -38,6 +45,8 @@ cdef enum:
     T_CANCEL = 2
     T_SCHEDULED = 3
     T_SCHEDULED_CANCEL = 4
+    T_DISPATCH = 5
+    T_DELIVERED = 6
     T_EPOCH = 12
     T_PREPARE = 16
     T_COMMIT = 17
@@ -46,12 +55,32 @@ cdef enum:
     T_TXN_PARK = 20
     T_SCHEDULE = 24
 
+cdef enum:
+    SHARED_READ_BYTES = 1 << 16  # bucket_log.SHARED_READ_BYTES: the most one read of neighbours takes
+    FIRST_READ_BYTES = 512       # the least a record read on its own reads first
+
 #: What the format constants above stand for, for the tests to compare with record.py.
 FORMAT = dict(HEADER_SIZE=HEADER_SIZE, OFFSET_SIZE=OFFSET_SIZE, MESSAGE_HEAD_SIZE=MESSAGE_HEAD_SIZE,
               CANCEL_HEAD_SIZE=CANCEL_HEAD_SIZE, TXN_PREFIX_SIZE=TXN_PREFIX_SIZE, MESSAGE=T_MESSAGE,
               CANCEL=T_CANCEL, SCHEDULED=T_SCHEDULED, SCHEDULED_CANCEL=T_SCHEDULED_CANCEL, EPOCH=T_EPOCH,
               PREPARE=T_PREPARE, COMMIT=T_COMMIT, ROLLBACK=T_ROLLBACK, TXN_CHECK=T_TXN_CHECK,
-              TXN_PARK=T_TXN_PARK, SCHEDULE=T_SCHEDULE)
+              TXN_PARK=T_TXN_PARK, SCHEDULE=T_SCHEDULE, DISPATCH=T_DISPATCH, DELIVERED=T_DELIVERED,
+              SCHEDULED_HEAD_SIZE=SCHEDULED_HEAD_SIZE, DELIVERED_HEAD_SIZE=DELIVERED_HEAD_SIZE,
+              DISPATCH_HEAD_SIZE=DISPATCH_HEAD_SIZE, MAX_PAYLOAD_BYTES=MAX_PAYLOAD_BYTES,
+              SHARED_READ_BYTES=SHARED_READ_BYTES)
+
+
+cdef inline uint32_t type_seed(uint8_t rtype) noexcept:
+    """The crc32c a record's checksum starts from: its type byte's (record._TYPE_CRC)."""
+    return crc32c_update(0, &rtype, 1)
+
+
+cdef inline void put_header(uint8_t *p, uint8_t rtype, uint32_t seed, const uint8_t *payload,
+                            uint32_t length) noexcept:
+    """The record header at `p` (crc, length, type) of the `length` bytes at `payload`."""
+    put32(p, crc32c_update(seed, payload, length))
+    put32(p + 4, length)
+    p[8] = rtype
 
 
 cdef inline bint is_transactional(int rtype) noexcept nogil:
@@ -72,7 +101,6 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     cdef int64_t sched, bucket, last_bucket = 0, m
     cdef uint64_t seq
     cdef Py_ssize_t changes = 0, start = 0
-    cdef uint8_t type_byte
     cdef bytearray arr = None
     cdef list bucket_ids = None
     cdef uint8_t *out
@@ -83,10 +111,8 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     notes = []
     txn_notes = []
     followed = []
-    type_byte = T_SCHEDULED
-    seed_scheduled = crc32c_update(0, &type_byte, 1)
-    type_byte = T_SCHEDULED_CANCEL
-    seed_cancel = crc32c_update(0, &type_byte, 1)
+    seed_scheduled = type_seed(T_SCHEDULED)
+    seed_cancel = type_seed(T_SCHEDULED_CANCEL)
     while pos + HEADER_SIZE <= n:
         length = be32(buf + pos + 4)
         rtype = buf[pos + 8]
@@ -204,7 +230,6 @@ def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequenc
     reference: a type message_log does not hold, a payload that is not a bytearray of a whole
     head, sequences past 2**64."""
     cdef Py_ssize_t count = len(payloads), n, size
-    cdef uint8_t type_byte = <uint8_t>rtype
     cdef uint32_t seed
     cdef uint8_t *p
     cdef uint8_t *h
@@ -217,7 +242,7 @@ def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequenc
     for payload in payloads:
         if type(payload) is not bytearray or not TXN_PREFIX_SIZE <= PyByteArray_GET_SIZE(payload) <= 0xFFFFFFFF:
             return None
-    seed = crc32c_update(0, &type_byte, 1)
+    seed = type_seed(<uint8_t>rtype)
     size = HEADER_SIZE * count
     for payload in payloads:
         p = <uint8_t *>PyByteArray_AS_STRING(payload)
@@ -226,9 +251,7 @@ def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequenc
         sequence += 1
         header = PyBytes_FromStringAndSize(NULL, HEADER_SIZE)
         h = <uint8_t *><char *>header
-        put32(h, crc32c_update(seed, p, n))
-        put32(h + 4, <uint32_t>n)
-        h[8] = type_byte
+        put_header(h, <uint8_t>rtype, seed, p, <uint32_t>n)
         parts.append(header)
         parts.append(payload)
         size += n
@@ -302,27 +325,12 @@ def time_keys(list ids, Py_ssize_t pos, int64_t scale):
 
 # --- reading due messages -------------------------------------------------------------------------
 
-from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
-from cpython.ref cimport Py_INCREF
-from libc.errno cimport errno, EAGAIN
-from libc.stdlib cimport free, malloc, qsort
-from posix.types cimport off_t
-
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
         void *iov_base
         size_t iov_len
     ssize_t preadv2(int fd, const iovec *iov, int iovcnt, off_t offset, int flags)
     int RWF_NOWAIT
-
-cdef enum:
-    SCHEDULED_HEAD_SIZE = 44       # record.SCHEDULED_HEAD: OFFSET + MESSAGE_HEAD
-    SHARED_READ_BYTES = 1 << 16    # bucket_log.SHARED_READ_BYTES
-    MAX_PAYLOAD_BYTES = 64 << 20   # record.MAX_PAYLOAD_BYTES
-    FIRST_READ_BYTES = 512         # the least a record read on its own reads first
-
-FORMAT.update(SCHEDULED_HEAD_SIZE=SCHEDULED_HEAD_SIZE, SHARED_READ_BYTES=SHARED_READ_BYTES,
-              MAX_PAYLOAD_BYTES=MAX_PAYLOAD_BYTES)
 
 cdef struct Wanted:
     int64_t offset
@@ -421,8 +429,7 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     cdef int got
     cdef bint shared
     cdef Py_ssize_t single = min(guess, FIRST_READ_BYTES)
-    cdef uint8_t type_byte = T_SCHEDULED
-    cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
+    cdef uint32_t seed = type_seed(T_SCHEDULED)
     cdef list out = [None] * n
     if guess < HEADER_SIZE or size < 0:
         return None
@@ -531,12 +538,6 @@ cdef extern from "Python.h":
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
     const char *PyUnicode_AsUTF8AndSize(object o, Py_ssize_t *size) except NULL
 
-cdef enum:
-    T_DELIVERED = 6
-    DELIVERED_HEAD_SIZE = 12  # record.DELIVERED_HEAD: dispatch time i64, attempt u32
-
-FORMAT.update(DELIVERED=T_DELIVERED, DELIVERED_HEAD_SIZE=DELIVERED_HEAD_SIZE)
-
 
 def delivered_records(list messages, dict checked_subjects, int64_t min_time, int64_t max_time,
                       Py_ssize_t max_id_bytes):
@@ -552,8 +553,7 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
     cdef uint64_t attempt
     cdef bytes rec
     cdef uint8_t *p
-    cdef uint8_t type_byte = T_DELIVERED
-    cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
+    cdef uint32_t seed = type_seed(T_DELIVERED)
     for k in range(len(messages)):
         m = messages[k]
         if not isinstance(m, tuple) or len(<tuple>m) != 7:
@@ -602,20 +602,12 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
         memcpy(q, mid, idlen)
         memcpy(q + idlen, <const char *><bytes>raw_subject, slen)
         memcpy(q + idlen + slen, <const char *><bytes>body, blen)
-        put32(p, crc32c_update(seed, p + HEADER_SIZE, plen))
-        put32(p + 4, <uint32_t>plen)
-        p[8] = T_DELIVERED
+        put_header(p, T_DELIVERED, seed, p + HEADER_SIZE, <uint32_t>plen)
         out[k] = rec
     return out
 
 
 # --- dispatch_log records ---------------------------------------------------------------------------
-
-cdef enum:
-    T_DISPATCH = 5
-    DISPATCH_HEAD_SIZE = 17  # record.DISPATCH_HEAD: schedule offset u64, dispatch time i64, group length u8
-
-FORMAT.update(DISPATCH=T_DISPATCH, DISPATCH_HEAD_SIZE=DISPATCH_HEAD_SIZE)
 
 
 def dispatch_records(int64_t dispatch_time, bytes group, list offsets):
@@ -628,8 +620,7 @@ def dispatch_records(int64_t dispatch_time, bytes group, list offsets):
     cdef uint64_t schedule_offset, message_log_offset
     cdef bytes rec
     cdef uint8_t *p
-    cdef uint8_t type_byte = T_DISPATCH
-    cdef uint32_t seed = crc32c_update(0, &type_byte, 1)
+    cdef uint32_t seed = type_seed(T_DISPATCH)
     if not 1 <= glen <= 255:
         return None
     for item in offsets:
@@ -644,13 +635,11 @@ def dispatch_records(int64_t dispatch_time, bytes group, list offsets):
             return None  # a negative message_log offset among them
         rec = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + plen)
         p = <uint8_t *><char *>rec
-        put32(p + 4, <uint32_t>plen)
-        p[8] = T_DISPATCH
         put64(p + HEADER_SIZE, schedule_offset)
         put64(p + HEADER_SIZE + 8, <uint64_t>dispatch_time)
         p[HEADER_SIZE + 16] = <uint8_t>glen
         memcpy(p + HEADER_SIZE + DISPATCH_HEAD_SIZE, <const char *>group, glen)
         put64(p + HEADER_SIZE + DISPATCH_HEAD_SIZE + glen, message_log_offset)
-        put32(p, crc32c_update(seed, p + HEADER_SIZE, plen))
+        put_header(p, T_DISPATCH, seed, p + HEADER_SIZE, <uint32_t>plen)
         out.append(rec)
     return out
