@@ -105,19 +105,16 @@ class DueQueue:
                     read = self._read(ref)
                 reads[ref] = read
         out = []
-        # `is_cancelled` and `hold_if_moving`, asked only of a bucket with cancels in memory and
-        # while messages are being moved (once per delivered message).
-        cancels_in, moving = ticks.cancels_in, ticks.moving
         for ref in refs:
             read = reads[ref]
             if read is None:
                 continue
             bucket, offset, mlo, message = read
-            if cancels_in(bucket) and ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
+            if ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
                 ticks.drop_cancelled(ref)
                 self.cancelled += 1
                 continue
-            if moving and ticks.hold_if_moving(ref, message.schedule_time, message.message_id):
+            if ticks.hold_if_moving(ref, message.schedule_time, message.message_id):
                 continue
             out.append(Due(ref, bucket, offset, message, generation, message_log_offset=mlo))
         return out

@@ -229,11 +229,6 @@ class TickManager:
         if keyed.get(key, -1) < offset:
             keyed[key] = offset
 
-    def cancels_in(self, bucket: int) -> int:
-        """How many cancels of `bucket` are in memory (none: none of its messages is cancelled)."""
-        cancels = self.cancels.get(bucket)
-        return len(cancels) if cancels is not None else 0
-
     def is_cancelled(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> bool:
         """Whether a cancel of this (schedule_time, id) follows `offset` in the bucket's segment;
         exact for every message in memory (its bucket's cancels are all loaded or replayed)."""
@@ -533,20 +528,20 @@ class TickManager:
 
     def _read_bucket(self, bucket: int, offsets: list[int], cached_only: bool) -> list:
         """`read_messages` of one bucket's `offsets`: the compiled kernel's reading from the page
-        cache where it is built, with the records it leaves to this reference read again here."""
+        cache where it is built, and this reference for the records it leaves (False) or all of
+        them."""
         schedule_log = self.store.schedule_log
-        target = schedule_log.cached_reader(bucket) if cached_only and _native_read_scheduled is not None else None
         got = None
+        target = schedule_log.cached_reader(bucket) if cached_only and _native_read_scheduled is not None else None
         if target is not None:
             fd, size = target
             got = _native_read_scheduled(fd, size, offsets, READ_GUESS_BYTES, bucket, Message, decode_headers)
         if got is None:
-            records = schedule_log.read_records_at(bucket, offsets, READ_GUESS_BYTES, cached_only=cached_only)
-            return [_message_of(bucket, offset, record) for offset, record in zip(offsets, records)]
+            got = [False] * len(offsets)
         left = [k for k, read in enumerate(got) if read is False]
         if left:
             records = schedule_log.read_records_at(bucket, [offsets[k] for k in left], READ_GUESS_BYTES,
-                                                   cached_only=True)
+                                                   cached_only=cached_only)
             for k, record in zip(left, records):
                 got[k] = _message_of(bucket, offsets[k], record)
         return got
