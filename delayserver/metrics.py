@@ -193,6 +193,11 @@ class _NodeCollector(Collector):
         yield _counter("delayserver_due_disk_reads_total",
                        "Due records read from disk in a worker thread (not in the page cache).",
                        sender.due.disk_reads)
+        yield _counter("delayserver_due_read_ahead_total",
+                       "Due records decoded from what a worker thread read ahead (no read at delivery).",
+                       ticks.ahead.hits)
+        yield _gauge("delayserver_read_ahead_bytes", "Bytes of records read ahead, waiting to fall due.",
+                     ticks.ahead.held_bytes)
         yield _counter("delayserver_dispatch_log_fsyncs_total",
                        "fsyncs of dispatch_log, each covering every batch acknowledged while the one before ran.",
                        sender.dispatch_fsyncs)

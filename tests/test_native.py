@@ -28,7 +28,7 @@ from delayserver.storage import record as r
 from delayserver.sender.transport import OutboundMessage
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import RecordType as T
-from delayserver.wheel import timingwheel
+from delayserver.wheel import read_ahead, timingwheel
 from delayserver.wheel.timingwheel import TimingWheel
 
 SETTINGS = settings(max_examples=300, deadline=None)
@@ -597,6 +597,83 @@ def test_due_messages_the_kernel_reads_are_all_the_good_ones():
     assert [(b, o, mlo, m.message_id, len(m.body), m.headers) for b, o, mlo, m in got] == [
         (3, o, starts.index(o), f"m-{starts.index(o)}", starts.index(o) * 300,
          {"k": str(starts.index(o))} if starts.index(o) % 2 else {}) for o in offsets]
+
+
+def written(tmp_path_factory, body: bytes) -> int:
+    """A read-only descriptor of a file holding `body` (closed by the caller)."""
+    path = tmp_path_factory.mktemp("seg") / "bucket.log"
+    path.write_bytes(body)
+    return os.open(path, os.O_RDONLY)
+
+
+@SETTINGS
+@given(schedule_segments(), st.data(), st.sampled_from([9, 16, 100, 512]), st.sampled_from([9, 100, 600, 65536]))
+def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_read, max_record):
+    body, starts = segment
+    offsets = data.draw(st.lists(st.sampled_from(starts), max_size=16) if starts else st.just([]))
+    offsets += data.draw(st.lists(st.integers(0, len(body) + 50), max_size=3))
+    offsets = data.draw(st.permutations(offsets))
+    size = data.draw(st.sampled_from([len(body), max(0, len(body) - 30)]))  # a segment shorter than its file
+    fd = written(tmp_path_factory, body)
+    try:
+        got = native_records.read_ahead(fd, size, offsets, first_read, max_record)
+        expected = read_ahead._read_ahead_py(fd, size, offsets, first_read, max_record)
+    finally:
+        os.close(fd)
+    assert got == expected
+    for offset, raw in zip(offsets, got):  # what it holds is the record, as the file holds it
+        assert raw is None or (raw == body[offset:offset + len(raw)]
+                               and len(raw) == r.HEADER_SIZE + int.from_bytes(raw[4:8], "big") <= max_record)
+    if starts and max_record == 65536:  # every record that fits is read
+        for offset, raw in zip(offsets, got):
+            if offset in starts and offset + r.HEADER_SIZE <= size:
+                length = r.HEADER_SIZE + int.from_bytes(body[offset + 4:offset + 8], "big")
+                assert (raw is not None) == (offset + length <= size and length <= max_record), offset
+
+
+@SETTINGS
+@given(schedule_segments(), st.data())
+def test_due_messages_read_ahead_are_decoded_as_the_file_is_read(tmp_path_factory, segment, data):
+    """`read_scheduled` given what `read_ahead` read (or garbage in its place) answers what it
+    answers reading the file; and it decodes what was read ahead without reading the file."""
+    body, starts = segment
+    offsets = data.draw(st.lists(st.sampled_from(starts), max_size=16) if starts else st.just([]))
+    offsets += data.draw(st.lists(st.integers(0, len(body) + 50), max_size=3))
+    offsets = data.draw(st.permutations(offsets))
+    fd = written(tmp_path_factory, body)
+    empty = written(tmp_path_factory, b"")
+    try:
+        ahead = native_records.read_ahead(fd, len(body), offsets, 512, 65536)
+        # Garbage in places: a byte changed, bytes cut short, not bytes.
+        mixed = [data.draw(st.sampled_from(["as read", "byte", "short", "not bytes"])) for _ in offsets]
+        for k, how in enumerate(mixed):
+            raw = ahead[k]
+            if raw is None or how == "as read":
+                continue
+            if how == "byte":
+                at = data.draw(st.integers(0, len(raw) - 1))
+                ahead[k] = raw[:at] + bytes([raw[at] ^ 0x5A]) + raw[at + 1:]
+            elif how == "short":
+                ahead[k] = raw[:-1]
+            else:
+                ahead[k] = bytearray(raw)
+        from_file = native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, r.decode_headers)
+        with_ahead = native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, r.decode_headers,
+                                                   ahead)
+        from_memory = native_records.read_scheduled(empty, len(body), offsets, 4096, 7, r.Message,
+                                                    r.decode_headers, ahead)
+    finally:
+        os.close(fd)
+        os.close(empty)
+    for k, offset in enumerate(offsets):
+        assert with_ahead[k] == from_file[k], offset
+    sound = [k for k, raw in enumerate(ahead) if type(raw) is bytes and mixed[k] == "as read"
+             and from_file[k] not in (None, False)]
+    for k in sound:  # decoded from memory: the other descriptor has nothing to read
+        assert from_memory[k] == from_file[k], offsets[k]
+    assert len(native_records.read_scheduled(empty, 0, [], 4096, 7, r.Message, r.decode_headers, [])) == 0
+    assert native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, r.decode_headers,
+                                         ahead + [None]) is None  # not one per offset: left to the reference
 
 
 # --- the spool's DELIVERED records -----------------------------------------------------------------

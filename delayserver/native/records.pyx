@@ -13,11 +13,12 @@ know, a head too short, a cancel whose id is not UTF-8) makes it hand back None,
 walk does the pass, raising what it raises.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.errno cimport EAGAIN, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, qsort
+from libc.errno cimport EINTR
+from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy
 from posix.types cimport off_t
 from delayserver.native.endian cimport be16, be32, be64, put32, put64
@@ -409,7 +410,7 @@ cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, obje
 
 
 def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object bucket, object message_type,
-                   object decode_headers):
+                   object decode_headers, list ahead=None):
     """The due messages at `offsets` of one schedule_log segment (`fd`, `size` bytes long), read
     from the page cache only: per offset what `TickManager.read_messages(..., cached_only=True)`
     answers for it, (bucket, offset, message_log offset, Message) or None (not all in the page
@@ -419,8 +420,12 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
 
     As `BucketLog.read_records_at`: offsets near each other share one read of at most
     SHARED_READ_BYTES; a record it does not hold whole is read on its own (a first read of the
-    biggest record's size so far, FIRST_READ_BYTES up to `guess`, then the whole record)."""
-    cdef Py_ssize_t n = len(offsets), i, j, k, cap
+    biggest record's size so far, FIRST_READ_BYTES up to `guess`, then the whole record).
+
+    `ahead`, when given, holds per offset the bytes `read_ahead` read of it in a worker thread, or
+    None: a record held there whole and sound is decoded from them, without a read; anything else
+    is read from the file (so that damage is met, and reported, where it is)."""
+    cdef Py_ssize_t total = len(offsets), n = 0, i, j, k, cap
     cdef Wanted *wanted = NULL
     cdef uint8_t *buf = NULL
     cdef uint8_t *one
@@ -430,12 +435,13 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     cdef bint shared
     cdef Py_ssize_t single = min(guess, FIRST_READ_BYTES)
     cdef uint32_t seed = type_seed(T_SCHEDULED)
-    cdef list out = [None] * n
-    if guess < HEADER_SIZE or size < 0:
+    cdef list out = [None] * total
+    cdef object held
+    if guess < HEADER_SIZE or size < 0 or (ahead is not None and len(ahead) != total):
         return None
-    if n == 0:
+    if total == 0:
         return out
-    wanted = <Wanted *>malloc(n * sizeof(Wanted))
+    wanted = <Wanted *>malloc(total * sizeof(Wanted))
     # A run's shared read, then (not to overwrite it) room for the read of one record.
     cap = SHARED_READ_BYTES + guess
     buf = <uint8_t *>malloc(cap + guess)
@@ -443,17 +449,26 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     try:
         if wanted == NULL or buf == NULL:
             raise MemoryError()
-        for k in range(n):
+        for k in range(total):  # the records to read: those `ahead` does not hold
             item = offsets[k]
             if type(item) is not int:
                 return None
             try:
-                wanted[k].offset = item
+                wanted[n].offset = item
             except OverflowError:
                 return None
-            if wanted[k].offset < 0:
+            if wanted[n].offset < 0:
                 return None
-            wanted[k].index = k
+            if ahead is not None:
+                held = ahead[k]
+                if type(held) is bytes:
+                    got_ahead = due_message(<const uint8_t *>PyBytes_AS_STRING(held), PyBytes_GET_SIZE(held), seed,
+                                            bucket, item, message_type, decode_headers)
+                    if got_ahead is not False:
+                        out[k] = got_ahead
+                        continue
+            wanted[n].index = k
+            n += 1
         qsort(wanted, n, sizeof(Wanted), by_offset)
         i = 0
         while i < n:
@@ -529,6 +544,141 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
     finally:
         free(wanted)
         free(buf)
+
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t pread(int fd, void *buf, size_t count, off_t offset)
+
+
+cdef int64_t read_fully(int fd, uint8_t *into, int64_t start, int64_t end) noexcept nogil:
+    """pread of [start, end) until all of it, the end of the file (fewer bytes), or an error (-1)."""
+    cdef int64_t done = 0
+    cdef ssize_t n
+    while start + done < end:
+        n = pread(fd, into + done, <size_t>(end - start - done), <off_t>(start + done))
+        if n < 0:
+            if errno == EINTR:
+                continue
+            return -1
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+cdef struct Ahead:
+    int64_t offset
+    Py_ssize_t index
+    int64_t at       # where its bytes start in the slab, or -1
+    int64_t length   # its length (header included); 0: none
+    uint8_t *own     # its own buffer (a record bigger than the first read), or NULL
+
+
+cdef int ahead_by_offset(const void *a, const void *b) noexcept nogil:
+    cdef const Ahead *x = <const Ahead *>a
+    cdef const Ahead *y = <const Ahead *>b
+    if x.offset != y.offset:
+        return -1 if x.offset < y.offset else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record):
+    """Per offset of `offsets` (one schedule_log segment: `fd`, `size` bytes), the bytes of the
+    record there, header included, as the file holds them (not checked: `read_scheduled` checks
+    what it decodes), or None: a length that runs past `size` or over `max_record` bytes, a read
+    the file system refuses. `_read_ahead_py` in delayserver/wheel/read_ahead.py is the reference.
+
+    For a worker thread reading what falls due soon: the reads may wait for the disk, and all of
+    them run with the interpreter's lock released (one release per call, not per read: a thread
+    that takes the lock back after each read waits for the event loop each time). Neighbours share
+    a read of at most SHARED_READ_BYTES; each record is read first at `first_read` bytes, then
+    whole when it is bigger. None for the whole call on input that is not offsets."""
+    cdef Py_ssize_t n = len(offsets), i, j, k
+    cdef Ahead *want = NULL
+    cdef uint8_t *slab = NULL
+    cdef int64_t slab_size = 0, used, first, last, run_end, got, at, rsize, off
+    cdef list out = [None] * n
+    if first_read < HEADER_SIZE or size < 0 or max_record < HEADER_SIZE:
+        return None
+    if n == 0:
+        return out
+    want = <Ahead *>calloc(n, sizeof(Ahead))  # every `own` NULL, whatever returns early
+    if want == NULL:
+        raise MemoryError()
+    try:
+        for k in range(n):
+            item = offsets[k]
+            if type(item) is not int:
+                return None
+            try:
+                want[k].offset = item
+            except OverflowError:
+                return None
+            if want[k].offset < 0:
+                return None
+            want[k].index = k
+        qsort(want, n, sizeof(Ahead), ahead_by_offset)
+        # The runs of neighbours, and the slab that holds all of their reads.
+        i = 0
+        while i < n:
+            first = last = want[i].offset
+            j = i + 1
+            while j < n and want[j].offset - last <= first_read and want[j].offset + first_read - first <= SHARED_READ_BYTES:
+                last = want[j].offset
+                j += 1
+            slab_size += max(0, min(last + first_read, size) - first)
+            i = j
+        slab = <uint8_t *>malloc(max(slab_size, 1))
+        if slab == NULL:
+            raise MemoryError()
+        with nogil:
+            used = 0
+            i = 0
+            while i < n:
+                first = last = want[i].offset
+                j = i + 1
+                while j < n and want[j].offset - last <= first_read and want[j].offset + first_read - first <= SHARED_READ_BYTES:
+                    last = want[j].offset
+                    j += 1
+                run_end = min(last + first_read, size)
+                got = read_fully(fd, slab + used, first, run_end) if run_end > first else 0
+                if got > 0:
+                    for k in range(i, j):
+                        off = want[k].offset
+                        at = off - first
+                        if at + HEADER_SIZE > got:
+                            continue
+                        rsize = HEADER_SIZE + <int64_t>be32(slab + used + at + 4)
+                        if rsize > max_record or off + rsize > size:
+                            continue
+                        if at + rsize <= got:
+                            want[k].at = used + at
+                            want[k].length = rsize
+                            continue
+                        want[k].own = <uint8_t *>malloc(rsize)
+                        if want[k].own == NULL:
+                            continue
+                        if read_fully(fd, want[k].own, off, off + rsize) == rsize:
+                            want[k].length = rsize
+                        else:
+                            free(want[k].own)
+                            want[k].own = NULL
+                    used += got
+                i = j
+        for k in range(n):
+            if want[k].length == 0:
+                continue
+            if want[k].own != NULL:
+                out[want[k].index] = PyBytes_FromStringAndSize(<const char *>want[k].own, want[k].length)
+            else:
+                out[want[k].index] = PyBytes_FromStringAndSize(<const char *>(slab + want[k].at), want[k].length)
+        return out
+    finally:
+        for k in range(n):
+            if want[k].own != NULL:
+                free(want[k].own)
+        free(want)
+        free(slab)
 
 
 # --- the spool's DELIVERED records -----------------------------------------------------------------

@@ -50,10 +50,11 @@ import numpy as np
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
     HEADER_SIZE, T_SCHEDULED, T_SCHEDULED_CANCEL, RecordError, cancel_key, record_size, scheduled_time,
-    Message, decode_headers, decode_scheduled, iter_records,
+    Message, decode_headers, decode_scheduled, iter_records, parse_record,
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
+from delayserver.wheel.read_ahead import ReadAhead
 from delayserver.wheel.timingwheel import TimingWheel
 
 try:  # the compiled kernel (delayserver/native/records.pyx), when built
@@ -88,6 +89,19 @@ def _message_of(bucket: int, offset: int, record):
         return record
     _, data, s, e = record
     return (bucket, offset, *decode_scheduled(data, s, e))
+
+
+def _message_in(bucket: int, offset: int, data: bytes):
+    """`_message_of` of a record read ahead (`data`: the record's bytes, header included), or
+    False when they are not one sound SCHEDULED record (read again from its segment, where the
+    damage is met and reported)."""
+    try:
+        parsed = parse_record(data, 0, len(data))
+        if parsed is None or parsed[0] != T_SCHEDULED or parsed[2] != len(data):
+            return False
+        return (bucket, offset, *decode_scheduled(data, parsed[1], parsed[2]))
+    except Exception:
+        return False
 
 
 class TickManager:
@@ -136,6 +150,9 @@ class TickManager:
         self.generation = 0
         # Reschedule: (schedule_time, id) of messages being moved -> refs that fell due meanwhile.
         self.moving: dict[tuple[int, str], list[int]] = {}
+        # The records of what falls due soon, read into memory by prefetch_due's worker thread.
+        self.ahead = ReadAhead()
+        store.schedule_log.listeners.append(self.ahead)
 
     def reset(self, now: int) -> None:
         """Forget everything in memory (the node stopped or started being its group's master):
@@ -155,6 +172,7 @@ class TickManager:
             held.clear()
         self.last_now = now
         self.generation += 1
+        self.ahead.clear()
         self.changed.set()
 
     # --- refs -------------------------------------------------------------------------------
@@ -529,15 +547,17 @@ class TickManager:
     def _read_bucket(self, bucket: int, offsets: list[int], cached_only: bool) -> list:
         """`read_messages` of one bucket's `offsets`: the compiled kernel's reading from the page
         cache where it is built, and this reference for the records it leaves (False) or all of
-        them."""
+        them. A record read ahead (read_ahead.py) is decoded from memory, not read."""
         schedule_log = self.store.schedule_log
+        ahead = self.ahead.take(bucket, offsets)
         got = None
         target = schedule_log.cached_reader(bucket) if cached_only and _native_read_scheduled is not None else None
         if target is not None:
             fd, size = target
-            got = _native_read_scheduled(fd, size, offsets, READ_GUESS_BYTES, bucket, Message, decode_headers)
+            got = _native_read_scheduled(fd, size, offsets, READ_GUESS_BYTES, bucket, Message, decode_headers, ahead)
         if got is None:
-            got = [False] * len(offsets)
+            got = [False] * len(offsets) if ahead is None else [
+                False if data is None else _message_in(bucket, offset, data) for offset, data in zip(offsets, ahead)]
         left = [k for k, read in enumerate(got) if read is False]
         if left:
             records = schedule_log.read_records_at(bucket, [offsets[k] for k in left], READ_GUESS_BYTES,

@@ -61,6 +61,8 @@ async def test_a_scrape_parses_and_its_figures_match_the_node(tmp_path, nursery)
     assert 1 <= value(families, "delayserver_dispatch_log_fsyncs", "_total") == node.sender.dispatch_fsyncs
     assert value(families, "delayserver_due_disk_reads", "_total") == node.sender.due.disk_reads
     assert value(families, "delayserver_load_disk_reads", "_total") == node.ticks.load_disk_reads
+    assert value(families, "delayserver_due_read_ahead", "_total") == node.ticks.ahead.hits
+    assert value(families, "delayserver_read_ahead_bytes") == node.ticks.ahead.held_bytes
     assert value(families, "delayserver_event_loop_slow_steps", "_total") == node.loop_watch.slow_steps
     assert value(families, "delayserver_event_loop_longest_step_seconds") == node.loop_watch.longest_s
     assert value(families, "delayserver_gc_pause_seconds", "_total") == node.loop_watch.gc_seconds

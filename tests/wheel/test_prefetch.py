@@ -1,10 +1,11 @@
-"""Read-ahead of what falls due: the ranges asked for, and when, under trio's MockClock."""
+"""Read-ahead of what falls due: the records read into memory or the ranges asked for, and when,
+under trio's MockClock; and delivery's reading of what was read ahead."""
 from __future__ import annotations
 
 import trio
 
 from delayserver.clock import TrioClock
-from delayserver.wheel.prefetch import GAP_BYTES, prefetch_due, ranges
+from delayserver.wheel.prefetch import GAP_BYTES, fetch, prefetch_due, ranges
 from delayserver.wheel.tick_manager import READ_GUESS_BYTES
 from tests.pipeline_node import START_MS, Node
 
@@ -20,10 +21,11 @@ def test_nearby_records_are_read_ahead_as_one_range():
     assert ranges(far) == [(0, READ_GUESS_BYTES), (10 * GAP_BYTES, READ_GUESS_BYTES)]
 
 
-async def test_every_record_is_read_ahead_before_it_falls_due(tmp_path, autojump_clock):
-    clock = TrioClock(START_MS - int(trio.current_time() * 1000))
+def loaded_node(tmp_path, count=200):
+    """A node whose wheel holds `count` messages due 37 ms apart from START_MS + 50 (over 7.4 s
+    for 200), their message ids -> (due time, schedule_log offset), and their bucket."""
     node = Node(tmp_path, START_MS, scale_ms=HOUR_MS, tick_ms=10, slots=4096)
-    due = {f"m{i}": START_MS + 50 + 37 * i for i in range(200)}  # over 7.4 s
+    due = {f"m{i}": START_MS + 50 + 37 * i for i in range(count)}
     node.send(list(due.items()))
     node.replay_all()
     node.load_all()
@@ -31,6 +33,96 @@ async def test_every_record_is_read_ahead_before_it_falls_due(tmp_path, autojump
     for ref in node.ticks.wheel.refs_due_between(START_MS, START_MS + HOUR_MS):
         bucket, offset, _, message = node.ticks.read_message(ref)
         offsets[message.message_id] = offset
+    return node, {mid: (at, offsets[mid]) for mid, at in due.items()}, bucket
+
+
+async def on_the_loop(fn, *args):  # the mock clock would jump while a thread works
+    return fn(*args)
+
+
+async def test_every_record_is_in_memory_before_it_falls_due(tmp_path, autojump_clock):
+    clock = TrioClock(START_MS - int(trio.current_time() * 1000))
+    node, due, bucket = loaded_node(tmp_path)
+    held_at = []  # (time, offsets held then)
+
+    def never(_wanted):
+        raise AssertionError("advised while the budget had room")
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda **kw: prefetch_due(node.ticks, clock, horizon_ms=500, step_ms=100,
+                                                      advise=never, run_blocking=on_the_loop, **kw))
+        for _ in range(800):
+            held_at.append((clock.now_ms(), set(node.ticks.ahead.records.get(bucket, ()))))
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    for mid, (at, offset) in due.items():
+        # In memory within the horizon before it falls due.
+        assert any(max(START_MS, at - 500) <= t < at and offset in held for t, held in held_at), mid
+    # Each is held once, as the file holds it: nothing else is.
+    data = node.store.schedule_log.path(bucket).read_bytes()
+    held = node.ticks.ahead.records[bucket]
+    assert set(held) == {offset for _, offset in due.values()}
+    assert all(data[offset:offset + len(raw)] == raw for offset, raw in held.items())
+    assert node.ticks.ahead.held_bytes == sum(map(len, held.values()))
+    node.crash()
+
+
+async def test_delivery_decodes_what_was_read_ahead(tmp_path, autojump_clock):
+    clock = TrioClock(START_MS - int(trio.current_time() * 1000))
+    node, due, bucket = loaded_node(tmp_path, 60)
+    refs = node.ticks.wheel.refs_due_between(START_MS, START_MS + HOUR_MS)
+    from_file = node.ticks.read_messages(refs, cached_only=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda **kw: prefetch_due(node.ticks, clock, horizon_ms=5000, step_ms=100,
+                                                      run_blocking=on_the_loop, **kw))
+        await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    ahead = node.ticks.ahead
+    assert len(ahead.records[bucket]) == 60
+    # One held record damaged in memory: it is read from its segment instead.
+    damaged = due["m7"][1]
+    raw = bytearray(ahead.records[bucket][damaged])
+    raw[-1] ^= 0xFF
+    ahead.records[bucket][damaged] = bytes(raw)
+    assert node.ticks.read_messages(refs, cached_only=True) == from_file
+    assert ahead.hits == 60 and ahead.held_bytes == 0 and bucket not in ahead.records
+    node.crash()
+
+
+async def test_what_was_read_ahead_is_forgotten_when_the_segment_changes(tmp_path, autojump_clock):
+    clock = TrioClock(START_MS - int(trio.current_time() * 1000))
+    node, due, bucket = loaded_node(tmp_path, 20)
+    ahead = node.ticks.ahead
+
+    async def fill():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda **kw: prefetch_due(node.ticks, clock, horizon_ms=5000, step_ms=100,
+                                                          run_blocking=on_the_loop, **kw))
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    await fill()
+    assert len(ahead.records[bucket]) == 20
+    node.ticks.reset(clock.now_ms())  # a change of role
+    assert ahead.records == {} and ahead.held_bytes == 0
+    epoch = ahead.epoch
+    node.store.schedule_log.truncate(bucket, max(offset for _, offset in due.values()))
+    assert ahead.epoch > epoch
+    # A worker's read that began before the truncation is not kept.
+    assert ahead.put(bucket, [0], [b"x" * 40], epoch) == 0 and ahead.records == {}
+    # Nor is more than the budget.
+    ahead.max_bytes = 100
+    assert ahead.put(bucket, [0, 50, 90], [b"x" * 50, b"y" * 40, b"z" * 20], ahead.epoch) == 2
+    assert ahead.held_bytes == 90 and ahead.room == 10
+    node.crash()
+
+
+async def test_over_the_budget_every_record_is_advised_before_it_falls_due(tmp_path, autojump_clock):
+    clock = TrioClock(START_MS - int(trio.current_time() * 1000))
+    node, due, bucket = loaded_node(tmp_path)
+    node.ticks.ahead.max_bytes = 0  # no room in memory: the kernel is asked to read ahead
+    offsets = {mid: offset for mid, (_, offset) in due.items()}
+    due = {mid: at for mid, (at, _) in due.items()}
     path = str(node.store.schedule_log.path(bucket))
     asked = []  # (time, start, length)
 
@@ -41,9 +133,6 @@ async def test_every_record_is_read_ahead_before_it_falls_due(tmp_path, autojump
         return len(asked)
 
     async with trio.open_nursery() as nursery:
-        async def on_the_loop(fn, *args):  # the mock clock would jump while a thread works
-            return fn(*args)
-
         await nursery.start(lambda **kw: prefetch_due(node.ticks, clock, horizon_ms=500, step_ms=100,
                                                       advise=spy, run_blocking=on_the_loop, **kw))
         await trio.sleep(8)
@@ -53,4 +142,24 @@ async def test_every_record_is_read_ahead_before_it_falls_due(tmp_path, autojump
         assert covering, mid
         # Asked for within the horizon before it falls due (the first ones: at the start).
         assert any(max(START_MS, at - 500) <= t < at for t in covering), (mid, at, covering)
+    assert node.ticks.ahead.records == {}
+    node.crash()
+
+
+def test_a_burst_is_read_into_memory_a_chunk_at_a_time_up_to_the_budget(tmp_path):
+    node, due, bucket = loaded_node(tmp_path, 40)
+    path = str(node.store.schedule_log.path(bucket))
+    size = node.store.schedule_log.size(bucket)
+    offsets = [offset for _, offset in sorted(due.values())]  # in the order they fall due
+    data = node.store.schedule_log.path(bucket).read_bytes()
+    one = len(data) // 40  # about one record (ids of 2 and 3 characters)
+    advised = []
+    got = fetch([(bucket, path, size, offsets), (bucket + HOUR_MS, path, size, offsets[:3])], 12 * one,
+                advise=advised.extend, chunk=5)
+    # Chunks of 5 while the budget (12 records) has room: 15 read, the rest only advised.
+    assert [(b, part) for b, part, _ in got] == [(bucket, offsets[0:5]), (bucket, offsets[5:10]),
+                                                 (bucket, offsets[10:15])]
+    assert all(raw == data[o:o + len(raw)] and len(raw) in (one - 1, one, one + 1)
+               for _, part, records in got for o, raw in zip(part, records))
+    assert advised == [(path, ranges(offsets[15:])), (path, ranges(offsets[:3]))]
     node.crash()

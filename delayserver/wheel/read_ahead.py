@@ -1,0 +1,160 @@
+"""The records of messages about to fall due, read into memory ahead of time by a worker thread.
+
+Delivering a message means reading its record from its schedule_log segment on the event loop
+(page cache only, `TickManager.read_messages`). For messages that arrived in random order of
+their due time those records lie anywhere in a segment of hundreds of megabytes, one read each,
+and each read cost the event loop 2.5 to 5 us at 40,000 msg/s falling due (more while the other
+core runs the fsyncs of the spool and dispatch_log): a fifth of the loop's time
+(`ops/bench deliver --transports spool --rate 40000`).
+
+So `prefetch_due` (prefetch.py), which looks ahead every 100 ms at what falls due within the next
+second, has a worker thread read those records (`read_ahead`, all of its reads with the
+interpreter's lock released) and keeps their bytes here, per bucket and offset, up to
+`max_bytes`: the event loop then decodes a due message from memory. What is over the budget is
+only advised to the kernel (posix_fadvise), as before.
+
+The bytes are not trusted further than the file: they are checked (crc, layout) where they are
+decoded, and a record that does not check is read again from its segment, where damage is met and
+reported. A record is taken out when it is read for delivery. The bucket's records are forgotten
+when its segment is truncated or removed (`BucketLog.listeners`), everything when the tick manager
+is reset, and a worker's read that began before any of these is dropped (`epoch`). Records that
+nothing takes (a bucket whose messages were all moved elsewhere) go once their bucket is over.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+from delayserver.storage.record import HEADER, HEADER_SIZE
+
+try:
+    from delayserver.native.records import read_ahead as _native_read_ahead
+except ImportError:  # not built: the reference below
+    _native_read_ahead = None
+
+#: The most the records read ahead may hold at once (bytes of records).
+MAX_BYTES = 64 << 20
+#: A record bigger than this is not read ahead (read when due, as any other).
+MAX_RECORD_BYTES = 64 << 10
+#: The first read of a record read ahead: most records are smaller.
+FIRST_READ_BYTES = 512
+
+
+def _read_ahead_py(fd: int, size: int, offsets: list[int], first_read: int, max_record: int) -> list:
+    """The reference of `records.read_ahead`: per offset, the record's bytes as the file holds
+    them (header included, not checked), or None (a length past `size` or over `max_record`, or a
+    read the file system refuses)."""
+    out: list = []
+    for offset in offsets:
+        try:
+            head = os.pread(fd, max(0, min(first_read, size - offset)), offset)
+            if len(head) < HEADER_SIZE:
+                out.append(None)
+                continue
+            length = HEADER_SIZE + HEADER.unpack_from(head)[1]
+            if length > max_record or offset + length > size:
+                out.append(None)
+                continue
+            data = head[:length] if length <= len(head) else os.pread(fd, length, offset)
+            out.append(data if len(data) == length else None)
+        except OSError:
+            out.append(None)
+    return out
+
+
+def read_records(fd: int, size: int, offsets: list[int], first_read: int = FIRST_READ_BYTES,
+                 max_record: int = MAX_RECORD_BYTES) -> list:
+    """Per offset, the record's bytes or None (see `_read_ahead_py`): the compiled kernel where it
+    is built, the reference otherwise or for input it leaves to it."""
+    if _native_read_ahead is not None:
+        got = _native_read_ahead(fd, size, offsets, first_read, max_record)
+        if got is not None:
+            return got
+    return _read_ahead_py(fd, size, offsets, first_read, max_record)
+
+
+class ReadAhead:
+    """Records read ahead, per bucket and offset (a `BucketLog` listener of schedule_log)."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.records: dict[int, dict[int, bytes]] = {}
+        self._bytes: dict[int, int] = {}
+        self.held_bytes = 0
+        # Bumped whenever what is held may no longer be what the segments hold: a worker's read
+        # that began before is dropped (`put`).
+        self.epoch = 0
+        self.hits = 0  # records handed out (read for delivery from here)
+
+    @property
+    def room(self) -> int:
+        return max(0, self.max_bytes - self.held_bytes)
+
+    def put(self, bucket: int, offsets: list[int], records: list, epoch: int) -> int:
+        """Keep what a worker read (`records[k]` of `offsets[k]`, None for none) if nothing changed
+        since it began (`epoch`), within the budget; returns how many records were kept."""
+        if epoch != self.epoch:
+            return 0
+        new = {offset: data for offset, data in zip(offsets, records) if data is not None}
+        added = sum(map(len, new.values()))
+        if self.held_bytes + added > self.max_bytes:  # the first ones, while they fit
+            fits, added = {}, 0
+            for offset, data in new.items():
+                if self.held_bytes + added + len(data) > self.max_bytes:
+                    break
+                fits[offset] = data
+                added += len(data)
+            new = fits
+        if not new:
+            return 0
+        held = self.records.setdefault(bucket, {})
+        for offset in held.keys() & new.keys():  # held already: counted once
+            added -= len(new[offset])
+        held.update(new)
+        self._bytes[bucket] = self._bytes.get(bucket, 0) + added
+        self.held_bytes += added
+        return len(new)
+
+    def take(self, bucket: int, offsets: list[int]) -> list | None:
+        """Per offset, the bytes held for it (taken out), or None; None when the bucket has none."""
+        held = self.records.get(bucket)
+        if held is None:
+            return None
+        got = list(map(held.pop, offsets, itertools.repeat(None, len(offsets))))
+        found = [data for data in got if data is not None]
+        if found:
+            freed = sum(map(len, found))
+            self.hits += len(found)
+            self.held_bytes -= freed
+            self._bytes[bucket] -= freed
+            if not held:
+                self._drop(bucket)
+        return got
+
+    def forget_before(self, bucket_end_before: int, scale_ms: int) -> None:
+        """Forget the buckets whose time range ended before `bucket_end_before` (epoch ms)."""
+        for bucket in [b for b in self.records if b + scale_ms < bucket_end_before]:
+            self._drop(bucket)
+
+    def clear(self) -> None:
+        self.records.clear()
+        self._bytes.clear()
+        self.held_bytes = 0
+        self.epoch += 1
+
+    def _drop(self, bucket: int) -> None:
+        self.records.pop(bucket, None)
+        self.held_bytes -= self._bytes.pop(bucket, 0)
+
+    # --- BucketLog listener ----------------------------------------------------------------------
+
+    def appended(self, bucket: int, pos: int, data, ids=None) -> None:
+        pass  # records are written once: an append changes nothing held
+
+    def truncated(self, bucket: int, size: int) -> None:
+        self._drop(bucket)
+        self.epoch += 1
+
+    def removed(self, bucket: int) -> None:
+        self._drop(bucket)
+        self.epoch += 1
