@@ -206,6 +206,31 @@ class Sender:
         waiting_for.backlog.append(d)
         waiting_for.wakeup.set()
 
+    def route_taken(self, batch: list[Delivery], now: int) -> None:
+        """`route` of each of a batch just taken from the due queue (current, read, in no group,
+        never tried), with a subject's groups looked up once a batch: a message whose subject has
+        one healthy group, with room, is queued there as `route` would queue it; any other goes
+        through `route`."""
+        healthy_of: dict[str, list[BrokerGroup]] = {}
+        woken = []
+        limit = self.max_inflight
+        for d in batch:
+            subject = d.message.subject
+            healthy = healthy_of.get(subject)
+            if healthy is None:
+                healthy = healthy_of[subject] = [g for g in self._candidates(subject) if g.breaker.allows(now)]
+            if len(healthy) != 1 or healthy[0].inflight >= limit or d.group is not None or d.tried:
+                self.route(d, now)
+                continue
+            group = healthy[0]
+            d.group = group
+            group.inflight += 1
+            group.queue.append(d)
+            if not woken or woken[-1] is not group:
+                woken.append(group)
+        for group in woken:
+            group.wakeup.set()
+
     def _retry_later(self, item, delay_ms: int) -> None:
         self.due.retry_later(item, delay_ms)
 
@@ -291,9 +316,7 @@ class Sender:
                     timeout = self._until_a_breaker_half_opens(self.groups.values())
                 await (self._room if due.waiting else due.ready).wait(timeout)
                 continue
-            now = monotonic_ms()
-            for d in await due.take(min(room, self.batch_size)):
-                self.route(d, now)
+            self.route_taken(await due.take(min(room, self.batch_size)), monotonic_ms())
             await trio.lowlevel.checkpoint()
 
     async def _retry_task(self) -> None:
@@ -371,12 +394,14 @@ class Sender:
                 slots.release()
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
-        stale = [d for d in batch if not self.due.is_current(d)]
-        for d in stale:
-            self._assign(d, None)
-        batch = [d for d in batch if self.due.is_current(d)]
-        if not batch:
-            return
+        generation = self.due.generation  # `due.is_current` of each, without a call per message
+        if any(d.generation != generation for d in batch):
+            for d in batch:
+                if d.generation != generation:
+                    self._assign(d, None)
+            batch = [d for d in batch if d.generation == generation]
+            if not batch:
+                return
         if not self.may_deliver():
             # Fenced (a newer master epoch exists): hand the messages back, deliver nothing.
             for d in batch:
@@ -454,10 +479,14 @@ class Sender:
 
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
-        per_bucket: dict[int, list[bytes]] = {}
         records = encode_dispatch_records(now, group.name, [(d.schedule_offset, d.message_log_offset) for d in acked])
-        for d, rec in zip(acked, records):
-            per_bucket.setdefault(d.bucket, []).append(rec)
+        bucket = acked[0].bucket
+        if all(d.bucket == bucket for d in acked):  # most batches: one bucket's
+            per_bucket = {bucket: records}
+        else:
+            per_bucket: dict[int, list[bytes]] = {}
+            for d, rec in zip(acked, records):
+                per_bucket.setdefault(d.bucket, []).append(rec)
         dispatch_log = self.store.dispatch_log
         while per_bucket:
             bucket = next(iter(per_bucket))
@@ -512,9 +541,19 @@ class Sender:
 
     def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         lateness = [now - d.message.schedule_time for d in acked]
+        self.due.settle_many(acked)
+        freed = 0
         for d in acked:
-            self.due.settle(d)
-            self._assign(d, None)
+            if d.group is group:  # `_assign(d, None)` of each, the room they free announced once
+                d.group = None
+                freed += 1
+            else:
+                self._assign(d, None)
+        if freed:
+            group.inflight -= freed
+            if group.backlog:
+                group.wakeup.set()
+            self._room.set()
         self.lateness_ms.extend(lateness)
         self.on_delivered(group.name, lateness)
         group.sent += len(acked)

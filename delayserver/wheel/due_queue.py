@@ -149,6 +149,11 @@ class DueQueue:
         if self.is_current(due):
             self._ticks.on_dispatched(due.ref)
 
+    def settle_many(self, dues: list[Due]) -> None:
+        """`settle` of each of `dues`."""
+        generation = self._ticks.generation
+        self._ticks.on_dispatched_many([due.ref for due in dues if due.generation == generation])
+
     def drop(self, due: Due) -> None:
         """Not delivered and not owed any more (found cancelled)."""
         if self.is_current(due):

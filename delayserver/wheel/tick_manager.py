@@ -511,6 +511,21 @@ class TickManager:
         """`ref`'s dispatch_log record is written."""
         self._settle(ref)
 
+    def on_dispatched_many(self, refs: list[int]) -> None:
+        """`on_dispatched` of each of `refs`, a bucket's count settled once."""
+        inflight, per_bucket = self.inflight, collections.Counter()
+        for ref in refs:
+            if ref in inflight:  # else handed out before a reset: nothing of it is counted any more
+                inflight.remove(ref)
+                per_bucket[ref >> OFFSET_BITS] += 1
+        for bid, count in per_bucket.items():
+            bucket = self._buckets[bid]
+            self.outstanding[bucket] -= count
+            if self.outstanding[bucket] <= 0:
+                del self.outstanding[bucket]
+                if self.loading_bucket is not None and bucket < self.loading_bucket:
+                    self.cancels.pop(bucket, None)
+
     def _settle(self, ref: int) -> None:
         if ref not in self.inflight:
             return  # handed out before a reset: nothing of it is counted any more

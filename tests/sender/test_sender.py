@@ -165,3 +165,44 @@ async def test_a_permanent_rejection_parks_the_message_without_blocking_others(t
     assert [p.message.message_id for p in parked] == [bad.message_id]
     assert "no such queue" in parked[0].reason
     assert server.ticks.loaded == 0
+
+
+def routing_groups():
+    """Groups in each case `route_taken` meets: a subject with one group, with two (weighted),
+    with one that is full, with one whose breaker is open, with none."""
+    groups = [BrokerGroup("one", transport=None, subjects=frozenset({"s.one"})),
+              BrokerGroup("w1", transport=None, weight=1, subjects=frozenset({"s.two"})),
+              BrokerGroup("w2", transport=None, weight=3, subjects=frozenset({"s.two"})),
+              BrokerGroup("full", transport=None, subjects=frozenset({"s.full"}), inflight=4),
+              BrokerGroup("open", transport=None, subjects=frozenset({"s.open"}),
+                          breaker=CircuitBreaker(state=OPEN, open_until=10**12))]
+    return groups
+
+
+async def test_a_taken_batch_is_routed_as_each_of_its_messages_would_be():
+    """`route_taken` (the dispatch task's: a subject's groups looked up once a batch) queues,
+    backlogs and counts every message as `route` of each does, in the same order."""
+    import types
+    subjects = ["s.one", "s.two", "s.full", "s.open", "s.none"]
+    rng = random.Random(5)
+    batch = [(f"m{i}", rng.choice(subjects)) for i in range(300)]
+    seen = []
+    for one_at_a_time in (True, False):
+        sender = Sender(ticks=None, store=None, groups=routing_groups(), clock=None, max_inflight=5)
+        from delayserver.wheel.due_queue import DueQueue
+        sender.due = DueQueue(types.SimpleNamespace(generation=0))
+        deliveries = [Delivery(k, 0, k, StoredMessage(mid, subject, b"", 0)) for k, (mid, subject) in enumerate(batch)]
+        random.seed(11)
+        if one_at_a_time:
+            for d in deliveries:
+                sender.route(d, 0)
+        else:
+            sender.route_taken(deliveries, 0)
+        seen.append((
+            {g.name: ([d.message.message_id for d in g.queue], [d.ref for d in g.backlog], g.inflight,
+                      g.wakeup._event.is_set()) for g in sender.groups.values()},
+            sender.no_route, sender.due.retrying, [d.group.name if d.group else None for d in deliveries]))
+    assert seen[0] == seen[1]
+    queued, no_route, retrying, _ = seen[1]
+    assert len(queued["one"][0]) > 1 and queued["full"][2] == 5 and queued["full"][1]  # cases met
+    assert queued["w1"][0] and queued["w2"][0] and queued["open"][1] and no_route == retrying > 0

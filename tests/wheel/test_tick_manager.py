@@ -395,3 +395,33 @@ def test_a_clock_step_forward_fires_what_became_due_each_once_and_is_logged(node
     assert [f.message.schedule_time for f in fired] == [t for t in times if t <= node.now]
     rest = run_until_idle(node)
     assert sorted(fire_ids(fired + rest)) == sorted(f"m{i}" for i in range(len(times)))
+
+
+def test_a_batch_settles_as_each_of_its_refs_does(tmp_path):
+    """`on_dispatched_many` (the sender's, once an fsync covers a batch) leaves the counts as
+    `on_dispatched` of each does: in flight, outstanding per bucket, a finished bucket's cancels,
+    a ref handed out before a reset ignored."""
+    states = []
+    for many in (False, True):
+        node = Node(tmp_path / str(many), START_MS)
+        # Two buckets, some of each due now; a cancel in the first.
+        due = [(f"a{i}", START_MS - 2 * SCALE_MS + i) for i in range(30)]
+        due += [(f"b{i}", START_MS - SCALE_MS + i) for i in range(20)] + [("later", START_MS + 5 * SCALE_MS)]
+        node.send(due)
+        node.cancel("a3", START_MS - 2 * SCALE_MS + 3)
+        node.replay_all()
+        node.tick()
+        fired = node.take()
+        refs = [f.ref for f in fired]
+        settle = refs[:25] + refs[30:] + [refs[0] ^ (1 << 50)]  # not one handed out
+        if many:
+            node.ticks.on_dispatched_many(settle)
+        else:
+            for ref in settle:
+                node.ticks.on_dispatched(ref)
+        states.append((sorted(node.ticks.inflight), dict(node.ticks.outstanding), sorted(node.ticks.cancels)))
+        node.crash()
+    assert states[0] == states[1]
+    inflight, outstanding, _ = states[1]
+    # 49 taken (a3 cancelled) in time order, 44 settled: the 26th to 30th still owed.
+    assert len(inflight) == 5 and sorted(outstanding.values()) == [1, 4]
