@@ -583,10 +583,11 @@ cdef int ahead_by_offset(const void *a, const void *b) noexcept nogil:
 
 
 def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record):
-    """Per offset of `offsets` (one schedule_log segment: `fd`, `size` bytes), the bytes of the
-    record there, header included, as the file holds them (not checked: `read_scheduled` checks
-    what it decodes), or None: a length that runs past `size` or over `max_record` bytes, a read
-    the file system refuses. `_read_ahead_py` in delayserver/wheel/read_ahead.py is the reference.
+    """{offset: the bytes of the record there} for the offsets of `offsets` (one schedule_log
+    segment: `fd`, `size` bytes) that hold one: header included, as the file holds them (not
+    checked: `read_scheduled` checks what it decodes). An offset is left out where the length
+    there runs past `size` or over `max_record` bytes, or a read fails. `_read_ahead_py` in
+    delayserver/wheel/read_ahead.py is the reference.
 
     For a worker thread reading what falls due soon: the reads may wait for the disk, and all of
     them run with the interpreter's lock released (one release per call, not per read: a thread
@@ -597,7 +598,7 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
     cdef Ahead *want = NULL
     cdef uint8_t *slab = NULL
     cdef int64_t slab_size = 0, used, first, last, run_end, got, at, rsize, off
-    cdef list out = [None] * n
+    cdef dict out = {}
     if first_read < HEADER_SIZE or size < 0 or max_record < HEADER_SIZE:
         return None
     if n == 0:
@@ -669,9 +670,10 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
             if want[k].length == 0:
                 continue
             if want[k].own != NULL:
-                out[want[k].index] = PyBytes_FromStringAndSize(<const char *>want[k].own, want[k].length)
+                out[offsets[want[k].index]] = PyBytes_FromStringAndSize(<const char *>want[k].own, want[k].length)
             else:
-                out[want[k].index] = PyBytes_FromStringAndSize(<const char *>(slab + want[k].at), want[k].length)
+                out[offsets[want[k].index]] = PyBytes_FromStringAndSize(<const char *>(slab + want[k].at),
+                                                                        want[k].length)
         return out
     finally:
         for k in range(n):

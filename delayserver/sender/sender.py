@@ -43,7 +43,7 @@ from delayserver.sender.groups import (
     DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT, DEFAULT_SEND_BATCH_SIZE, DEFAULT_SEND_WAIT_MS,
 )
 from delayserver.sender.parked import ParkedLog
-from delayserver.sender.transport import OutboundMessage, Outcome, Transport
+from delayserver.sender.transport import ACKED, OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import encode_dispatch_records
 from delayserver.storage.threads import run_disk
@@ -417,6 +417,11 @@ class Sender:
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
         results = await group.transport.send_batch(out)
         mono = monotonic_ms()
+        if len(results) == len(batch) and results.count(ACKED) == len(batch):  # most batches
+            group.breaker.record_success(mono)
+            failpoints.hit("after-broker-ack")
+            await self._record_dispatch(batch, group, now)
+            return
         outcomes = {r.outcome for r in results}
         if len(batch) > 1 and outcomes == {Outcome.REJECTED}:
             # Refused whole: most likely one message's doing. Split and send the halves at once.

@@ -88,10 +88,10 @@ def plan(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[str, list
 
 
 def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
-          chunk: int = FETCH_CHUNK) -> list[tuple[int, list[int], list]]:
+          chunk: int = FETCH_CHUNK) -> list[tuple[int, dict[int, bytes]]]:
     """A worker thread's part: the records of each job (bucket, segment path, its size, offsets
     in the order they fall due) read into memory, `chunk` records a read, while they fit in `room`
-    bytes, [(bucket, offsets, records)]; what is past it is only advised to the kernel. A segment
+    bytes, [(bucket, {offset: bytes})]; what is past it is only advised to the kernel. A segment
     that cannot be opened is left alone (a bucket cleaned meanwhile: nothing falls due from it)."""
     out, rest = [], []
     for bucket, path, size, offsets in jobs:
@@ -107,10 +107,9 @@ def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
                 if room <= 0:
                     rest.append((path, ranges(offsets[at:])))
                     break
-                part = offsets[at:at + chunk]
-                records = read_records(fd, size, part)
-                out.append((bucket, part, records))
-                room -= sum(len(data) for data in records if data is not None)
+                records = read_records(fd, size, offsets[at:at + chunk])
+                out.append((bucket, records))
+                room -= sum(map(len, records.values()))
         finally:
             os.close(fd)
     if rest:
@@ -145,6 +144,6 @@ async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_M
             except OSError as e:  # only a hint: delivery reads the records anyway
                 log.debug("read-ahead failed: %s", e)
             else:
-                for bucket, offsets, records in got:
-                    ahead.put(bucket, offsets, records, epoch)
+                for bucket, records in got:
+                    ahead.put(bucket, records, epoch)
         await trio.sleep(step_ms / 1000)

@@ -40,32 +40,31 @@ MAX_RECORD_BYTES = 64 << 10
 FIRST_READ_BYTES = 512
 
 
-def _read_ahead_py(fd: int, size: int, offsets: list[int], first_read: int, max_record: int) -> list:
-    """The reference of `records.read_ahead`: per offset, the record's bytes as the file holds
-    them (header included, not checked), or None (a length past `size` or over `max_record`, or a
-    read the file system refuses)."""
-    out: list = []
+def _read_ahead_py(fd: int, size: int, offsets: list[int], first_read: int, max_record: int) -> dict[int, bytes]:
+    """The reference of `records.read_ahead`: {offset: the record's bytes as the file holds them
+    (header included, not checked)}, an offset left out where the length there runs past `size`
+    or over `max_record`, or a read fails."""
+    out: dict[int, bytes] = {}
     for offset in offsets:
         try:
             head = os.pread(fd, max(0, min(first_read, size - offset)), offset)
             if len(head) < HEADER_SIZE:
-                out.append(None)
                 continue
             length = HEADER_SIZE + HEADER.unpack_from(head)[1]
             if length > max_record or offset + length > size:
-                out.append(None)
                 continue
             data = head[:length] if length <= len(head) else os.pread(fd, length, offset)
-            out.append(data if len(data) == length else None)
+            if len(data) == length:
+                out[offset] = data
         except OSError:
-            out.append(None)
+            continue
     return out
 
 
 def read_records(fd: int, size: int, offsets: list[int], first_read: int = FIRST_READ_BYTES,
-                 max_record: int = MAX_RECORD_BYTES) -> list:
-    """Per offset, the record's bytes or None (see `_read_ahead_py`): the compiled kernel where it
-    is built, the reference otherwise or for input it leaves to it."""
+                 max_record: int = MAX_RECORD_BYTES) -> dict[int, bytes]:
+    """{offset: the record's bytes} (see `_read_ahead_py`): the compiled kernel where it is
+    built, the reference otherwise or for input it leaves to it."""
     if _native_read_ahead is not None:
         got = _native_read_ahead(fd, size, offsets, first_read, max_record)
         if got is not None:
@@ -90,30 +89,33 @@ class ReadAhead:
     def room(self) -> int:
         return max(0, self.max_bytes - self.held_bytes)
 
-    def put(self, bucket: int, offsets: list[int], records: list, epoch: int) -> int:
-        """Keep what a worker read (`records[k]` of `offsets[k]`, None for none) if nothing changed
-        since it began (`epoch`), within the budget; returns how many records were kept."""
-        if epoch != self.epoch:
+    def put(self, bucket: int, records: dict[int, bytes], epoch: int) -> int:
+        """Keep what a worker read ({offset: bytes}, taken over) if nothing changed since it began
+        (`epoch`), within the budget; returns how many records were kept."""
+        if epoch != self.epoch or not records:
             return 0
-        new = {offset: data for offset, data in zip(offsets, records) if data is not None}
-        added = sum(map(len, new.values()))
+        held = self.records.get(bucket)
+        if held is not None:
+            for offset in held.keys() & records.keys():  # held already (each is asked for once, mostly)
+                del records[offset]
+        added = sum(map(len, records.values()))
         if self.held_bytes + added > self.max_bytes:  # the first ones, while they fit
             fits, added = {}, 0
-            for offset, data in new.items():
+            for offset, data in records.items():
                 if self.held_bytes + added + len(data) > self.max_bytes:
                     break
                 fits[offset] = data
                 added += len(data)
-            new = fits
-        if not new:
+            records = fits
+        if not records:
             return 0
-        held = self.records.setdefault(bucket, {})
-        for offset in held.keys() & new.keys():  # held already: counted once
-            added -= len(new[offset])
-        held.update(new)
+        if held is None:
+            self.records[bucket] = records
+        else:
+            held.update(records)
         self._bytes[bucket] = self._bytes.get(bucket, 0) + added
         self.held_bytes += added
-        return len(new)
+        return len(records)
 
     def take(self, bucket: int, offsets: list[int]) -> list | None:
         """Per offset, the bytes held for it (taken out), or None; None when the bucket has none."""
@@ -121,10 +123,10 @@ class ReadAhead:
         if held is None:
             return None
         got = list(map(held.pop, offsets, itertools.repeat(None, len(offsets))))
-        found = [data for data in got if data is not None]
+        found = len(got) - got.count(None)
         if found:
-            freed = sum(map(len, found))
-            self.hits += len(found)
+            freed = sum(map(len, filter(None, got)))
+            self.hits += found
             self.held_bytes -= freed
             self._bytes[bucket] -= freed
             if not held:

@@ -109,11 +109,14 @@ async def test_what_was_read_ahead_is_forgotten_when_the_segment_changes(tmp_pat
     node.store.schedule_log.truncate(bucket, max(offset for _, offset in due.values()))
     assert ahead.epoch > epoch
     # A worker's read that began before the truncation is not kept.
-    assert ahead.put(bucket, [0], [b"x" * 40], epoch) == 0 and ahead.records == {}
-    # Nor is more than the budget.
+    assert ahead.put(bucket, {0: b"x" * 40}, epoch) == 0 and ahead.records == {}
+    # Nor is more than the budget; a record held already is counted once.
     ahead.max_bytes = 100
-    assert ahead.put(bucket, [0, 50, 90], [b"x" * 50, b"y" * 40, b"z" * 20], ahead.epoch) == 2
+    assert ahead.put(bucket, {0: b"x" * 50, 50: b"y" * 40, 90: b"z" * 20}, ahead.epoch) == 2
     assert ahead.held_bytes == 90 and ahead.room == 10
+    assert ahead.put(bucket, {50: b"y" * 40, 200: b"w" * 10}, ahead.epoch) == 1
+    assert ahead.held_bytes == 100 and set(ahead.records[bucket]) == {0, 50, 200}
+    assert ahead.take(bucket, [50, 7, 0]) == [b"y" * 40, None, b"x" * 50] and ahead.held_bytes == 10
     node.crash()
 
 
@@ -157,9 +160,9 @@ def test_a_burst_is_read_into_memory_a_chunk_at_a_time_up_to_the_budget(tmp_path
     got = fetch([(bucket, path, size, offsets), (bucket + HOUR_MS, path, size, offsets[:3])], 12 * one,
                 advise=advised.extend, chunk=5)
     # Chunks of 5 while the budget (12 records) has room: 15 read, the rest only advised.
-    assert [(b, part) for b, part, _ in got] == [(bucket, offsets[0:5]), (bucket, offsets[5:10]),
-                                                 (bucket, offsets[10:15])]
+    assert [(b, list(records)) for b, records in got] == [(bucket, offsets[0:5]), (bucket, offsets[5:10]),
+                                                          (bucket, offsets[10:15])]
     assert all(raw == data[o:o + len(raw)] and len(raw) in (one - 1, one, one + 1)
-               for _, part, records in got for o, raw in zip(part, records))
+               for _, records in got for o, raw in records.items())
     assert advised == [(path, ranges(offsets[15:])), (path, ranges(offsets[:3]))]
     node.crash()
