@@ -484,19 +484,25 @@ class Sender:
 
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
-        records = encode_dispatch_records(now, group.name, [(d.schedule_offset, d.message_log_offset) for d in acked])
+        offsets = [d.schedule_offset for d in acked]
+        records = encode_dispatch_records(now, group.name, list(zip(offsets, [d.message_log_offset for d in acked])))
         bucket = acked[0].bucket
+        # Per bucket: its records and their schedule offsets (for the dispatch index).
         if all(d.bucket == bucket for d in acked):  # most batches: one bucket's
-            per_bucket = {bucket: records}
+            per_bucket = {bucket: (records, offsets)}
         else:
-            per_bucket: dict[int, list[bytes]] = {}
+            per_bucket: dict[int, tuple[list[bytes], list[int]]] = {}
             for d, rec in zip(acked, records):
-                per_bucket.setdefault(d.bucket, []).append(rec)
+                recs, offs = per_bucket.setdefault(d.bucket, ([], []))
+                recs.append(rec)
+                offs.append(d.schedule_offset)
+        one_length = len(set(map(len, records))) == 1  # (then the index need not parse them)
         dispatch_log = self.store.dispatch_log
         while per_bucket:
             bucket = next(iter(per_bucket))
+            recs, offs = per_bucket[bucket]
             try:
-                dispatch_log.append(bucket, b"".join(per_bucket[bucket]))
+                dispatch_log.append(bucket, b"".join(recs), offs if one_length else None)
             except StorageError as e:
                 # The broker has them: a lost dispatch record only means a redelivery after a
                 # restart, so keep trying rather than give up or deliver again now. A failed

@@ -185,9 +185,11 @@ class BucketLog:
     def append(self, bucket: int, data: bytes, ids: list | None = None) -> int:
         """Append encoded records to the bucket's segment in one write; returns their offset.
 
-        `ids`, when the caller knows them: ``(offset within data, record type, schedule_time,
-        message id bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`, handed to
-        the listeners so that they need not parse the records again. Does not fsync (see `sync`).
+        `ids`, when the caller knows them, handed to the listeners so that they need not parse the
+        records again: for schedule_log ``(offset within data, record type, schedule_time,
+        message id bytes)`` of every SCHEDULED and SCHEDULED_CANCEL record in `data`; for
+        dispatch_log the schedule offset of each DISPATCH record in `data`, in order, when they
+        are all of one length (one broker group's). Does not fsync (see `sync`).
         Raises DiskFull / StorageError with the segment intact.
         """
         self._check_writable()

@@ -53,8 +53,8 @@ import trio
 from crc32c import crc32c
 
 from delayserver.storage.record import (
-    HEADER_SIZE as RECORD_HEADER_SIZE, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError, RecordType,
-    dispatch_schedule_offset, iter_checked_records, iter_records, record_size,
+    HEADER as RECORD_HEADER, HEADER_SIZE as RECORD_HEADER_SIZE, SCHEDULED_CANCEL_HEAD, SCHEDULED_HEAD, RecordError,
+    RecordType, dispatch_schedule_offset, iter_checked_records, iter_records, record_size,
 )
 from delayserver.storage.errors import CorruptSegment
 
@@ -233,6 +233,13 @@ class SortedRuns:
         if len(self._tail_keys) >= TAIL_KEYS:
             self.seal()
 
+    def extend_pairs(self, keys: list[int], values) -> None:
+        """`add` of each key with its value (an index with values)."""
+        self._tail_keys.extend(keys)
+        self._tail_vals.extend(values)
+        if len(self._tail_keys) >= TAIL_KEYS:
+            self.seal()
+
     def seal(self) -> None:
         """Turn the tail into a sorted run, merging small runs inline."""
         if not self._tail_keys:
@@ -365,12 +372,12 @@ class _LogIndex:
             b = self.buckets[bucket] = _Bucket(self.with_values)
         if pos != b.covered:
             return  # an older part is not indexed yet: the build reads this too, from the segment
-        if ids is not None and self._add_ids(b, pos, ids):
+        if ids is not None and self._add_ids(b, pos, ids, data):
             b.covered = pos + len(data)
             return
         self._index(bucket, b, data, pos, checked=True)
 
-    def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
+    def _add_ids(self, b: _Bucket, pos: int, ids: list, data) -> bool:
         """Index the records of an append from their ids; False when this index needs the records."""
         return False
 
@@ -649,7 +656,7 @@ class IdIndex(_LogIndex):
             return
         self._keep(b, key_hash(sched, bytes(data[at : min(at + idlen, e)])) << OFFSET_BITS | offset)
 
-    def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
+    def _add_ids(self, b: _Bucket, pos: int, ids: list, data) -> bool:
         keys = _native_id_keys(ids, pos) if _native_id_keys is not None else None
         self._keep_all(b, _id_keys(ids, pos) if keys is None else keys)
         return True
@@ -688,6 +695,19 @@ class DispatchIndex(_LogIndex):
     def _add(self, b: _Bucket, rtype: int, data, s: int, e: int, offset: int) -> None:
         if rtype == RecordType.DISPATCH:
             b.runs.add(dispatch_schedule_offset(data, s), offset)
+
+    def _add_ids(self, b: _Bucket, pos: int, ids: list, data) -> bool:
+        """The dispatch records of an append as the sender names them (`BucketLog.append`: their
+        schedule offsets, the records all of one length): indexed without parsing them again."""
+        n = len(ids)
+        size = len(data) // n if n else 0
+        if not n or size * n != len(data) or size < RECORD_HEADER_SIZE:
+            return False
+        _, length, rtype = RECORD_HEADER.unpack_from(data, 0)
+        if rtype != RecordType.DISPATCH or RECORD_HEADER_SIZE + length != size:
+            return False  # not one record per offset
+        b.runs.extend_pairs(ids, range(pos, pos + len(data), size))
+        return True
 
     def _drop_from(self, b: _Bucket, size: int) -> None:
         b.runs.drop_where(lambda keys, vals: vals < np.uint64(size))

@@ -61,7 +61,7 @@ class TimeIndex(IdIndex):
         if rtype == RecordType.SCHEDULED:
             self._keep(b, time_key(SCHEDULED_HEAD.unpack_from(data, s)[2], self.scale_ms, offset))
 
-    def _add_ids(self, b: _Bucket, pos: int, ids: list) -> bool:
+    def _add_ids(self, b: _Bucket, pos: int, ids: list, data) -> bool:
         keys = _native_time_keys(ids, pos, self.scale_ms) if _native_time_keys is not None else None
         self._keep_all(b, _time_keys(ids, pos, self.scale_ms) if keys is None else keys)
         return True

@@ -893,3 +893,47 @@ async def test_a_build_from_disk_reads_a_record_bigger_than_its_read_and_stops_a
             assert look.ids.buckets[bucket].covered < log.size(bucket)
     assert len(reads) <= 4, reads
     node.crash()
+
+
+def test_the_dispatch_index_takes_the_sender_s_offsets_as_a_build_parses_them(tmp_path):
+    """The sender names the schedule offsets of the dispatch records it appends (records of one
+    length: one group's): the dispatch index following the log must hold what one built from the
+    segment holds. An append of records of several lengths, or whose offsets do not match its
+    records, is parsed."""
+    from delayserver.storage.record import encode_dispatch_records
+    node = Node(tmp_path, START_MS)
+    bucket = START_MS - START_MS % SCALE_MS
+    log_ = node.store.dispatch_log
+    followed = id_index.DispatchIndex(log_)
+    parsed = []
+    index = followed._index
+    followed._index = lambda *args, **kw: parsed.append(args[3]) or index(*args, **kw)
+    rng = random.Random(3)
+    for batch in range(20):
+        offsets = [rng.randrange(1 << 30) for _ in range(rng.randrange(1, 40))]
+        group = rng.choice(["spool", "a-longer-group-name"])
+        records = encode_dispatch_records(START_MS + batch, group, [(o, o + 7) for o in offsets])
+        if batch % 5 == 4:  # two groups' records in one append: several lengths, no names given
+            more = encode_dispatch_records(START_MS, "g2", [(5, 6)])
+            log_.append(bucket, b"".join(records + more), None)
+            offsets.append(5)
+        elif batch % 7 == 6:  # offsets that do not match the records: parsed instead
+            log_.append(bucket, b"".join(records), offsets + [1])
+        else:
+            log_.append(bucket, b"".join(records), offsets)
+    built = id_index.DispatchIndex(log_)
+    built.buckets.clear()
+    trio.run(built.ensure, bucket)
+
+    def pairs(index):
+        runs = index.buckets[bucket].runs
+        runs.seal()
+        return sorted(zip(np.concatenate([k for k, _ in runs.runs]).tolist(),
+                          np.concatenate([v for _, v in runs.runs]).tolist()))
+
+    assert followed.buckets[bucket].covered == log_.size(bucket)
+    assert pairs(followed) == pairs(built) and len(pairs(built)) > 100
+    assert len(parsed) == 6  # only the appends of batches 4, 6, 9, 13, 14 and 19 were parsed
+    for offset, position in pairs(built)[:50]:  # each names a record of that offset
+        assert followed.first(bucket, offset) <= position
+    node.crash()
