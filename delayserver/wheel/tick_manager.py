@@ -505,14 +505,18 @@ class TickManager:
     def drop_cancelled(self, ref: int) -> None:
         """The sender found `ref` cancelled when it read the record: never deliver it."""
         self.cancelled_drops += 1
-        self._settle(ref)
+        self._settle((ref,))
 
     def on_dispatched(self, ref: int) -> None:
         """`ref`'s dispatch_log record is written."""
-        self._settle(ref)
+        self._settle((ref,))
 
     def on_dispatched_many(self, refs: list[int]) -> None:
-        """`on_dispatched` of each of `refs`, a bucket's count settled once."""
+        """`on_dispatched` of each of `refs` (a batch whose dispatch records are written)."""
+        self._settle(refs)
+
+    def _settle(self, refs) -> None:
+        """`refs` are owed no more: out of flight, their buckets' counts settled once each."""
         inflight, per_bucket = self.inflight, collections.Counter()
         for ref in refs:
             if ref in inflight:  # else handed out before a reset: nothing of it is counted any more
@@ -525,17 +529,6 @@ class TickManager:
                 del self.outstanding[bucket]
                 if self.loading_bucket is not None and bucket < self.loading_bucket:
                     self.cancels.pop(bucket, None)
-
-    def _settle(self, ref: int) -> None:
-        if ref not in self.inflight:
-            return  # handed out before a reset: nothing of it is counted any more
-        self.inflight.remove(ref)
-        bucket = self._buckets[ref >> OFFSET_BITS]
-        self.outstanding[bucket] -= 1
-        if self.outstanding[bucket] <= 0:
-            del self.outstanding[bucket]
-            if self.loading_bucket is not None and bucket < self.loading_bucket:
-                self.cancels.pop(bucket, None)
 
     def read_message(self, ref: int):
         """(bucket, offset, message_log_offset, Message) for a ref, from schedule_log.
