@@ -338,6 +338,18 @@ cdef struct Wanted:
     Py_ssize_t index
 
 
+cdef inline bint as_offset(object item, int64_t *into):
+    """`item` as a segment offset, into `into`; False when it is not one (not an int, negative,
+    too big): the caller leaves the call to the reference."""
+    if type(item) is not int:
+        return False
+    try:
+        into[0] = item
+    except OverflowError:
+        return False
+    return into[0] >= 0
+
+
 cdef int by_offset(const void *a, const void *b) noexcept nogil:
     cdef const Wanted *x = <const Wanted *>a
     cdef const Wanted *y = <const Wanted *>b
@@ -451,13 +463,7 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
             raise MemoryError()
         for k in range(total):  # the records to read: those `ahead` does not hold
             item = offsets[k]
-            if type(item) is not int:
-                return None
-            try:
-                wanted[n].offset = item
-            except OverflowError:
-                return None
-            if wanted[n].offset < 0:
+            if not as_offset(item, &wanted[n].offset):
                 return None
             if ahead is not None:
                 held = ahead[k]
@@ -567,19 +573,22 @@ cdef int64_t read_fully(int fd, uint8_t *into, int64_t start, int64_t end) noexc
 
 
 cdef struct Ahead:
-    int64_t offset
-    Py_ssize_t index
-    int64_t at       # where its bytes start in the slab, or -1
+    Wanted key       # first: `by_offset` sorts these too
+    int64_t at       # where its bytes start in the slab
     int64_t length   # its length (header included); 0: none
     uint8_t *own     # its own buffer (a record bigger than the first read), or NULL
 
 
-cdef int ahead_by_offset(const void *a, const void *b) noexcept nogil:
-    cdef const Ahead *x = <const Ahead *>a
-    cdef const Ahead *y = <const Ahead *>b
-    if x.offset != y.offset:
-        return -1 if x.offset < y.offset else 1
-    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+cdef Py_ssize_t run_end(const Ahead *want, Py_ssize_t i, Py_ssize_t n, int64_t first_read) noexcept nogil:
+    """The end (exclusive) of the run of neighbours that starts at `want[i]`: records at most
+    `first_read` apart, read together in at most SHARED_READ_BYTES."""
+    cdef int64_t first = want[i].key.offset, last = first
+    cdef Py_ssize_t j = i + 1
+    while j < n and want[j].key.offset - last <= first_read \
+            and want[j].key.offset + first_read - first <= SHARED_READ_BYTES:
+        last = want[j].key.offset
+        j += 1
+    return j
 
 
 def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record):
@@ -597,7 +606,7 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
     cdef Py_ssize_t n = len(offsets), i, j, k
     cdef Ahead *want = NULL
     cdef uint8_t *slab = NULL
-    cdef int64_t slab_size = 0, used, first, last, run_end, got, at, rsize, off
+    cdef int64_t slab_size = 0, used, first, end, got, at, rsize, off
     cdef dict out = {}
     if first_read < HEADER_SIZE or size < 0 or max_record < HEADER_SIZE:
         return None
@@ -608,26 +617,15 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
         raise MemoryError()
     try:
         for k in range(n):
-            item = offsets[k]
-            if type(item) is not int:
+            if not as_offset(offsets[k], &want[k].key.offset):
                 return None
-            try:
-                want[k].offset = item
-            except OverflowError:
-                return None
-            if want[k].offset < 0:
-                return None
-            want[k].index = k
-        qsort(want, n, sizeof(Ahead), ahead_by_offset)
+            want[k].key.index = k
+        qsort(want, n, sizeof(Ahead), by_offset)
         # The runs of neighbours, and the slab that holds all of their reads.
         i = 0
         while i < n:
-            first = last = want[i].offset
-            j = i + 1
-            while j < n and want[j].offset - last <= first_read and want[j].offset + first_read - first <= SHARED_READ_BYTES:
-                last = want[j].offset
-                j += 1
-            slab_size += max(0, min(last + first_read, size) - first)
+            j = run_end(want, i, n, first_read)
+            slab_size += max(0, min(want[j - 1].key.offset + first_read, size) - want[i].key.offset)
             i = j
         slab = <uint8_t *>malloc(max(slab_size, 1))
         if slab == NULL:
@@ -636,16 +634,13 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
             used = 0
             i = 0
             while i < n:
-                first = last = want[i].offset
-                j = i + 1
-                while j < n and want[j].offset - last <= first_read and want[j].offset + first_read - first <= SHARED_READ_BYTES:
-                    last = want[j].offset
-                    j += 1
-                run_end = min(last + first_read, size)
-                got = read_fully(fd, slab + used, first, run_end) if run_end > first else 0
+                j = run_end(want, i, n, first_read)
+                first = want[i].key.offset
+                end = min(want[j - 1].key.offset + first_read, size)
+                got = read_fully(fd, slab + used, first, end) if end > first else 0
                 if got > 0:
                     for k in range(i, j):
-                        off = want[k].offset
+                        off = want[k].key.offset
                         at = off - first
                         if at + HEADER_SIZE > got:
                             continue
@@ -670,10 +665,10 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
             if want[k].length == 0:
                 continue
             if want[k].own != NULL:
-                out[offsets[want[k].index]] = PyBytes_FromStringAndSize(<const char *>want[k].own, want[k].length)
+                out[offsets[want[k].key.index]] = PyBytes_FromStringAndSize(<const char *>want[k].own, want[k].length)
             else:
-                out[offsets[want[k].index]] = PyBytes_FromStringAndSize(<const char *>(slab + want[k].at),
-                                                                        want[k].length)
+                out[offsets[want[k].key.index]] = PyBytes_FromStringAndSize(<const char *>(slab + want[k].at),
+                                                                            want[k].length)
         return out
     finally:
         for k in range(n):
