@@ -417,35 +417,20 @@ class Sender:
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
         results = await group.transport.send_batch(out)
         mono = monotonic_ms()
-        if len(results) == len(batch) and results.count(ACKED) == len(batch):  # most batches
-            group.breaker.record_success(mono)
-            failpoints.hit("after-broker-ack")
-            await self._record_dispatch(batch, group, now)
-            return
-        outcomes = {r.outcome for r in results}
-        if len(batch) > 1 and outcomes == {Outcome.REJECTED}:
-            # Refused whole: most likely one message's doing. Split and send the halves at once.
-            self._split(group, batch, results[0].detail, at_once=True)
-            return
-        if len(batch) > 1 and outcomes == {Outcome.RETRY} and all(d.suspect for d in batch) \
-                and group.breaker.state == CLOSED:
-            # Failed whole a second time while the group is not failing otherwise: split it.
-            self._split(group, batch, results[0].detail, at_once=False)
-            return
-        acked, failed = [], []
-        ok, refused = Outcome.ACKED, Outcome.REJECTED  # (an enum member's lookup, once a batch)
-        for d, result in zip(batch, results):
-            if result.outcome is ok:
-                acked.append(d)
-            elif result.outcome is refused:
-                await self._park(d, group, result.detail, now)
-            else:
-                failed.append(d)
-                d.attempt += 1
-                if group.name not in d.tried:
-                    d.tried += (group.name,)
-                self.retried += 1
-                group.retried += 1
+        if len(results) == len(batch) and results.count(ACKED) == len(batch):  # most batches: acked whole
+            acked, failed = batch, []
+        else:
+            outcomes = {r.outcome for r in results}
+            if len(batch) > 1 and outcomes == {Outcome.REJECTED}:
+                # Refused whole: most likely one message's doing. Split and send the halves at once.
+                self._split(group, batch, results[0].detail, at_once=True)
+                return
+            if len(batch) > 1 and outcomes == {Outcome.RETRY} and all(d.suspect for d in batch) \
+                    and group.breaker.state == CLOSED:
+                # Failed whole a second time while the group is not failing otherwise: split it.
+                self._split(group, batch, results[0].detail, at_once=False)
+                return
+            acked, failed = await self._sort_results(group, batch, results, now)
         if len(failed) == len(batch):
             group.failed_batches += 1
             group.breaker.record_failure(mono)
@@ -467,6 +452,25 @@ class Sender:
         if acked:
             failpoints.hit("after-broker-ack")
             await self._record_dispatch(acked, group, now)
+
+    async def _sort_results(self, group: BrokerGroup, batch: list[Delivery], results: list,
+                            now: int) -> tuple[list[Delivery], list[Delivery]]:
+        """(acknowledged, failed) of a batch's results; the refused ones are parked here."""
+        acked, failed = [], []
+        ok, refused = Outcome.ACKED, Outcome.REJECTED  # (an enum member's lookup, once a batch)
+        for d, result in zip(batch, results):
+            if result.outcome is ok:
+                acked.append(d)
+            elif result.outcome is refused:
+                await self._park(d, group, result.detail, now)
+            else:
+                failed.append(d)
+                d.attempt += 1
+                if group.name not in d.tried:
+                    d.tried += (group.name,)
+                self.retried += 1
+                group.retried += 1
+        return acked, failed
 
     def _split(self, group: BrokerGroup, batch: list[Delivery], detail: str, *, at_once: bool) -> None:
         group.split_batches += 1
