@@ -81,12 +81,6 @@ def due_offsets(ticks: TickManager, start_ms: int, end_ms: int) -> dict[int, lis
     return by_bucket
 
 
-def plan(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[str, list[tuple[int, int]]]]:
-    """The segment ranges holding the entries due in [start_ms, end_ms), per segment file."""
-    return [(str(ticks.store.schedule_log.path(bucket)), ranges(offsets))
-            for bucket, offsets in due_offsets(ticks, start_ms, end_ms).items()]
-
-
 def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
           chunk: int = FETCH_CHUNK) -> list[tuple[int, dict[int, bytes]]]:
     """A worker thread's part: the records of each job (bucket, segment path, its size, offsets

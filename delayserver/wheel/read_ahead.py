@@ -78,7 +78,6 @@ class ReadAhead:
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
         self.records: dict[int, dict[int, bytes]] = {}
-        self._bytes: dict[int, int] = {}
         self.held_bytes = 0
         # Bumped whenever what is held may no longer be what the segments hold: a worker's read
         # that began before is dropped (`put`).
@@ -113,7 +112,6 @@ class ReadAhead:
             self.records[bucket] = records
         else:
             held.update(records)
-        self._bytes[bucket] = self._bytes.get(bucket, 0) + added
         self.held_bytes += added
         return len(records)
 
@@ -128,7 +126,6 @@ class ReadAhead:
             freed = sum(map(len, filter(None, got)))
             self.hits += found
             self.held_bytes -= freed
-            self._bytes[bucket] -= freed
             if not held:
                 self._drop(bucket)
         return got
@@ -140,13 +137,11 @@ class ReadAhead:
 
     def clear(self) -> None:
         self.records.clear()
-        self._bytes.clear()
         self.held_bytes = 0
         self.epoch += 1
 
     def _drop(self, bucket: int) -> None:
-        self.records.pop(bucket, None)
-        self.held_bytes -= self._bytes.pop(bucket, 0)
+        self.held_bytes -= sum(map(len, self.records.pop(bucket, {}).values()))
 
     # --- BucketLog listener ----------------------------------------------------------------------
 
