@@ -2,10 +2,11 @@
 
 Delivering a message means reading its record from its schedule_log segment on the event loop
 (page cache only, `TickManager.read_messages`). For messages that arrived in random order of
-their due time those records lie anywhere in a segment of hundreds of megabytes, one read each,
-and each read cost the event loop 2.5 to 5 us at 40,000 msg/s falling due (more while the other
-core runs the fsyncs of the spool and dispatch_log): a fifth of the loop's time
-(`ops/bench deliver --transports spool --rate 40000`).
+their due time those records lie anywhere in a segment of hundreds of megabytes, one read each:
+at 40,000 msg/s falling due (`ops/bench deliver --transports spool --rate 40000`) the reading
+kernel took 2.1 s of the event loop for the 400,000 records, 5.3 us each (1.7 us in a loop of
+its own, dearer while the other core runs the fsyncs of the spool and dispatch_log), and a fifth
+of the loop's samples (py-spy).
 
 So `prefetch_due` (prefetch.py), which looks ahead every 100 ms at what falls due within the next
 second, has a worker thread read those records (`read_ahead`, all of its reads with the
