@@ -1,4 +1,4 @@
-"""The Redis Streams transport: one XADD per message, pipelined per batch.
+"""The Redis Streams transport: one XADD per message, a batch's commands sent in one write.
 
 Each message becomes one stream entry in the stream `stream_template.format(subject=subject)`
 (default "{subject}"), with these fields, as XRANGE shows them:
@@ -17,10 +17,13 @@ dead or stuck server costs at most that long and never hangs the sender.
 
 Outcomes: an XADD answered with a WRONGTYPE error is REJECTED (the key holds another type, so no
 retry can succeed until an operator removes it); any other error of one XADD is RETRY for that
-message. A connection error or timeout is RETRY for the whole batch (entries written before it
-may then arrive twice: delivery is at least once). redis-py is blocking: each batch runs in a trio
+message. A connection error or timeout, or a reply redis-py does not expect (from a server that
+is not Redis), is RETRY for the whole batch (entries written before it may then arrive twice:
+delivery is at least once). redis-py is blocking: each batch runs in a trio
 worker thread, using the transport's own connection pool, and redis-py's own retries are off (the
-sender retries with back-off).
+sender retries with back-off). The batch's XADD commands are encoded here, in one pass, and written
+at once on a connection of the pool; redis-py's connection reads the replies (one per command, in
+order). Its pipeline would build a command object and an argument list per message.
 """
 from __future__ import annotations
 
@@ -47,19 +50,47 @@ HEADER_PREFIX = "h:"
 _REJECTING_ERRORS = ("WRONGTYPE",)
 
 
-def stream_fields(m: OutboundMessage) -> dict[str, str | bytes | int]:
-    """The fields of the stream entry for `m` (see the module docstring)."""
-    fields: dict[str, str | bytes | int] = {
-        "id": m.message_id,
-        "subject": m.subject,
-        "body": bytes(m.body),
-        "schedule_time": m.schedule_time,
-        "dispatch_time": m.dispatch_time,
-        "attempt": m.attempt,
-    }
-    for key, value in m.headers.items():
-        fields[HEADER_PREFIX + key] = value
-    return fields
+def _bulk(data: bytes) -> bytes:
+    """`data` as a RESP bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
+def xadd_commands(messages: Sequence[OutboundMessage], stream_template: str, maxlen: int | None) -> bytes:
+    """The RESP encoding of one `XADD <stream> [MAXLEN ~ <maxlen>] * <fields>` per message, in order,
+    with the fields of the module docstring: the command redis-py's `xadd(stream, fields,
+    maxlen=maxlen, approximate=True)` sends."""
+    trim = b"" if maxlen is None else b"$6\r\nMAXLEN\r\n$1\r\n~\r\n" + _bulk(b"%d" % maxlen)
+    count = 15 if maxlen is None else 18
+    # Per subject: the stream's name and the subject field, encoded once per batch.
+    subjects: dict[str, bytes] = {}
+    parts = []
+    for m in messages:
+        subject = m.subject
+        named = subjects.get(subject)
+        if named is None:
+            encoded = subject.encode()
+            named = subjects[subject] = (
+                b"$4\r\nXADD\r\n" + _bulk(stream_template.format(subject=subject).encode()) + trim
+                + b"$1\r\n*\r\n$2\r\nid\r\n", b"$7\r\nsubject\r\n" + _bulk(encoded)
+            )
+        message_id = m.message_id.encode()
+        body = m.body
+        schedule_time = b"%d" % m.schedule_time
+        dispatch_time = b"%d" % m.dispatch_time
+        attempt = b"%d" % m.attempt
+        headers = m.headers
+        if headers:
+            extra = b"".join(_bulk((HEADER_PREFIX + key).encode()) + _bulk(value.encode()) for key, value in headers.items())
+        else:
+            extra = b""
+        parts.append(
+            b"*%d\r\n%b$%d\r\n%b\r\n%b$4\r\nbody\r\n$%d\r\n%b\r\n$13\r\nschedule_time\r\n$%d\r\n%b\r\n"
+            b"$13\r\ndispatch_time\r\n$%d\r\n%b\r\n$7\r\nattempt\r\n$%d\r\n%b\r\n%b" % (
+                count + 2 * len(headers), named[0], len(message_id), message_id, named[1], len(body), body,
+                len(schedule_time), schedule_time, len(dispatch_time), dispatch_time, len(attempt), attempt, extra,
+            )
+        )
+    return b"".join(parts)
 
 
 def _check_template(template: Any) -> str:
@@ -114,12 +145,8 @@ class RedisTransport(Transport):
     pool: redis.ConnectionPool
     stream_template: str = DEFAULT_STREAM_TEMPLATE
     maxlen: int | None = None
-    _client: redis.Redis = attrs.field(init=False)
     # The threads its round trips may hold (see TRANSPORT_THREADS); batches beyond wait for one.
     _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(TRANSPORT_THREADS))
-
-    def __attrs_post_init__(self) -> None:
-        self._client = redis.Redis(connection_pool=self.pool)
 
     @classmethod
     def from_config(cls, address: str, options: Mapping[str, Any]) -> RedisTransport:
@@ -145,20 +172,36 @@ class RedisTransport(Transport):
     async def send_batch(self, messages: Sequence[OutboundMessage]) -> list[DeliveryResult]:
         if not messages:
             return []
-        entries = [(self.stream_name(m.subject), stream_fields(m)) for m in messages]
         try:
-            replies = await trio.to_thread.run_sync(self._xadd_all, entries, limiter=self._threads)
+            replies = await trio.to_thread.run_sync(self._xadd_all, messages, limiter=self._threads)
         except redis.RedisError as e:
             log.warning("%s: batch of %d failed, will retry: %r", self.name, len(messages), e)
             return [DeliveryResult(Outcome.RETRY, f"{self.name}: {type(e).__name__}: {e}")] * len(messages)
+        except Exception as e:  # redis-py met a reply it does not expect (a server that is not Redis)
+            log.exception("%s: batch of %d failed, will retry", self.name, len(messages))
+            return [DeliveryResult(Outcome.RETRY, f"{self.name}: unexpected {type(e).__name__}: {e}")] * len(messages)
         return [_outcome_of(reply) for reply in replies]
 
-    def _xadd_all(self, entries: list[tuple[str, dict]]) -> list[Any]:
-        """Run in a worker thread: one pipelined round trip, a reply or an exception per entry."""
-        with self._client.pipeline(transaction=False) as pipe:
-            for stream, fields in entries:
-                pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
-            return pipe.execute(raise_on_error=False)
+    def _xadd_all(self, messages: Sequence[OutboundMessage]) -> list[Any]:
+        """Run in a worker thread: one write of all the batch's commands, then a reply or an
+        exception per message. A connection that fails midway is closed, not handed back for reuse:
+        its unread replies would be taken for the next batch's."""
+        commands = xadd_commands(messages, self.stream_template, self.maxlen)
+        connection = self.pool.get_connection()
+        try:
+            connection.send_packed_command([commands])
+            replies: list[Any] = []
+            for _ in range(len(messages)):
+                try:
+                    replies.append(connection.read_response(disable_decoding=True))
+                except redis.ResponseError as e:
+                    replies.append(e)
+            return replies
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            self.pool.release(connection)
 
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self.pool.disconnect)

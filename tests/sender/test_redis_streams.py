@@ -1,9 +1,12 @@
+import functools
+
+import hiredis
 import pytest
 import redis
 import trio
 import trio.testing
 
-from delayserver.sender.redis_streams import RedisTransport
+from delayserver.sender.redis_streams import RedisTransport, xadd_commands
 from delayserver.sender.transport import OutboundMessage, Outcome, make_transport
 
 
@@ -38,6 +41,103 @@ async def test_batch_lands_in_the_subject_streams_with_all_fields(redis_server):
          b"dispatch_time": b"1700000000503", b"attempt": b"2", b"h:trace": b"t3", b"h:k": b"v"},
     ]
     assert [e[b"id"] for e in entries(redis_server, "pay.events")] == [b"m2"]
+
+
+def redis_py_xadd(m: OutboundMessage, stream_template: str, maxlen) -> bytes:
+    """What redis-py's own `xadd` sends for `m`: the reference for `xadd_commands`."""
+    fields = {"id": m.message_id, "subject": m.subject, "body": bytes(m.body), "schedule_time": m.schedule_time,
+              "dispatch_time": m.dispatch_time, "attempt": m.attempt}
+    fields.update({"h:" + key: value for key, value in m.headers.items()})
+    sent = []
+    client = redis.Redis()
+    client.execute_command = lambda *args, **options: sent.append(args)
+    client.xadd(stream_template.format(subject=m.subject), fields, maxlen=maxlen, approximate=True)
+    [args] = sent
+    return b"".join(redis.connection.Connection().pack_command(*args))
+
+
+@pytest.mark.parametrize("maxlen", [None, 1, 10_000])
+@pytest.mark.parametrize("stream_template", ["{subject}", "delay:{subject}:out"])
+def test_commands_are_the_ones_redis_py_sends(maxlen, stream_template):
+    batch = [
+        outbound(1),
+        outbound(2, "pay.events", headers={}),
+        outbound(3, "zahlung.\u00fc", message_id="id-\u00e9\u4e2d", headers={"cl\u00e9": "v\u00e4lue", "": ""}),
+        outbound(4, body=b""),
+        outbound(5, body=memoryview(b"\r\n$3\r\n" * 300)[3:]),
+        outbound(6, schedule_time=0, dispatch_time=2**62, attempt=1_000_000),
+        outbound(7),
+    ]
+    assert xadd_commands(batch, stream_template, maxlen) == b"".join(
+        redis_py_xadd(m, stream_template, maxlen) for m in batch
+    )
+    assert xadd_commands([], stream_template, maxlen) == b""
+
+
+async def test_a_large_batch_lands_whole_and_in_order(redis_server):
+    batch = [outbound(i, f"s{i % 3}", body=bytes([i % 256]) * (i * 7 % 9000)) for i in range(3000)]
+    async with transport(redis_server) as t:
+        results = await t.send_batch(batch)
+    assert [r.outcome for r in results] == [Outcome.ACKED] * len(batch)
+    for k in range(3):
+        landed = entries(redis_server, f"s{k}")
+        assert [e[b"id"] for e in landed] == [m.message_id.encode() for m in batch if m.subject == f"s{k}"]
+        assert [e[b"body"] for e in landed] == [m.body for m in batch if m.subject == f"s{k}"]
+
+
+async def test_a_server_that_stops_answering_midway_costs_its_connection(nursery):
+    """The first connection gets one reply of three and then silence: every message of that batch
+    is RETRY, and the next batch goes out on a new connection, whose replies are its own."""
+    connections = []
+
+    async def serve(stream):
+        number = len(connections)
+        connections.append(stream)
+        commands = hiredis.Reader()
+        xadds = 0
+        while data := await stream.receive_some():
+            commands.feed(data)
+            while (command := commands.gets()) is not False:
+                if command[0].upper() == b"HELLO":  # redis-py's handshake: RESP3
+                    await stream.send_all(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                    continue
+                if command[0].upper() != b"XADD":
+                    await stream.send_all(b"+OK\r\n")
+                    continue
+                xadds += 1
+                if number == 0 and xadds > 1:
+                    continue  # silence after the first reply
+                entry = b"%d-%d" % (number, xadds)
+                await stream.send_all(b"$%d\r\n%b\r\n" % (len(entry), entry))
+
+    [listener] = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    port = listener.socket.getsockname()[1]
+    async with make_transport("redis", f"127.0.0.1:{port}", {"timeout_ms": 300}, data_dir=None) as t:
+        with trio.fail_after(5):
+            first = await t.send_batch([outbound(1), outbound(2), outbound(3)])
+        assert [r.outcome for r in first] == [Outcome.RETRY] * 3
+        assert "Timeout" in first[0].detail
+        with trio.fail_after(5):
+            second = await t.send_batch([outbound(4), outbound(5)])
+    assert [r.outcome for r in second] == [Outcome.ACKED] * 2
+    assert len(connections) == 2
+
+
+async def test_a_server_that_is_not_redis_gives_retry(nursery):
+    """A peer that answers +OK to everything, the handshake included: redis-py raises on its
+    reply (not a RedisError); the batch is RETRY and the sender goes on."""
+
+    async def serve(stream):
+        while await stream.receive_some():
+            await stream.send_all(b"+OK\r\n")
+
+    [listener] = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    port = listener.socket.getsockname()[1]
+    async with make_transport("redis", f"127.0.0.1:{port}", {"timeout_ms": 300}, data_dir=None) as t:
+        with trio.fail_after(5):
+            results = await t.send_batch([outbound(1), outbound(2)])
+    assert [r.outcome for r in results] == [Outcome.RETRY] * 2
+    assert "unexpected" in results[0].detail
 
 
 async def test_stream_template_names_the_stream(redis_server):
