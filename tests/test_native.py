@@ -729,3 +729,28 @@ def test_the_dispatch_records_are_the_reference(when, group, offsets):
     for rec, (so, mlo) in zip(theirs, offsets):
         d = r.decode_dispatch(rec, r.HEADER_SIZE)
         assert (d.schedule_offset, d.dispatch_time, d.broker_group, d.message_log_offset) == (so, when, group, max(mlo, -1))
+
+
+def test_the_source_distribution_holds_every_source_of_the_kernels(tmp_path):
+    """A build from the sdist compiles the kernels only if their headers and .pxd files are in it;
+    without them the optional extensions fail quietly and every node runs the references. Built
+    from a copy without the egg-info an install leaves, whose file list the sdist would reuse."""
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    tree = tmp_path / "tree"
+    shutil.copytree(root, tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "var", "build", "dist", "*.egg-info", "__pycache__", "*.so", "test-artifacts", ".hypothesis"))
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=tree, check=True,
+                   capture_output=True)
+    [archive] = tmp_path.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        held = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    sources = {f"delayserver/native/{p.name}" for p in (root / "delayserver" / "native").iterdir()
+               if p.suffix in (".pyx", ".pxd", ".h")}
+    assert {"delayserver/native/crc32c.h", "delayserver/native/endian.pxd"} <= sources
+    assert sources - held == set()
