@@ -20,6 +20,7 @@ from delayserver.sender.groups import (
 )
 from delayserver.sender.transport import check_options
 from delayserver.storage.buckets import MINUTE_MS
+from delayserver.wheel.read_ahead import HORIZON_MS as READ_AHEAD_MS, MAX_BYTES as READ_AHEAD_BYTES
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 
@@ -87,6 +88,8 @@ class Config:
     max_delay_ms: int = 2 * _UNITS_MS["y"]
     segment_scale_ms: int = 60 * MINUTE_MS
     load_ahead_ms: int | None = None
+    read_ahead_ms: int = READ_AHEAD_MS
+    read_ahead_bytes: int = READ_AHEAD_BYTES
     message_log_segment_bytes: int = 64 << 20
     tick_ms: int = 10
     wheel_slots: int = 1 << 13
@@ -156,7 +159,8 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
-        known = {f.name for f in attrs.fields(cls)} | {"max_delay", "segment_scale", "load_ahead", "dedupe_window"}
+        known = {f.name for f in attrs.fields(cls)} | {"max_delay", "segment_scale", "load_ahead", "read_ahead",
+                                                       "dedupe_window"}
         for key in raw:
             if key not in known and key != "broker_group":
                 raise ConfigError(f"{key}: unknown option")
@@ -182,6 +186,14 @@ class Config:
                      "frame_timeout_ms", "retention_ms", "cleaner_interval_ms"):
             if name in raw:
                 kw[name] = parse_duration(raw[name], name)
+        name = "read_ahead" if "read_ahead" in raw else "read_ahead_ms"
+        if name in raw:
+            kw["read_ahead_ms"] = parse_duration(raw[name], name)
+            if kw["read_ahead_ms"] <= 0:
+                raise ConfigError(f"{name}: must be positive, got {raw[name]!r}")
+        if "read_ahead_bytes" in raw:
+            v = raw["read_ahead_bytes"]
+            kw["read_ahead_bytes"] = 0 if v == 0 else parse_size(v, "read_ahead_bytes")
         if "reserve_bytes" in raw:
             v = raw["reserve_bytes"]
             kw["reserve_bytes"] = 0 if v == 0 else parse_size(v, "reserve_bytes")

@@ -45,6 +45,11 @@ def test_sizes(text, size):
     ({"max_message_bytes": "-1"}, "max_message_bytes"),
     ({"delay_levels": "1s soon"}, "delay_levels"),
     ({"colour": "blue"}, "colour"),
+    ({"read_ahead": "0"}, "read_ahead"),
+    ({"read_ahead": "soon"}, "read_ahead"),
+    ({"read_ahead_ms": -5}, "read_ahead_ms"),
+    ({"read_ahead_bytes": "-1"}, "read_ahead_bytes"),
+    ({"read_ahead_bytes": "lots"}, "read_ahead_bytes"),
     ({"broker_group": [{"name": "a", "transport": "kafka"}]}, "broker_group[0].transport"),
     ({"broker_group": [{"name": "a"}, {"name": "a"}]}, "broker_group[1].name"),
     ({"broker_group": [{"name": "r", "transport": "redis"}]}, "broker_group[0].address"),
@@ -54,6 +59,15 @@ def test_invalid_options_are_refused_naming_the_option(raw, option):
     with pytest.raises(ConfigError) as err:
         Config.from_dict(raw)
     assert str(err.value).startswith(option)
+
+
+def test_read_ahead_defaults_and_units():
+    c = Config()
+    assert (c.read_ahead_ms, c.read_ahead_bytes) == (1000, 64 << 20)
+    c = Config.from_dict({"read_ahead": "5s", "read_ahead_bytes": "16MiB"})
+    assert (c.read_ahead_ms, c.read_ahead_bytes) == (5000, 16 << 20)
+    c = Config.from_dict({"read_ahead_ms": 250, "read_ahead_bytes": 0})
+    assert (c.read_ahead_ms, c.read_ahead_bytes) == (250, 0)
 
 
 def test_toml_file_and_command_line_overrides(tmp_path):

@@ -108,7 +108,7 @@ class DelayServer:
         scale = c.segment_scale_ms
         self.ticks = TickManager(
             self.store, now_ms=self.clock.now_ms(), tick_ms=c.tick_ms, slots=c.wheel_slots,
-            load_ahead_ms=c.effective_load_ahead_ms,
+            load_ahead_ms=c.effective_load_ahead_ms, read_ahead_bytes=c.read_ahead_bytes,
             settled_elsewhere=lambda bucket: parked_offsets(c.data_dir / "parked", bucket, scale),
         )
         recent = RecentBatches()
@@ -187,7 +187,7 @@ class DelayServer:
                                                       checkpoint_interval_ms=c.checkpoint_interval_ms))
                 await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
                                                       active=self.role.is_master))
-                await nursery.start(prefetch_due, self.ticks, self.clock)
+                await nursery.start(functools.partial(prefetch_due, horizon_ms=c.read_ahead_ms), self.ticks, self.clock)
                 await nursery.start(self.sender.serve)
                 nursery.start_soon(self._save_followers_periodically)
                 await nursery.start(functools.partial(serve_schedules, self.schedules, self.operations, self.clock,

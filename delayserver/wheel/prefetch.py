@@ -22,13 +22,11 @@ import os
 import trio
 
 from delayserver.storage.threads import run_disk
-from delayserver.wheel.read_ahead import read_records
+from delayserver.wheel.read_ahead import HORIZON_MS, read_records
 from delayserver.wheel.tick_manager import READ_GUESS_BYTES, TickManager
 
 log = logging.getLogger("delayserver.wheel")
 
-#: Read ahead what falls due within this long.
-HORIZON_MS = 1000
 #: How often to look ahead.
 STEP_MS = 100
 #: Records closer than this are read ahead as one range.

@@ -33,8 +33,10 @@ try:
 except ImportError:  # not built: the reference below
     _native_read_ahead = None
 
-#: The most the records read ahead may hold at once (bytes of records).
+#: The most the records read ahead may hold at once (bytes of records; `read_ahead_bytes`).
 MAX_BYTES = 64 << 20
+#: Read ahead what falls due within this long (`read_ahead`; prefetch.py does the reading).
+HORIZON_MS = 1000
 #: A record bigger than this is not read ahead (read when due, as any other).
 MAX_RECORD_BYTES = 64 << 10
 #: The first read of a record read ahead: most records are smaller.

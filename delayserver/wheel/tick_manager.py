@@ -54,7 +54,7 @@ from delayserver.storage.record import (
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
-from delayserver.wheel.read_ahead import ReadAhead
+from delayserver.wheel.read_ahead import MAX_BYTES as READ_AHEAD_BYTES, ReadAhead
 from delayserver.wheel.timingwheel import TimingWheel
 
 try:  # the compiled kernel (delayserver/native/records.pyx), when built
@@ -108,7 +108,7 @@ class TickManager:
     """Synchronous core: loading, can_add, firing, cancels. Time is always passed in."""
 
     def __init__(self, store: Store, *, now_ms: int, tick_ms: int = 10, slots: int = 1 << 13,
-                 load_ahead_ms: int | None = None, settled_elsewhere=None):
+                 load_ahead_ms: int | None = None, settled_elsewhere=None, read_ahead_bytes: int = READ_AHEAD_BYTES):
         """`settled_elsewhere(bucket) -> set of offsets` names records that a load must skip besides
         those in dispatch_log (parked messages)."""
         self.store = store
@@ -151,7 +151,7 @@ class TickManager:
         # Reschedule: (schedule_time, id) of messages being moved -> refs that fell due meanwhile.
         self.moving: dict[tuple[int, str], list[int]] = {}
         # The records of what falls due soon, read into memory by prefetch_due's worker thread.
-        self.ahead = ReadAhead()
+        self.ahead = ReadAhead(read_ahead_bytes)
         store.schedule_log.listeners.append(self.ahead)
 
     def reset(self, now: int) -> None:
