@@ -1,6 +1,6 @@
-"""The due queue's screening of what it takes: a cancelled message is dropped and a moving one
-held, looked up per message only in a bucket that has cancels or while something moves; the rest
-goes out as read, in due order, whichever buckets a batch spans."""
+"""The due queue's screening of what it takes: a cancelled message is dropped (a cancel applies
+within its own bucket only) and a moving one held; the rest goes out as read, in due order,
+whichever buckets a batch spans."""
 from __future__ import annotations
 
 from delayserver.wheel.due_queue import DueQueue
