@@ -19,11 +19,11 @@ Outcomes: an XADD answered with a WRONGTYPE error is REJECTED (the key holds ano
 retry can succeed until an operator removes it); any other error of one XADD is RETRY for that
 message. A connection error or timeout, or a reply redis-py does not expect (from a server that
 is not Redis), is RETRY for the whole batch (entries written before it may then arrive twice:
-delivery is at least once). redis-py is blocking: each batch runs in a trio
-worker thread, using the transport's own connection pool, and redis-py's own retries are off (the
-sender retries with back-off). The batch's XADD commands are encoded here, in one pass, and written
-at once on a connection of the pool; redis-py's connection reads the replies (one per command, in
-order). Its pipeline would build a command object and an argument list per message.
+delivery is at least once). redis-py is blocking: each batch runs in a trio worker thread, using
+the transport's own connection pool, and redis-py's own retries are off (the sender retries with
+back-off). The batch's XADD commands are encoded here, in one pass, and written at once on a
+connection of the pool; redis-py's connection reads the replies (one per command, in order). Its
+pipeline would build a command object and an argument list per message.
 """
 from __future__ import annotations
 
@@ -79,10 +79,9 @@ def xadd_commands(messages: Sequence[OutboundMessage], stream_template: str, max
         dispatch_time = b"%d" % m.dispatch_time
         attempt = b"%d" % m.attempt
         headers = m.headers
-        if headers:
-            extra = b"".join(_bulk((HEADER_PREFIX + key).encode()) + _bulk(value.encode()) for key, value in headers.items())
-        else:
-            extra = b""
+        extra = b"".join(
+            _bulk((HEADER_PREFIX + key).encode()) + _bulk(value.encode()) for key, value in headers.items()
+        ) if headers else b""
         parts.append(
             b"*%d\r\n%b$%d\r\n%b\r\n%b$4\r\nbody\r\n$%d\r\n%b\r\n$13\r\nschedule_time\r\n$%d\r\n%b\r\n"
             b"$13\r\ndispatch_time\r\n$%d\r\n%b\r\n$7\r\nattempt\r\n$%d\r\n%b\r\n%b" % (
