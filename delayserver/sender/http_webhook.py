@@ -65,7 +65,7 @@ def results_of(response_status: int, response_body: bytes, messages: Sequence[Ou
         return [DeliveryResult(Outcome.REJECTED if rejected else Outcome.RETRY, detail)] * len(messages)
     try:
         document = json.loads(response_body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
         return [ACKED] * len(messages)
     if not isinstance(document, dict) or "results" not in document:
         return [ACKED] * len(messages)
@@ -84,9 +84,10 @@ def _results_by_id(results: Any) -> dict[str, DeliveryResult] | None:
         if not isinstance(item, dict) or not isinstance(item.get("id"), str):
             return None
         detail = str(item.get("detail", ""))
-        outcome = _STATUSES.get(item.get("status"))
+        status = item.get("status")
+        outcome = _STATUSES.get(status) if isinstance(status, str) else None
         if outcome is None:
-            by_id[item["id"]] = DeliveryResult(Outcome.RETRY, f"unknown status {item.get('status')!r}")
+            by_id[item["id"]] = DeliveryResult(Outcome.RETRY, f"unknown status {status!r}")
         else:
             by_id[item["id"]] = DeliveryResult(outcome, detail)
     return by_id

@@ -67,6 +67,20 @@ async def test_per_message_results_are_matched_by_id(webhook_server):
     assert "lost" in results[4].detail
 
 
+@pytest.mark.parametrize("status", [[1], {"ok": 1}, None, 3])
+async def test_a_status_that_is_not_a_string_gives_retry_for_its_message(webhook_server, status):
+    webhook_server.respond(200, {"results": [{"id": "m1", "status": status}, {"id": "m2", "status": "ok"}]})
+    results = await send(webhook_server.url, [outbound(1), outbound(2)])
+    assert outcomes(results) == [Outcome.RETRY, Outcome.ACKED]
+    assert "unknown status" in results[0].detail
+
+
+async def test_a_2xx_body_nested_deeper_than_the_parser_goes_acks_all(webhook_server):
+    webhook_server.respond(200, b"[" * 200_000 + b"]" * 200_000)
+    results = await send(webhook_server.url, [outbound(1), outbound(2)])
+    assert outcomes(results) == [Outcome.ACKED] * 2
+
+
 async def test_results_computed_from_the_received_batch(webhook_server):
     webhook_server.respond(200, lambda batch: {"results": [
         {"id": m["id"], "status": "ok" if m["subject"] == "orders" else "rejected"} for m in batch["messages"]
