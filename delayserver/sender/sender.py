@@ -19,7 +19,9 @@ generation.
   messages falling due behind it. The records not yet fsynced belong to unsettled deliveries, at
   most `max_inflight` per group (the bound `DISPATCH_POWER_LOSS_WINDOW` relies on). RETRY -> back
   to routing after a back-off, possibly to another group, without any retry limit; REJECTED ->
-  parked (see `parked.py`), never blocking the others.
+  parked (see `parked.py`), never blocking the others. A transport that raises instead of
+  answering (a bug, or a broker's reply its client library did not expect) counts as RETRY for
+  the whole batch, logged with its traceback: nothing a broker sends stops the node.
 - Poison isolation: a batch the broker refuses whole (every message REJECTED, as an HTTP 4xx
   does) is split in halves and sent again at once, down to the one message that causes it, which
   alone is parked with the broker's reason. A batch failing whole (every message RETRY) while
@@ -43,7 +45,7 @@ from delayserver.sender.groups import (
     DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT, DEFAULT_SEND_BATCH_SIZE, DEFAULT_SEND_WAIT_MS,
 )
 from delayserver.sender.parked import ParkedLog
-from delayserver.sender.transport import ACKED, OutboundMessage, Outcome, Transport
+from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import encode_dispatch_records
 from delayserver.storage.threads import run_disk
@@ -415,7 +417,11 @@ class Sender:
             for d in batch
         ]
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
-        results = await group.transport.send_batch(out)
+        try:
+            results = await group.transport.send_batch(out)
+        except Exception as e:  # noqa: BLE001 - see the module docstring: never the node's end
+            log.exception("broker group %s: its transport raised on a batch of %d; will retry", group.name, len(batch))
+            results = [DeliveryResult(Outcome.RETRY, f"transport raised {type(e).__name__}: {e}")] * len(batch)
         mono = monotonic_ms()
         if len(results) == len(batch) and results.count(ACKED) == len(batch):  # most batches: acked whole
             acked, failed = batch, []

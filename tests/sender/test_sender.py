@@ -206,3 +206,29 @@ async def test_a_taken_batch_is_routed_as_each_of_its_messages_would_be():
     queued, no_route, retrying, _ = seen[1]
     assert len(queued["one"][0]) > 1 and queued["full"][2] == 5 and queued["full"][1]  # cases met
     assert queued["w1"][0] and queued["w2"][0] and queued["open"][1] and no_route == retrying > 0
+
+
+async def test_a_transport_that_raises_costs_its_batch_a_retry_not_the_node(tmp_path, nursery):
+    """A transport that raises instead of answering (a bug, or a reply its client library did not
+    expect) fails its batch as RETRY; the node goes on and delivers every message once."""
+    server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}]))
+    group = server.sender.groups["g"]
+    spool, raised = group.transport, []
+
+    class RaisingOnce:  # the real spool transport, whose first batch raises
+        def __getattr__(self, name):
+            return getattr(spool, name)
+
+        async def send_batch(self, messages):
+            if not raised:
+                raised.append(len(messages))
+                raise RuntimeError("a reply the client library did not expect")
+            return await spool.send_batch(messages)
+
+    group.transport = RaisingOnce()
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+        await producer.send_many([Message("t.raise", b"x", message_id=f"r{i}") for i in range(5)])
+    await wait_until(lambda: server.sender.delivered == 5, 10)
+    assert raised and server.sender.retried >= raised[0]
+    delivered = [m.message_id for _, _, _, m in iter_spool(server.config.data_dir, "t.raise")]
+    assert sorted(delivered) == [f"r{i}" for i in range(5)]
