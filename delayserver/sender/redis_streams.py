@@ -165,9 +165,6 @@ class RedisTransport(Transport):
     def name(self) -> str:
         return f"redis {_redacted(self.address)} stream {self.stream_template}"
 
-    def stream_name(self, subject: str) -> str:
-        return self.stream_template.format(subject=subject)
-
     async def send_batch(self, messages: Sequence[OutboundMessage]) -> list[DeliveryResult]:
         if not messages:
             return []
