@@ -191,12 +191,9 @@ class Config:
             kw["read_ahead_ms"] = parse_duration(raw[name], name)
             if kw["read_ahead_ms"] <= 0:
                 raise ConfigError(f"{name}: must be positive, got {raw[name]!r}")
-        if "read_ahead_bytes" in raw:
-            v = raw["read_ahead_bytes"]
-            kw["read_ahead_bytes"] = 0 if v == 0 else parse_size(v, "read_ahead_bytes")
-        if "reserve_bytes" in raw:
-            v = raw["reserve_bytes"]
-            kw["reserve_bytes"] = 0 if v == 0 else parse_size(v, "reserve_bytes")
+        for name in ("read_ahead_bytes", "reserve_bytes"):  # sizes that 0 turns off
+            if name in raw:
+                kw[name] = 0 if raw[name] == 0 else parse_size(raw[name], name)
         for name in ("max_message_bytes", "message_log_segment_bytes", "max_frame_bytes", "max_queued_bytes",
                      "max_connection_bytes", "max_buffered_bytes"):
             if name in raw:
