@@ -77,7 +77,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def send_batch(self, messages: Sequence[OutboundMessage]) -> list[DeliveryResult]:
-        """Deliver `messages`; one result per message, same order. Raises only for programming errors."""
+        """Deliver `messages`; one result per message, same order. A broker's failure, whatever
+        its client library raises for it, is a result; raises only for programming errors, which
+        the sender logs and takes as RETRY for the whole batch."""
 
     @abc.abstractmethod
     async def aclose(self) -> None:
