@@ -28,7 +28,7 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    T_CANCEL, T_COMMIT, T_EPOCH, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records,
+    T_CANCEL, T_COMMIT, T_EPOCH, T_MESSAGE, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records,
     message_log_head, schedule_change_sequence, scheduled_record_head,
 )
 from delayserver.storage.store import REPLAY_CHECKPOINT, Store
@@ -47,24 +47,28 @@ except ImportError:
 
 
 def walk(data, base: int, limit: int, end: int, scale: int, sizes_of: Callable[[int], int],
-         change_sequence: Callable[[object, int], int], max_sequence: int):
+         change_sequence: Callable[[object, int], int], max_sequence: int, follow_prefix: bytes | None = None):
     """One replay pass over `data`, message_log records checked already (MessageLog.read, or a
     batch this node wrote) starting at message_log offset `base`, up to offset `limit`: what to
     append to schedule_log and what to tell about it, without changing anything.
 
     `end`: the cursor before the pass; `scale`: the bucket width; `sizes_of(bucket)`: a bucket's
     schedule_log size now; `change_sequence(data, start)`: the sequence of a SCHEDULE payload;
-    `max_sequence`: the highest sequence seen before. Returns ``(per_bucket, ids, notes, txn_notes,
-    followed, end, max_sequence, changes)``:
+    `max_sequence`: the highest sequence seen before; `follow_prefix`: which records `followed`
+    lists (below). Returns ``(per_bucket, ids, runs, txn_notes, followed, end, max_sequence,
+    changes)``:
 
     - per_bucket: bucket -> its schedule_log records, one buffer to append;
     - ids: bucket -> ``(offset within that buffer, schedule_log type, schedule_time, message id
       bytes)`` of each record, the keys the indexes take instead of parsing the records again;
-    - notes: ``(bucket, offset in the bucket, message_log type, schedule_time, message id of a
-      CANCEL else None)`` of each scheduled record, in log order;
+    - runs: what the tick manager is told, in log order: for each run of scheduled MESSAGE and
+      COMMIT records a dict bucket -> ``(offset in the bucket, schedule_time)`` of the run's records
+      in that bucket, and for each CANCEL ``(bucket, offset in the bucket, schedule_time, message
+      id)`` between them;
     - txn_notes: ``(message_log offset, type, payload start, payload end)`` of transactional records;
     - followed: ``(type, payload start, payload end)`` of each MESSAGE, CANCEL, COMMIT and SCHEDULE
-      record (what `on_records` gets);
+      record (what `on_records` gets); with a `follow_prefix`, of each SCHEDULE record and each
+      MESSAGE whose id starts with it only;
     - end: the message_log offset after the last record taken; max_sequence: the highest sequence
       then; changes: how many SCHEDULE records (followed, not scheduled).
 
@@ -76,7 +80,8 @@ def walk(data, base: int, limit: int, end: int, scale: int, sizes_of: Callable[[
     ids: dict[int, list[tuple[int, int, int, memoryview]]] = {}
     starts: dict[int, int] = {}
     sizes: dict[int, int] = {}
-    notes = []
+    runs: list = []
+    run: dict[int, list[tuple[int, int]]] | None = None
     txn_notes = []
     followed: list[tuple[int, int, int]] = []
     changes = 0
@@ -117,18 +122,23 @@ def walk(data, base: int, limit: int, end: int, scale: int, sizes_of: Callable[[
         ids[bucket].append((at - starts[bucket], kind, sched, mid))
         if rtype == T_CANCEL:
             try:
-                notes.append((bucket, at, rtype, sched, str(mid, "utf-8")))
+                runs.append((bucket, at, sched, str(mid, "utf-8")))
             except UnicodeDecodeError:
                 raise RecordError(pos, "message id is not UTF-8") from None
+            run = None
         else:
-            notes.append((bucket, at, rtype, sched, None))
+            if run is None:
+                run = {}
+                runs.append(run)
+            run.setdefault(bucket, []).append((at, sched))
         sizes[bucket] = at + size
         recs += (head, payload)
         if seq > max_sequence:
             max_sequence = seq
-        followed.append((rtype, s, e))
+        if follow_prefix is None or rtype == T_MESSAGE and mid[:len(follow_prefix)] == follow_prefix:
+            followed.append((rtype, s, e))
         end = base + e
-    return ({b: b"".join(recs) for b, recs in per_bucket.items()}, ids, notes, txn_notes, followed, end,
+    return ({b: b"".join(recs) for b, recs in per_bucket.items()}, ids, runs, txn_notes, followed, end,
             max_sequence, changes)
 
 
@@ -137,6 +147,7 @@ class Replayer:
                  recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
                  on_disk_full: Callable[[], None] = lambda: None,
                  on_records: Callable[[bytes, list[tuple[int, int, int]], bool], None] | None = None,
+                 follow_prefix: Callable[[bool], bytes | None] = lambda own: None,
                  transactions: HalfMessages | None = None):
         """`recent_batch(offset)`: the batch written at that message_log offset, if the writer still
         holds it (the replayer takes it instead of reading the log back). `on_disk_full`: called
@@ -145,9 +156,12 @@ class Replayer:
         records, own)`: called once per replay pass that appended, with ``(type, payload_start,
         payload_end)`` of each MESSAGE, CANCEL, COMMIT and SCHEDULE record of `data` it replayed,
         in log order (the dedupe table, the schedules follow them); `own` is true for a batch this
-        node's receiver wrote (taken from `recent_batch`)."""
+        node's receiver wrote (taken from `recent_batch`). `follow_prefix(own)`: None when
+        `on_records` needs all those records of the pass, else an id prefix: it needs only the
+        SCHEDULE records and the MESSAGE records whose id starts with it (see `walk`)."""
         self.store = store
         self.on_records = on_records
+        self.follow_prefix = follow_prefix
         self.ticks = ticks
         self.offset = offset
         self.max_sequence = max_sequence
@@ -170,6 +184,7 @@ class Replayer:
              recent_batch: Callable[[int], tuple[bytes, int] | None] = lambda offset: None,
              on_disk_full: Callable[[], None] = lambda: None,
              on_records: Callable[[bytes, list[tuple[int, int, int]], bool], None] | None = None,
+             follow_prefix: Callable[[bool], bytes | None] = lambda own: None,
              transactions: HalfMessages | None = None) -> "Replayer":
         """Restore the checkpoint (truncate schedule segments to it), then replay the rest of
         message_log; `max_sequence` is then the highest sequence message_log holds.
@@ -177,7 +192,8 @@ class Replayer:
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append. `recent_batch`, `on_disk_full` and `on_records` are the constructor's.
+        the replay cannot append. `recent_batch`, `on_disk_full`, `on_records` and `follow_prefix` are the
+        constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -203,7 +219,7 @@ class Replayer:
         schedule_log.sync()
         self = cls(store, ticks, offset=offset, max_sequence=cp.get("max_sequence", 0),
                    recent_batch=recent_batch, on_disk_full=on_disk_full, on_records=on_records,
-                   transactions=transactions)
+                   follow_prefix=follow_prefix, transactions=transactions)
         self.transactions.restore(cp.get("transactions"))
         end = store.message_log.end_offset
         # Nothing is loaded, so can_add refuses every record and the time passed is never used.
@@ -226,14 +242,14 @@ class Replayer:
         own = recent is not None
         schedule_log = self.store.schedule_log
         args = (data, base, limit, self.offset, self.store.segment_scale_ms, schedule_log.size,
-                schedule_change_sequence, self.max_sequence)
+                schedule_change_sequence, self.max_sequence, None if self.on_records is None else self.follow_prefix(own))
         walked = _native_walk(*args) if _native_walk is not None else None
         if walked is None:
             try:
                 walked = walk(*args)
             except RecordError as err:
                 raise CorruptSegment(self.store.message_log.directory, base + err.offset, err.reason) from None
-        per_bucket, ids, notes, txn_notes, followed, end, max_sequence, changes = walked
+        per_bucket, ids, runs, txn_notes, followed, end, max_sequence, changes = walked
         self.max_sequence = max_sequence
         self._append_all(per_bucket, ids)
         if self.on_records is not None and followed:
@@ -243,31 +259,23 @@ class Replayer:
                 self.transactions.apply(off, rtype, data, s, e)
             except RecordError as err:
                 raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
-        self._tell_ticks(notes, now)
+        self._tell_ticks(runs, now)
         self.offset = end
-        count = len(notes) + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
+        count = sum(map(len, ids.values())) + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
         self.replayed += count
         return count + changes
 
-    def _tell_ticks(self, notes: list, now: int) -> None:
-        """Tell the tick manager what was appended, in log order. Runs of MESSAGE and COMMIT
-        records (no cancel among them) go in bulk, one call per bucket: the order of a run's
-        entries between buckets does not matter, within a bucket it is kept."""
+    def _tell_ticks(self, runs: list, now: int) -> None:
+        """Tell the tick manager what was appended, in log order (`walk`'s runs): a run of MESSAGE
+        and COMMIT records (no cancel among them) in bulk, one call per bucket (the order of a run's
+        entries between buckets does not matter, within a bucket it is kept), then a CANCEL."""
         ticks = self.ticks
-        run: dict[int, list[tuple[int, int]]] = {}
-        for bucket, offset, rtype, sched, mid in notes:
-            if rtype != T_CANCEL:  # MESSAGE or COMMIT
-                entries = run.get(bucket)
-                if entries is None:
-                    entries = run[bucket] = []
-                entries.append((offset, sched))
-                continue
-            for b, entries in run.items():
-                ticks.on_replayed_many(b, entries, now)
-            run = {}
-            ticks.on_cancel(bucket, offset, sched, mid)
-        for b, entries in run.items():
-            ticks.on_replayed_many(b, entries, now)
+        for item in runs:
+            if type(item) is dict:
+                for bucket, entries in item.items():
+                    ticks.on_replayed_many(bucket, entries, now)
+            else:
+                ticks.on_cancel(*item)
 
     def _append_all(self, per_bucket: dict[int, bytes], ids: dict[int, list]) -> None:
         schedule_log = self.store.schedule_log

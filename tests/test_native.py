@@ -52,7 +52,9 @@ def test_the_kernels_know_the_record_format_as_record_py_does():
     assert r.encode_cancel(r.Cancel("abc", 5, 1))[24] == 3
 
 
-ids = st.text(st.characters(codec="utf-8"), min_size=1, max_size=6).filter(lambda s: len(s.encode()) <= 255)
+# Some with the prefixes the walk's follow_prefix is tried with.
+ids = st.builds(lambda prefix, rest: prefix + rest, st.sampled_from(["", "", "m", "schedule:", "schedule"]),
+                st.text(st.characters(codec="utf-8"), min_size=1, max_size=6)).filter(lambda s: len(s.encode()) <= 255)
 times = st.integers(0, 6 * SCALE) | st.integers(-(2**63), 2**63 - 1)
 
 
@@ -111,10 +113,10 @@ def message_logs(draw):
 def comparable(walked):
     """A walk's result with its buffers and ids as bytes (the kernel writes bytearrays and ids as
     bytes, the reference joins bytes and slices memoryviews)."""
-    per_bucket, ids, notes, txn_notes, followed, end, max_sequence, changes = walked
+    per_bucket, ids, runs, txn_notes, followed, end, max_sequence, changes = walked
     return ({b: bytes(v) for b, v in per_bucket.items()},
             {b: [(at, kind, sched, bytes(mid)) for at, kind, sched, mid in v] for b, v in ids.items()},
-            notes, txn_notes, followed, end, max_sequence, changes)
+            runs, txn_notes, followed, end, max_sequence, changes)
 
 
 def reference(*args):
@@ -126,15 +128,16 @@ def reference(*args):
 
 @SETTINGS
 @given(message_logs(), st.integers(0, 2**40), st.integers(0, 5000), st.integers(0, 2**20), st.booleans(),
-       st.integers(1, 2 * SCALE))
-def test_the_replay_walk_is_the_reference(data, base, limit_at, start, as_bytearray, scale):
+       st.integers(1, 2 * SCALE), st.sampled_from([None, b"", b"m", b"schedule:", b"\xff"]))
+def test_the_replay_walk_is_the_reference(data, base, limit_at, start, as_bytearray, scale, follow_prefix):
     sizes = {}
 
     def sizes_of(bucket):  # a bucket's size: anything, the same for both walks
         return sizes.setdefault(bucket, random.Random(bucket).randrange(0, 1 << 30))
 
     buf = bytearray(data) if as_bytearray else data
-    args = (buf, base, base + limit_at, base - start, scale, sizes_of, r.schedule_change_sequence, start)
+    args = (buf, base, base + limit_at, base - start, scale, sizes_of, r.schedule_change_sequence, start,
+            follow_prefix)
     native = native_records.walk(*args)
     expected = reference(*args)
     if native is None:  # left to the reference: only for what the reference refuses

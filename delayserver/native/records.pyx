@@ -19,7 +19,7 @@ from libc.errno cimport EAGAIN, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.errno cimport EINTR
 from libc.stdlib cimport calloc, free, malloc, qsort
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from posix.types cimport off_t
 from delayserver.native.endian cimport be16, be32, be64, put32, put64
 
@@ -89,7 +89,7 @@ cdef inline bint is_transactional(int rtype) noexcept nogil:
 
 
 def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64_t scale, sizes_of,
-         change_sequence, uint64_t max_sequence):
+         change_sequence, uint64_t max_sequence, bytes follow_prefix=None):
     """The replayer's walk (replayer.walk documents the arguments and the result), or None."""
     cdef const uint8_t[::1] view = data
     cdef const uint8_t *buf = &view[0] if view.shape[0] else NULL
@@ -106,10 +106,15 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     cdef list bucket_ids = None
     cdef uint8_t *out
     cdef object mid, cancel_id, key
+    cdef dict run = None
+    cdef list run_list = None
+    cdef bint follow_all = follow_prefix is None
+    cdef const char *prefix = NULL if follow_all else PyBytes_AS_STRING(follow_prefix)
+    cdef Py_ssize_t prefix_len = 0 if follow_all else PyBytes_GET_SIZE(follow_prefix)
     per_bucket = {}
     ids = {}
     starts = {}
-    notes = []
+    runs = []
     txn_notes = []
     followed = []
     seed_scheduled = type_seed(T_SCHEDULED)
@@ -175,7 +180,7 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
             hit = have_last and bucket == last_bucket
             if not hit:
                 key = bucket
-        if not hit:  # `key` is the bucket's int: notes share it
+        if not hit:  # `key` is the bucket's int: the runs share it
             arr = per_bucket.get(key)
             if arr is None:
                 arr = per_bucket[key] = PyByteArray_FromStringAndSize(NULL, 0)
@@ -213,15 +218,26 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
                 cancel_id = PyUnicode_DecodeUTF8(<const char *>buf + id_at, id_end - id_at, NULL)
             except UnicodeDecodeError:
                 return None
-            notes.append((key, at, rtype, sched, cancel_id))
+            runs.append((key, at, sched, cancel_id))
+            run = None
         else:
-            notes.append((key, at, rtype, sched, None))
+            if run is None:
+                run = {}
+                runs.append(run)
+                run_list = None
+            if not hit or run_list is None:  # else the last record's list: same bucket, same run
+                run_list = run.get(key)
+                if run_list is None:
+                    run_list = run[key] = []
+            run_list.append((at, sched))
         if seq > max_sequence:
             max_sequence = seq
-        followed.append((rtype, s, e))
+        if follow_all or (rtype == T_MESSAGE and id_end - id_at >= prefix_len
+                          and memcmp(buf + id_at, prefix, prefix_len) == 0):
+            followed.append((rtype, s, e))
         end = base + e
         pos = e
-    return per_bucket, ids, notes, txn_notes, followed, end, max_sequence, changes
+    return per_bucket, ids, runs, txn_notes, followed, end, max_sequence, changes
 
 
 def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequence):

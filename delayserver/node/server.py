@@ -121,7 +121,7 @@ class DelayServer:
         self.schedules.recover(self.store.message_log)
         self.replayer = replayer = Replayer.open(
             self.store, self.ticks, recent_batch=recent.take, on_disk_full=self.disk.enter_full,
-            on_records=self._follow_records, transactions=self.halves)
+            on_records=self._follow_records, follow_prefix=self._follow_prefix, transactions=self.halves)
         self.durable = Wakeup()
         # After a promotion, sequences go on above the replayed log's top.
         self.receiver = Receiver(self.store, self.clock, c, recent=recent, disk=self.disk, on_durable=self.durable,
@@ -352,6 +352,11 @@ class DelayServer:
             for rtype, s, e in records:
                 table.feed_record(rtype, data, s, e)
         self.schedules.feed_records(data, records)
+
+    def _follow_prefix(self, own: bool) -> bytes | None:
+        """Which records `_follow_records` needs of a pass (Replayer's `follow_prefix`): all of them
+        while the dedupe table learns from the log, else only what the schedules look at."""
+        return None if self.dedupe.table.enabled and not own else self.schedules.id_prefix
 
     async def _save_followers(self) -> None:
         """Save the dedupe table and the schedules, covering message_log up to replay's offset."""

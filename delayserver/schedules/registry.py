@@ -64,6 +64,9 @@ class ScheduleState:
 
 
 class Registry:
+    #: The id prefix of the only MESSAGE records `feed_records` looks at (occurrences).
+    id_prefix = _PREFIX
+
     def __init__(self, checkpoint_dir: Path):
         self.path = Path(checkpoint_dir) / FILE_NAME
         self.schedules: dict[str, ScheduleState] = {}
