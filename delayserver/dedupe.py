@@ -161,6 +161,12 @@ class DedupeTable:
     def enabled(self) -> bool:
         return self.window_ms > 0
 
+    def only_ids(self) -> dict | None:
+        """The ids accepted since start (id -> position), when no entry read back at start is
+        live: then an id not in it is not known (`find` answers None), and a caller screening many
+        ids may skip `find` for those. None while saved entries are live."""
+        return self._positions if self._saved is None else None
+
     def find(self, message_id: str, now_ms: int) -> int | None:
         """The schedule time of the message accepted under `message_id` within the window, or None."""
         position = self._positions.get(message_id)

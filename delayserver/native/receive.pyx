@@ -22,6 +22,7 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     send_result, duplicate, invalid_message, encode_message_fields, checked_subjects, dedupe_key, max_id, max_headers = context
     cdef Py_ssize_t count = len(rows), i, span, id_at, id_len, subject_len, headers_len, body_len
     cdef Py_ssize_t max_id_bytes = max_id, max_headers_bytes = max_headers
+    cdef dict only_ids = table.only_ids() if table is not None else None
     cdef list results = [None] * count
     cdef list accepted = []
     cdef list payloads = []
@@ -48,7 +49,7 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
         if table is not None:
             key = message_id if not headers else dedupe_key(message_id, headers)
             keys[i] = key
-            known = table.find(key, now)
+            known = None if only_ids is not None and key not in only_ids else table.find(key, now)
             if known is not None:
                 results[i] = duplicate(known, message_id)
                 continue

@@ -83,6 +83,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     waits: list[tuple[int, _Pending, int]] = []
     last_spec, last_when = None, 0
     pack_head, checked_subjects = MESSAGE_HEAD.pack, CHECKED_SUBJECTS
+    only_ids = table.only_ids() if table is not None else None
     for i, row in enumerate(rows):
         message_id, subject, spec, headers, id_at, id_len, subject_len, headers_len, body_len = row
         if refused is not None:
@@ -90,7 +91,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
             continue
         if table is not None:
             key = keys[i] = dedupe_key(message_id, headers)
-            known = table.find(key, now)
+            known = None if only_ids is not None and key not in only_ids else table.find(key, now)
             if known is not None:
                 results[i] = _duplicate(known, message_id)
                 continue
@@ -148,6 +149,10 @@ class _Pending:
     #: for its answer still has it called).
     on_durable: Callable[[], None] | None = None
     end: int = -1  # message_log offset after its last record
+    nbytes: int = attrs.field(init=False)  # the payloads' bytes
+
+    def __attrs_post_init__(self) -> None:
+        self.nbytes = sum(map(len, self.payloads))
 
 
 class RecentBatches:
@@ -348,7 +353,7 @@ class Receiver:
             await other.done.wait()
             results[i] = (_duplicate(when, rows[i][0]) if other.code == ResultCode.OK
                           else SendResult(other.code, other.error, 0, rows[i][0]))
-        if table is not None:
+        if table is not None and len(accepted) < len(results):  # (all stored: no duplicate)
             duplicate = ResultCode.DUPLICATE  # (an enum member's lookup, once a batch)
             table.duplicates += sum(r.code == duplicate for r in results)
         return results
@@ -420,7 +425,7 @@ class Receiver:
     async def _commit(self, pending: _Pending) -> None:
         self._queue.append(pending)
         self._queued += len(pending.payloads)
-        self._queued_bytes += sum(len(p) for p in pending.payloads)
+        self._queued_bytes += pending.nbytes
         self._wakeup.set()
         await pending.done.wait()
         if pending.code == ResultCode.OK and self.replicas is not None \
@@ -455,7 +460,7 @@ class Receiver:
         limit = self.store.message_log.max_unsynced_bytes
         batch, total, taken = [], 0, 0
         for p in self._queue:
-            payload_bytes = sum(len(payload) for payload in p.payloads)
+            payload_bytes = p.nbytes
             size = payload_bytes + HEADER_SIZE * len(p.payloads)
             if batch and total + size > limit:
                 break
