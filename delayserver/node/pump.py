@@ -70,6 +70,9 @@ class PumpLimits:
     max_bytes_before_gate: int | None = None
     #: Request bytes of one connection held (read, not answered yet) at once (None: no cap).
     max_connection_bytes: int | None = None
+    #: Bytes asked of the socket per read once the gate let the connection in (64 KiB before):
+    #: a producer's batch of 64 messages of 1 KiB is one read, not two.
+    receive_bytes: int = 256 << 10
 
 
 @attrs.define(eq=False)
@@ -186,7 +189,7 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                 timeout = limits.idle_timeout_s
             with trio.CancelScope(deadline=now + max(timeout, 0)) as scope:
                 try:
-                    data = await stream.receive_some(65536)
+                    data = await stream.receive_some(limits.receive_bytes if admitted else 65536)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
                     log.info("%s from %s lost: %r", what, peer_name(stream), e)
                     break
