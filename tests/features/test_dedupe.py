@@ -569,6 +569,29 @@ async def test_no_automatic_collection_runs_while_recovery_builds_the_node(tmp_p
     assert during_start == [] and gc.isenabled()
 
 
+async def test_a_serving_node_collects_young_objects_by_the_tens_of_thousands(tmp_path):
+    """Python collects its youngest generation every 700 new objects; the node's hot paths make
+    and drop them by the batch, so while it serves it collects every GC_THRESHOLDS[0], and gives
+    the process its own thresholds back when it stops."""
+    import gc
+
+    from delayserver.node.server import GC_THRESHOLDS
+
+    seen = []
+
+    async def look(server):
+        seen.append(gc.get_threshold())
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(600, 9, 8)
+    try:
+        await run_node(tmp_path, look)
+        assert seen == [GC_THRESHOLDS] and GC_THRESHOLDS[0] >= 10_000
+        assert gc.get_threshold() == (600, 9, 8)
+    finally:
+        gc.set_threshold(*threshold)
+
+
 async def a_saved_table(root, count: int, offset: int):
     """A node's Dedupe holding ids m0 .. m{count - 1} (accepted at T0 + i), saved covering `offset`."""
     from delayserver.dedupe import Dedupe
