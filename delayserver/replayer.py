@@ -28,8 +28,8 @@ from delayserver.storage.buckets import bucket_name, parse_bucket_name
 from delayserver.storage.checkpoint import read_checkpoint, write_checkpoint
 from delayserver.storage.errors import CorruptSegment, DiskFull, StorageError
 from delayserver.storage.record import (
-    T_CANCEL, T_COMMIT, T_EPOCH, T_MESSAGE, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType, iter_checked_records,
-    message_log_head, schedule_change_sequence, scheduled_record_head,
+    T_CANCEL, T_COMMIT, T_EPOCH, T_MESSAGE, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType,
+    iter_checked_records, message_log_head, schedule_change_sequence, scheduled_record_head,
 )
 from delayserver.storage.store import REPLAY_CHECKPOINT, Store
 from delayserver.transactions.state import HalfMessages
@@ -192,8 +192,8 @@ class Replayer:
         Call it before the tick manager loads anything (module docstring). Raises StorageError if a
         segment is shorter than its checkpointed size (fsynced data went missing) or the checkpoint
         points past the end of message_log, CorruptSegment for damage in message_log, DiskFull when
-        the replay cannot append. `recent_batch`, `on_disk_full`, `on_records` and `follow_prefix` are the
-        constructor's.
+        the replay cannot append. `recent_batch`, `on_disk_full`, `on_records` and `follow_prefix`
+        are the constructor's.
         """
         assert ticks.loading_bucket is None, (
             "test_dispatch_records_of_offsets_past_the_checkpoint_stay_valid_after_a_restart"
@@ -241,8 +241,9 @@ class Replayer:
         data, base = recent if recent is not None else self.store.message_log.read(self.offset, max_bytes)
         own = recent is not None
         schedule_log = self.store.schedule_log
+        follow = None if self.on_records is None else self.follow_prefix(own)
         args = (data, base, limit, self.offset, self.store.segment_scale_ms, schedule_log.size,
-                schedule_change_sequence, self.max_sequence, None if self.on_records is None else self.follow_prefix(own))
+                schedule_change_sequence, self.max_sequence, follow)
         walked = _native_walk(*args) if _native_walk is not None else None
         if walked is None:
             try:
