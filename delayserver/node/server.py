@@ -61,11 +61,11 @@ MAX_REQUESTS_PER_CONNECTION = 256
 #: What a connection may buffer before it has authenticated (an AUTH frame is a few bytes).
 MAX_BYTES_BEFORE_AUTH = 64 << 10
 #: The collector's thresholds while the node serves (Python's are 700, 10, 10): a young collection
-#: every 50,000 new container objects, not every 700. The hot paths make and drop objects by the
-#: batch; at 700 the collections and their callbacks ran hundreds of times a second and promoted
-#: a batch's objects that were about to be dropped. `ops/bench deliver --rate 50000`: P99 13 ms
-#: in two runs, 23 and 60 ms with Python's; `ops/bench ingest`: about a tenth less server CPU.
-GC_THRESHOLDS = (50_000, 20, 20)
+#: every 10,000 new container objects, not every 700. The hot paths hold a batch's objects for a
+#: moment; at 700 collections ran hundreds of times a second, each promoting a batch about to be
+#: dropped. Much larger thresholds let more garbage build up between collections, and each pause
+#: grows with it. Figures in README ("Benchmarks": the ingest and deliver rows on the collector).
+GC_THRESHOLDS = (10_000, 20, 20)
 
 
 class DelayServer:

@@ -569,9 +569,9 @@ async def test_no_automatic_collection_runs_while_recovery_builds_the_node(tmp_p
     assert during_start == [] and gc.isenabled()
 
 
-async def test_a_serving_node_collects_young_objects_by_the_tens_of_thousands(tmp_path):
-    """Python collects its youngest generation every 700 new objects; the node's hot paths make
-    and drop them by the batch, so while it serves it collects every GC_THRESHOLDS[0], and gives
+async def test_a_serving_node_collects_young_objects_by_the_thousands(tmp_path):
+    """Python collects its youngest generation every 700 new objects; the node's hot paths hold a
+    batch's objects for a moment, so while it serves it collects every GC_THRESHOLDS[0], and gives
     the process its own thresholds back when it stops."""
     import gc
 
@@ -586,7 +586,7 @@ async def test_a_serving_node_collects_young_objects_by_the_tens_of_thousands(tm
     gc.set_threshold(600, 9, 8)
     try:
         await run_node(tmp_path, look)
-        assert seen == [GC_THRESHOLDS] and GC_THRESHOLDS[0] >= 10_000
+        assert seen == [GC_THRESHOLDS] and GC_THRESHOLDS[0] >= 5_000
         assert gc.get_threshold() == (600, 9, 8)
     finally:
         gc.set_threshold(*threshold)
