@@ -14,6 +14,7 @@ import gc
 import hmac
 import logging
 import ssl
+import sys
 
 import trio
 
@@ -66,6 +67,10 @@ MAX_BYTES_BEFORE_AUTH = 64 << 10
 #: dropped. Much larger thresholds let more garbage build up between collections, and each pause
 #: grows with it. Figures in README ("Benchmarks": the ingest and deliver rows on the collector).
 GC_THRESHOLDS = (10_000, 20, 20)
+#: How long the event loop may hold the interpreter's lock while a worker thread waits for it
+#: (Python's 5 ms): a thread back from an fsync, a broker's reply or a read-ahead waited up to that
+#: to hand its result over. Figures in README ("Benchmarks": the deliver row on the switch interval).
+SWITCH_INTERVAL_S = 0.0005
 
 
 class DelayServer:
@@ -171,7 +176,7 @@ class DelayServer:
         # No automatic collection until what recovery builds is frozen below: a full collection
         # in the middle of a start walked the dedupe table's millions of entries (113 ms at ten
         # million), and everything built here lives as long as the node.
-        collecting, thresholds = gc.isenabled(), gc.get_threshold()
+        collecting, thresholds, switch_s = gc.isenabled(), gc.get_threshold(), sys.getswitchinterval()
         gc.disable()
         try:
             self._open()  # Replayer.open has replayed all of message_log before anything loads
@@ -226,6 +231,7 @@ class DelayServer:
                 # a full collection no longer walks millions of entries on the event loop.
                 gc.freeze()
                 gc.set_threshold(*GC_THRESHOLDS)
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
                 if collecting:
                     gc.enable()
                 log.info("serving on %s:%d, data in %s", c.listen[0], self.port, c.data_dir)
@@ -235,6 +241,7 @@ class DelayServer:
             gc.callbacks.remove(self.loop_watch.on_gc)
             gc.unfreeze()  # what was frozen is collectable again once the node stops
             gc.set_threshold(*thresholds)
+            sys.setswitchinterval(switch_s)
             if collecting:
                 gc.enable()
             await self.sender.aclose()
