@@ -262,7 +262,8 @@ class Replayer:
                 raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
         self._tell_ticks(runs, now)
         self.offset = end
-        count = sum(map(len, ids.values())) + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
+        scheduled = sum(map(len, ids.values()))  # one id per scheduled record
+        count = scheduled + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
         self.replayed += count
         return count + changes
 
