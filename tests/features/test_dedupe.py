@@ -569,52 +569,6 @@ async def test_no_automatic_collection_runs_while_recovery_builds_the_node(tmp_p
     assert during_start == [] and gc.isenabled()
 
 
-async def test_a_serving_node_collects_young_objects_by_the_thousands(tmp_path):
-    """Python collects its youngest generation every 700 new objects; the node's hot paths hold a
-    batch's objects for a moment, so while it serves it collects every GC_THRESHOLDS[0], and gives
-    the process its own thresholds back when it stops."""
-    import gc
-
-    from delayserver.node.server import GC_THRESHOLDS
-
-    seen = []
-
-    async def look(server):
-        seen.append(gc.get_threshold())
-
-    threshold = gc.get_threshold()
-    gc.set_threshold(600, 9, 8)
-    try:
-        await run_node(tmp_path, look)
-        assert seen == [GC_THRESHOLDS] and GC_THRESHOLDS[0] >= 5_000
-        assert gc.get_threshold() == (600, 9, 8)
-    finally:
-        gc.set_threshold(*threshold)
-
-
-async def test_a_serving_node_lets_worker_threads_in_sooner(tmp_path):
-    """A worker thread back from an fsync or a broker's reply waits for the interpreter's lock
-    while the event loop runs; while the node serves that wait is SWITCH_INTERVAL_S, not Python's
-    5 ms, and the process gets its own interval back when the node stops."""
-    import sys
-
-    from delayserver.node.server import SWITCH_INTERVAL_S
-
-    seen = []
-
-    async def look(server):
-        seen.append(sys.getswitchinterval())
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.004)
-    try:
-        await run_node(tmp_path, look)
-        assert seen == [SWITCH_INTERVAL_S] and SWITCH_INTERVAL_S <= 0.001
-        assert sys.getswitchinterval() == 0.004
-    finally:
-        sys.setswitchinterval(interval)
-
-
 async def a_saved_table(root, count: int, offset: int):
     """A node's Dedupe holding ids m0 .. m{count - 1} (accepted at T0 + i), saved covering `offset`."""
     from delayserver.dedupe import Dedupe

@@ -15,7 +15,7 @@ from delayserver.message import (
     BadMessageId, BadScheduleTime, BadSubject, CancelOutcome, DelayServerError, MessageState, MessageTooLarge,
     ResultCode,
 )
-from delayserver.node.server import DelayServer
+from delayserver.node.server import GC_THRESHOLDS, SWITCH_INTERVAL_S, DelayServer
 from delayserver.storage.message_log import MessageLog
 from delayserver.storage.record import RecordType
 
@@ -433,3 +433,27 @@ async def test_tls_for_producers_and_for_replication(tmp_path, nursery, tls_file
         while slave.store.message_log.end_offset != master.store.message_log.end_offset:
             await trio.sleep(0.02)
     assert handle.message_id
+
+
+async def test_a_serving_node_tunes_the_collector_and_the_switch_interval_then_gives_them_back(tmp_path):
+    """While the node serves, young collections run every GC_THRESHOLDS[0] new objects (Python's
+    700 collected a batch's objects over and over) and a worker thread back from an fsync or a
+    broker's reply waits SWITCH_INTERVAL_S for the interpreter's lock, not Python's 5 ms; the
+    process gets its own settings back when the node stops."""
+    import gc
+    import sys
+
+    saved = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(600, 9, 8)
+    sys.setswitchinterval(0.004)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(DelayServer(config(tmp_path)).serve)
+            assert gc.get_threshold() == GC_THRESHOLDS and GC_THRESHOLDS[0] >= 5_000
+            assert sys.getswitchinterval() == SWITCH_INTERVAL_S and SWITCH_INTERVAL_S <= 0.001
+            nursery.cancel_scope.cancel()
+        assert gc.get_threshold() == (600, 9, 8)
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        gc.set_threshold(*saved[0])
+        sys.setswitchinterval(saved[1])
