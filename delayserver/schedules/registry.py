@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from delayserver.schedules.rules import parse_rule
-from delayserver.schedules.spec import ScheduleSpec, parse_occurrence_id
+from delayserver.schedules.spec import ID_PREFIX, ScheduleSpec, parse_occurrence_id
 from delayserver.storage.checkpoint import CorruptCheckpoint, read_checkpoint, write_checkpoint
 from delayserver.storage.record import (
     MESSAGE_HEAD, RecordType, decode_schedule_change, iter_checked_records,
@@ -37,7 +37,7 @@ from delayserver.wakeup import Wakeup
 log = logging.getLogger("delayserver.schedules")
 
 FILE_NAME = "schedules.json"
-_PREFIX = b"schedule:"
+_PREFIX = ID_PREFIX.encode()
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
 
 
