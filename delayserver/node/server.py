@@ -63,9 +63,9 @@ MAX_REQUESTS_PER_CONNECTION = 256
 MAX_BYTES_BEFORE_AUTH = 64 << 10
 #: The collector's thresholds while the node serves (Python's are 700, 10, 10): a young collection
 #: every 10,000 new container objects, not every 700. The hot paths hold a batch's objects for a
-#: moment; at 700 collections ran hundreds of times a second, each promoting a batch about to be
-#: dropped. Much larger thresholds let more garbage build up between collections, and each pause
-#: grows with it. Figures in README ("Benchmarks": the ingest and deliver rows on the collector).
+#: moment: at 700 a collection could run within a batch and promote objects about to be dropped.
+#: Much larger thresholds let more garbage build up between collections, and each pause grows with
+#: it. Figures in README ("Benchmarks": the ingest and deliver rows on the collector).
 GC_THRESHOLDS = (10_000, 20, 20)
 #: How long the event loop may hold the interpreter's lock while a worker thread waits for it
 #: (Python's 5 ms): a thread back from an fsync, a broker's reply or a read-ahead waited up to that
