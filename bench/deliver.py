@@ -1,5 +1,5 @@
 """`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]
-[--rate R[,R...] [--seconds S]] [--in-order]`: end-to-end delivery of messages falling due at a
+[--rate R[,R...] [--seconds S]] [--in-order] [--profile FILE]`: end-to-end delivery of messages falling due at a
 steady rate.
 
 `--rate` runs the workload at each given rate (messages falling due per second, over a window of
@@ -56,7 +56,7 @@ import attrs
 
 from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, mib, now_ms,
-    pids_of, run_child,
+    pids_of, py_spy, run_child,
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.sender.spool import iter_spool
@@ -246,8 +246,9 @@ def save_index(store, root: Path) -> None:
     trio.run(save)
 
 
-def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
+def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str = "") -> dict:
     """One run, delivering to `transport` (one of TRANSPORTS); the measured figures as a dict.
+    With `profile`, py-spy samples the server over the window and writes its stacks to that file.
 
     With `bucket_load`, a bucket of that many messages loads during the window (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="bench-deliver-") as tmp, contextlib.ExitStack() as stack:
@@ -284,7 +285,10 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0) -> dict:
             new = broker[1]() if broker is not None else _spool_reader(tmp / "data")
             time.sleep(max(0, t0 - now_ms()) / 1000)
             cpu_at_t0 = cpu_seconds(server.process)
+            spy = py_spy(server.process.pid, w.window_ms / 1000, profile) if profile else None
             delivered = _wait_delivered(new, load["acked"], until)
+            if spy is not None:
+                spy.wait(60)
             if server.process.poll() is not None:
                 raise RuntimeError(f"the server exited ({server.process.returncode}); its log:\n"
                                    + server.log_path.read_text()[-5000:])
@@ -372,7 +376,8 @@ def meets_rate_target(r: dict) -> bool:
             and r["dispatch"]["p99"] <= RATE_TARGET_P99_MS and not r["dispatch"]["early"])
 
 
-def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order: bool = False) -> None:
+def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order: bool = False,
+               profile: str = "") -> None:
     """One run per (transport, rate); then, per transport, the highest rate that met the target and
     the server CPU per delivered message at each rate."""
     for transport in transports:
@@ -381,7 +386,7 @@ def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order
         summary = []
         for rate in rates:
             w = rate_workload(rate, seconds, in_order)
-            r = run_deliver(transport, w)
+            r = run_deliver(transport, w, profile=profile and f"{profile}.{transport}.{rate}")
             print(report(transport, w, r), flush=True)
             ok = meets_rate_target(r)
             summary.append((rate, ok, r["dispatch"]["p99"], r["cpu_seconds"] / max(1, r["delivered"]) * 1e6))
@@ -409,14 +414,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="the window's length with --rate (default 10)")
     parser.add_argument("--in-order", action="store_true",
                         help="messages sent in the order they fall due (as with one fixed delay), not in random order")
+    parser.add_argument("--profile", default="", metavar="FILE",
+                        help="sample the server with py-spy over the window; collapsed stacks to FILE (with "
+                             "--rate: FILE.<transport>.<rate>, one per run)")
     args = parser.parse_args(argv)
     w = attrs.evolve(QUICK if args.quick else FULL, in_order=args.in_order)
     if args.rate:
         transports = args.transports.split(",") if args.transports != ",".join(TRANSPORTS) else ["spool"]
-        return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports, args.in_order)
+        return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports, args.in_order,
+                          args.profile)
     print(f"deliver benchmark on {environment_note()}; flush=sync", flush=True)
     if args.bucket_load:
-        print(report("spool", w, run_deliver("spool", w, args.bucket_load), args.bucket_load), flush=True)
+        print(report("spool", w, run_deliver("spool", w, args.bucket_load, args.profile), args.bucket_load), flush=True)
         return
     if args.bridge:
         from bench.broker_readers import bridge_cost
@@ -427,4 +436,5 @@ def main(argv: list[str]) -> None:
     for transport in args.transports.split(","):
         if transport not in TRANSPORTS:
             parser.error(f"unknown transport {transport!r}")
-        print(report(transport, w, run_deliver(transport, w)), flush=True)
+        print(report(transport, w, run_deliver(transport, w, profile=args.profile and f"{args.profile}.{transport}")),
+              flush=True)

@@ -225,6 +225,14 @@ def pids_of(*processes) -> list[int]:
     return [p.process.pid for p in processes if p.process is not None and p.process.poll() is None]
 
 
+def py_spy(pid: int, seconds: float, out: str) -> subprocess.Popen:
+    """py-spy sampling process `pid` 200 times a second for `seconds`, writing the collapsed stacks
+    to `out` (`--profile` of the benchmarks); the caller waits for it."""
+    return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid), "-r", "200",
+                             "-d", str(max(1, round(seconds))), "-f", "raw", "-o", out, "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def environment_note() -> str:
     """Cores, Python, and the load average: other work on the machine skews every figure."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import trio
 
-from bench.harness import environment_note, proc_cpu_seconds
+from bench.harness import environment_note, proc_cpu_seconds, py_spy
 from delayserver.metrics import percentile
 
 
@@ -73,9 +73,7 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
             port = int(line.rsplit(":", 1)[1].split(",")[0])
             spy = None
             if profile:
-                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(server.pid),
-                                        "-r", "200", "-d", str(int(seconds)), "-f", "raw", "-o", profile, "--nonblocking"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                spy = py_spy(server.pid, seconds, profile)
             before, children_before = proc_cpu_seconds(server.pid), _children_cpu()
             load = subprocess.Popen(
                 [sys.executable, "-m", "bench.ingest", "load", f"127.0.0.1:{port}",

@@ -55,9 +55,13 @@ _ID_PREFIX = os.urandom(5).hex()  # random per process (and renewed in a forked 
 _id_counter = itertools.count()
 
 
+_id_head = (-1, "")  # (epoch ms, the ids' first 22 hex digits for it): made once per millisecond
+
+
 def _renew_id_prefix() -> None:
-    global _ID_PREFIX
+    global _ID_PREFIX, _id_head
     _ID_PREFIX = os.urandom(5).hex()
+    _id_head = (-1, "")
 
 
 os.register_at_fork(after_in_child=_renew_id_prefix)
@@ -66,14 +70,21 @@ os.register_at_fork(after_in_child=_renew_id_prefix)
 def new_message_id(now_ms: int | None = None) -> str:
     """A time-ordered id, unique without coordination: 12 hex digits of epoch ms, 10 random hex
     digits drawn once per process, then a per-process counter (6 hex digits, wrapping)."""
-    now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-    return f"{now_ms:012x}{_ID_PREFIX}{next(_id_counter) & 0xFFFFFF:06x}"
+    global _id_head
+    if now_ms is None:
+        now_ms = time.time_ns() // 1_000_000
+    ms, head = _id_head
+    if ms != now_ms:
+        head = f"{now_ms:012x}{_ID_PREFIX}"
+        _id_head = (now_ms, head)
+    return head + "%06x" % (next(_id_counter) & 0xFFFFFF)
 
 
-def _item(subject: str, body, deliver_at, delay, delay_level, message_id: str | None, headers) -> SendItem:
+def _item(subject: str, body, deliver_at, delay, delay_level, message_id: str | None, headers,
+          now_ms: int | None = None) -> SendItem:
     """The SEND item for one message; raises MessageTooLarge for a body no node takes and
     BadScheduleTime for a time that is not a whole number of 64 bits (decided here, before
-    anything is sent)."""
+    anything is sent). `now_ms`: the time a new id is made with (read from the clock when None)."""
     body = body if type(body) is bytes else bytes(body)
     check_body_size(len(body))
     if deliver_at is None and delay_level is None and type(delay) is int:
@@ -86,7 +97,7 @@ def _item(subject: str, body, deliver_at, delay, delay_level, message_id: str | 
     else:
         spec = TimeSpec.of(deliver_at, delay, delay_level)
     # As SendItem(...) makes it, without the named tuple's Python-level constructor.
-    return _new_tuple(SendItem, (message_id or new_message_id(), subject, spec, body,
+    return _new_tuple(SendItem, (message_id or new_message_id(now_ms), subject, spec, body,
                                  dict(headers) if headers else {}))
 
 
@@ -401,10 +412,11 @@ class AsyncProducer(BackgroundTasks):
         batch got no answer and may be sent again)."""
         out: list = []
         items = []
+        now_ms = time.time_ns() // 1_000_000  # the new ids' time: the clock read once, not per message
         for i, m in enumerate(messages):
             try:
                 items.append((i, _item(m.subject, m.body, m.deliver_at, m.delay, m.delay_level, m.message_id,
-                                       m.headers)))
+                                       m.headers, now_ms)))
                 out.append(None)
             except DelayServerError as e:  # refused before sending, alone
                 out.append(e)
@@ -419,7 +431,8 @@ class AsyncProducer(BackgroundTasks):
                     out[i] = e
                 return
             for (i, _), r in zip(chunk, results):
-                out[i] = (Handle(r.schedule_time, r.message_id) if r.code in _STORED
+                # Handle(...) as the named tuple's own constructor makes it, without its Python-level call.
+                out[i] = (_new_tuple(Handle, (r.schedule_time, r.message_id)) if r.code in _STORED
                           else error_for(r.code, r.message))
 
         async with trio.open_nursery() as nursery:

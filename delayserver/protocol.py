@@ -83,10 +83,11 @@ from delayserver.message import (
 
 try:  # the compiled SEND decoder (delayserver/native/send.pyx), when the install built it
     from delayserver.native.send import (
-        decode_rows as _native_decode_rows, encode_items as _native_encode_items, encode_results as _native_encode_results,
+        decode_results as _native_decode_results, decode_rows as _native_decode_rows, encode_items as _native_encode_items,
+        encode_results as _native_encode_results,
     )
 except ImportError:
-    _native_decode_rows = _native_encode_items = _native_encode_results = None
+    _native_decode_rows = _native_encode_items = _native_encode_results = _native_decode_results = None
 
 #: The delay server's default port (the meta server's is 20800).
 DEFAULT_PORT = 20801
@@ -726,6 +727,16 @@ def decode_send_response(payload: bytes) -> list[SendResult]:
 
 
 def _decode_send_response_fast(payload: bytes) -> list[SendResult] | None:
+    """The compiled kernel (delayserver/native/send.pyx) when built, else `_decode_send_response_py`;
+    None on anything they do not take whole (the checked decoder then says what is wrong)."""
+    if _native_decode_results is not None:
+        return _native_decode_results(payload if type(payload) is bytes else bytes(payload), SendResult,
+                                      _RESULT_CODE_BY_VALUE)
+    return _decode_send_response_py(payload)
+
+
+def _decode_send_response_py(payload: bytes) -> list[SendResult] | None:
+    """The SEND response in one pass, in Python: the compiled kernel's reference."""
     buf = payload if type(payload) is bytes else bytes(payload)
     end = len(buf)
     if end < 4:

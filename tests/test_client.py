@@ -85,6 +85,30 @@ def test_messages_of_one_delay_share_one_time_spec_and_the_specs_kept_are_bounde
     assert client._item("orders.q", b"", 7, None, None, "id", None).time == TimeSpec.at(7)
 
 
+@pytest.mark.timeout(60)
+def test_new_ids_are_distinct_ordered_by_their_time_and_fresh_in_a_forked_child():
+    import os
+
+    from delayserver import client
+
+    now = time.time_ns() // 1_000_000
+    ids = [client.new_message_id(now) for _ in range(1000)] + [client.new_message_id(now + 1) for _ in range(1000)]
+    assert len(set(ids)) == 2000 and all(len(i) == 28 for i in ids)
+    assert {i[:12] for i in ids[:1000]} == {f"{now:012x}"} and {i[:12] for i in ids[1000:]} == {f"{now + 1:012x}"}
+    assert int(client.new_message_id()[:12], 16) >= now  # the clock's, when no time is given
+    # A forked child draws its own random part: its ids of the same millisecond are not the parent's.
+    parent = client.new_message_id(now)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, client.new_message_id(now).encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 100).decode()
+    os.waitpid(pid, 0)
+    assert child[:12] == parent[:12] == f"{now:012x}" and child[12:22] != parent[12:22] == ids[0][12:22]
+
+
 @pytest.mark.timeout(120)
 def test_times_that_are_no_whole_64_bit_number_are_refused_as_bad_schedule_time(node):
     address, _ = node

@@ -272,6 +272,32 @@ def test_the_send_response_encoder_is_the_reference(results):
         assert native == reference_
 
 
+def _response_bytes(results, cut, garble):
+    """A SEND response: the encoding of `results`, then cut short or lengthened by `cut` bytes, with
+    byte `garble` (when given) replaced by 0xFF (breaking a length or the UTF-8 of a text)."""
+    data = bytearray(p._encode_send_response_checked(results))
+    data = data[:len(data) + cut] if cut < 0 else data + bytes(cut)
+    if garble is not None and data:
+        data[garble % len(data)] = 0xFF
+    return bytes(data)
+
+
+@SETTINGS
+@given(st.lists(st.builds(p.SendResult, st.sampled_from(ResultCode) | st.integers(0, 0xFFFF),
+                          st.sampled_from(["stored", "dup", "", "\u00e9t\u00e9"]) | st.text(max_size=4),
+                          st.integers(-(2**63), 2**63 - 1), st.text(max_size=6)), max_size=6),
+       st.integers(-3, 2), st.none() | st.integers(0, 200))
+def test_the_send_response_decoder_is_the_reference(results, cut, garble):
+    data = _response_bytes(results, cut, garble)
+    native, reference_ = native_send.decode_results(data, p.SendResult, p._RESULT_CODE_BY_VALUE), \
+        p._decode_send_response_py(data)
+    assert native == reference_
+    assert native is None or all(type(x) is p.SendResult and type(x.code) is type(y.code)
+                                 for x, y in zip(native, reference_))
+    if cut == 0 and garble is None:
+        assert native == results
+
+
 # --- index keys ---------------------------------------------------------------------------------
 
 

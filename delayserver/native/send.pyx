@@ -2,15 +2,16 @@
 """SEND codec kernels, compiled; each must equal its Python reference in delayserver/protocol.py
 (tests/test_native.py holds them side by side): `encode_items` a request (`_encode_send_request_py`,
 the producer's side), `decode_rows` a request's items (`_decode_send_request_py`), `encode_results`
-the response (`_encode_send_response_py`). The
-request comes from a connection: every length is checked against the payload before a
-byte of it is read, and anything the reference would not take gives None.
+the response (`_encode_send_response_py`), `decode_results` the response on the producer's side
+(`_decode_send_response_py`). A request or response comes from a connection: every length is
+checked against the payload before a byte of it is read, and anything the reference would not take
+gives None.
 """
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
-from delayserver.native.endian cimport be16, be32, put16, put32, put64
+from delayserver.native.endian cimport be16, be32, be64, put16, put32, put64
 
 cdef enum:
     ITEM_SIZE = 19  # time kind u8, time value i64, id u16, subject u16, header count u16, body u32
@@ -163,6 +164,51 @@ def encode_results(results, result_type):
         memcpy(w + 4, last_p, last_n)
         w += 4 + last_n
     return out
+
+
+def decode_results(bytes payload, result_type, codes):
+    """The SendResults (`result_type`) of the SEND response `payload`, or None where the reference
+    answers None (a length past the end, bytes left over, text that is not UTF-8). `codes`: the
+    ResultCode of each known code value; an unknown value is kept as the int."""
+    cdef const uint8_t *buf = <const uint8_t *>(<char *>payload)
+    cdef Py_ssize_t end = len(payload), pos = 4, id_at, text_at, text_len
+    cdef Py_ssize_t last_at = -1, last_len = -1
+    cdef uint32_t count, i, code
+    cdef int64_t when
+    cdef object text = None, code_obj, message_id
+    cdef list results
+    if end < 4:
+        return None
+    count = be32(buf)
+    if <uint64_t>count * 12 > <uint64_t>(end - 4):
+        return None
+    results = []
+    try:
+        for i in range(count):
+            if pos + 12 > end:
+                return None
+            code = be16(buf + pos)
+            when = <int64_t>be64(buf + pos + 2)
+            id_at = pos + 12
+            text_at = id_at + be16(buf + pos + 10) + 4
+            if text_at > end:
+                return None
+            text_len = be32(buf + text_at - 4)
+            if text_len > end - text_at:
+                return None
+            # The same message text as the result before (every "stored"): decoded once.
+            if text is None or text_len != last_len or memcmp(buf + text_at, buf + last_at, text_len) != 0:
+                text = PyUnicode_DecodeUTF8(<const char *>buf + text_at, text_len, NULL)
+                last_at, last_len = text_at, text_len
+            message_id = PyUnicode_DecodeUTF8(<const char *>buf + id_at, text_at - 4 - id_at, NULL)
+            code_obj = codes.get(code)
+            if code_obj is None:
+                code_obj = code
+            results.append(tuple.__new__(result_type, (code_obj, text, when, message_id)))
+            pos = text_at + text_len
+    except UnicodeDecodeError:
+        return None
+    return results if pos == end else None
 
 
 cdef Py_ssize_t utf8_size(object text, Py_ssize_t limit) except -2:
