@@ -10,6 +10,7 @@ KERNELS = [
     Extension("delayserver.native.dedupe", ["delayserver/native/dedupe.pyx"], optional=True),
     Extension("delayserver.native.receive", ["delayserver/native/receive.pyx"], optional=True),
     Extension("delayserver.native.wheel", ["delayserver/native/wheel.pyx"], optional=True),
+    Extension("delayserver.native.resp", ["delayserver/native/resp.pyx"], optional=True),
 ]
 
 setup(ext_modules=cythonize(KERNELS, language_level=3))

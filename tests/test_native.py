@@ -20,11 +20,13 @@ from delayserver.message import BadScheduleTime, ResultCode, TimeKind, TimeSpec
 from delayserver.native import dedupe as native_dedupe
 from delayserver.native import receive as native_receive
 from delayserver.native import records as native_records
+from delayserver.native import resp as native_resp
 from delayserver.native import send as native_send
 from delayserver.native import wheel as native_wheel
 from delayserver.node import receiver as receiver_module
 from delayserver.storage import id_index, time_index
 from delayserver.storage import record as r
+from delayserver.sender import redis_streams
 from delayserver.sender.transport import OutboundMessage
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import RecordType as T
@@ -296,6 +298,39 @@ def test_the_send_response_decoder_is_the_reference(results, cut, garble):
                                  for x, y in zip(native, reference_))
     if cut == 0 and garble is None:
         assert native == results
+
+
+# --- the Redis transport's XADD commands -------------------------------------------------------
+
+
+texts = st.sampled_from(["orders.q", "s", "\u00e9t\u00e9", "a\udc80"]) | st.text(max_size=5)
+numbers = st.integers(-(2**63), 2**63 - 1) | st.sampled_from([0, -1, 9, 10, 99, 100, 2**64, True]) | st.just(1.5)
+outbound = st.builds(OutboundMessage, texts, st.sampled_from(["orders.q", "b.x"]) | texts,
+                     st.binary(max_size=12) | st.binary(max_size=3).map(memoryview),
+                     st.just({}) | st.dictionaries(texts, texts, max_size=2), numbers, numbers, numbers)
+
+
+@SETTINGS
+@given(st.lists(outbound, max_size=5), st.sampled_from(["{subject}", "q:{subject}", "one"]),
+       st.none() | st.integers(0, 10**6))
+def test_the_xadd_encoder_is_the_reference(messages, template, maxlen):
+    try:
+        expected = redis_streams._xadd_commands_py(messages, template, maxlen)
+    except Exception as e:  # what the reference refuses, the kernel leaves to it
+        expected = type(e)
+    native = native_resp.xadd_commands(
+        messages, lambda subject: redis_streams._subject_parts(subject, template, redis_streams._trim(maxlen)),
+        b"$4\r\nbody\r\n", b"$13\r\nschedule_time\r\n", b"$13\r\ndispatch_time\r\n", b"$7\r\nattempt\r\n",
+        redis_streams.HEADER_PREFIX, redis_streams._field_count(maxlen))
+    if native is None:  # left to the reference: a refusal, a body that is not bytes, a number not an int64
+        assert type(expected) is type or any(
+            type(m.body) is not bytes
+            or any(type(x) is float or not -(2**63) <= x < 2**63 for x in (m.schedule_time, m.dispatch_time, m.attempt))
+            for m in messages)
+    else:
+        assert native == expected
+    if type(expected) is bytes:  # and the transport's own call gives the same
+        assert redis_streams.xadd_commands(messages, template, maxlen) == expected
 
 
 # --- index keys ---------------------------------------------------------------------------------

@@ -21,17 +21,21 @@ message. A connection error or timeout, or a reply redis-py does not expect (fro
 is not Redis), is RETRY for the whole batch (entries written before it may then arrive twice:
 delivery is at least once). redis-py is blocking: each batch runs in a trio worker thread, using
 the transport's own connection pool, and redis-py's own retries are off (the sender retries with
-back-off). The batch's XADD commands are encoded here, in one pass, and written at once on a
-connection of the pool; redis-py's connection reads the replies (one per command, in order). Its
-pipeline would build a command object and an argument list per message.
+back-off). redis-py makes the connections (address, TLS, AUTH, SELECT, its handshake); the batch's
+XADD commands are encoded here, in one pass (a compiled kernel, delayserver/native/resp.pyx, when
+built), and written at once on a connection of the pool, and the replies are read off its socket
+by one hiredis reader, as many as there were commands, in order. redis-py's pipeline would build a
+command object and an argument list per message, and its connection parses one reply per call.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import urllib.parse
 from typing import Any, Mapping, Sequence
 
 import attrs
+import hiredis
 import redis
 import trio
 from redis.backoff import NoBackoff
@@ -41,6 +45,11 @@ from delayserver.sender.transport import (
     ACKED, TRANSPORT_THREADS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names, int_option,
 )
 
+try:  # the compiled XADD encoder (delayserver/native/resp.pyx), when the install built it
+    from delayserver.native.resp import xadd_commands as _native_xadd_commands
+except ImportError:
+    _native_xadd_commands = None
+
 log = logging.getLogger("delayserver.sender.redis")
 
 DEFAULT_TIMEOUT_MS = 5000
@@ -48,6 +57,8 @@ DEFAULT_STREAM_TEMPLATE = "{subject}"
 HEADER_PREFIX = "h:"
 #: Error codes of one XADD that no retry can cure.
 _REJECTING_ERRORS = ("WRONGTYPE",)
+#: The most read off a connection at once while its replies come in.
+_READ_BYTES = 1 << 16
 
 
 def _bulk(data: bytes) -> bytes:
@@ -58,21 +69,47 @@ def _bulk(data: bytes) -> bytes:
 def xadd_commands(messages: Sequence[OutboundMessage], stream_template: str, maxlen: int | None) -> bytes:
     """The RESP encoding of one `XADD <stream> [MAXLEN ~ <maxlen>] * <fields>` per message, in order,
     with the fields of the module docstring: the command redis-py's `xadd(stream, fields,
-    maxlen=maxlen, approximate=True)` sends."""
-    trim = b"" if maxlen is None else b"$6\r\nMAXLEN\r\n$1\r\n~\r\n" + _bulk(b"%d" % maxlen)
-    count = 15 if maxlen is None else 18
+    maxlen=maxlen, approximate=True)` sends. The compiled kernel (delayserver/native/resp.pyx) when
+    built and it takes the batch, else `_xadd_commands_py`."""
+    if _native_xadd_commands is not None:
+        commands = _native_xadd_commands(
+            messages if type(messages) is list else list(messages),
+            lambda subject: _subject_parts(subject, stream_template, _trim(maxlen)),
+            b"$4\r\nbody\r\n", b"$13\r\nschedule_time\r\n", b"$13\r\ndispatch_time\r\n", b"$7\r\nattempt\r\n",
+            HEADER_PREFIX, _field_count(maxlen))
+        if commands is not None:
+            return commands
+    return _xadd_commands_py(messages, stream_template, maxlen)
+
+
+def _trim(maxlen: int | None) -> bytes:
+    return b"" if maxlen is None else b"$6\r\nMAXLEN\r\n$1\r\n~\r\n" + _bulk(b"%d" % maxlen)
+
+
+def _field_count(maxlen: int | None) -> int:
+    """The elements of an XADD command of a message without headers."""
+    return 15 if maxlen is None else 18
+
+
+def _subject_parts(subject: str, stream_template: str, trim: bytes) -> tuple[bytes, bytes]:
+    """What an XADD of a message of `subject` has before its id (after the array's length), and
+    its subject field and value."""
+    return (b"$4\r\nXADD\r\n" + _bulk(stream_template.format(subject=subject).encode()) + trim
+            + b"$1\r\n*\r\n$2\r\nid\r\n", b"$7\r\nsubject\r\n" + _bulk(subject.encode()))
+
+
+def _xadd_commands_py(messages: Sequence[OutboundMessage], stream_template: str, maxlen: int | None) -> bytes:
+    """`xadd_commands` in Python: the compiled kernel's reference."""
+    trim = _trim(maxlen)
+    count = _field_count(maxlen)
     # Per subject: the stream's name and the subject field, encoded once per batch.
-    subjects: dict[str, bytes] = {}
+    subjects: dict[str, tuple[bytes, bytes]] = {}
     parts = []
     for m in messages:
         subject = m.subject
         named = subjects.get(subject)
         if named is None:
-            encoded = subject.encode()
-            named = subjects[subject] = (
-                b"$4\r\nXADD\r\n" + _bulk(stream_template.format(subject=subject).encode()) + trim
-                + b"$1\r\n*\r\n$2\r\nid\r\n", b"$7\r\nsubject\r\n" + _bulk(encoded)
-            )
+            named = subjects[subject] = _subject_parts(subject, stream_template, trim)
         message_id = m.message_id.encode()
         body = m.body
         schedule_time = b"%d" % m.schedule_time
@@ -125,6 +162,32 @@ def _redacted(address: str) -> str:
     if "@" not in parts.netloc:
         return address
     return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _read_replies(sock: socket.socket, count: int, name: str) -> tuple[list[Any], bool]:
+    """`count` replies read off `sock` (a redis-py connection's, whose commands were just written),
+    parsed by one hiredis reader as the bytes come (redis-py reads and parses one reply per call);
+    an error reply is a redis.ResponseError in its place. Also whether bytes are left over. A
+    reply that is an array answers no XADD: a RESP3 push (a server's notice), skipped. The socket's
+    timeout is the connection's; a timeout, a reset or an end of the stream raises redis.TimeoutError
+    or redis.ConnectionError, as redis-py's own reads would."""
+    reader = hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
+    replies: list[Any] = []
+    while len(replies) < count:
+        reply = reader.gets(False)
+        if reply is False:
+            try:
+                data = sock.recv(_READ_BYTES)
+            except TimeoutError as e:
+                raise redis.TimeoutError(f"{name}: Timeout reading from the server") from e
+            except OSError as e:
+                raise redis.ConnectionError(f"{name}: error reading from the server: {e}") from e
+            if not data:
+                raise redis.ConnectionError(f"{name}: connection closed by the server")
+            reader.feed(data)
+        elif not isinstance(reply, list):  # (hiredis gives a push as a PushNotification, a list)
+            replies.append(reply)
+    return replies, reader.has_data()
 
 
 def _outcome_of(reply: Any) -> DeliveryResult:
@@ -186,12 +249,18 @@ class RedisTransport(Transport):
         connection = self.pool.get_connection()
         try:
             connection.send_packed_command([commands])
-            replies: list[Any] = []
-            for _ in range(len(messages)):
-                try:
-                    replies.append(connection.read_response(disable_decoding=True))
-                except redis.ResponseError as e:
-                    replies.append(e)
+            sock = getattr(connection, "_sock", None)
+            if not isinstance(sock, socket.socket):  # a connection of another shape: its own reads, one by one
+                replies: list[Any] = []
+                for _ in range(len(messages)):
+                    try:
+                        replies.append(connection.read_response(disable_decoding=True))
+                    except redis.ResponseError as e:
+                        replies.append(e)
+                return replies
+            replies, spare = _read_replies(sock, len(messages), self.name)
+            if spare:  # bytes past the batch's replies (nothing a Redis sends): not for the next batch
+                connection.disconnect()
             return replies
         except BaseException:
             connection.disconnect()

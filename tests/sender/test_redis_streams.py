@@ -123,6 +123,48 @@ async def test_a_server_that_stops_answering_midway_costs_its_connection(nursery
     assert len(connections) == 2
 
 
+async def test_pushes_between_replies_are_skipped_and_a_surplus_reply_costs_the_connection(nursery):
+    """A batch's replies are read in bulk: a RESP3 push among them (a server's notice, an array no
+    XADD answers with) is not taken for a reply, and a reply more than the batch asked for is not
+    left on the connection for the next batch to take as one of its own."""
+    connections = []
+
+    async def serve(stream):
+        number = len(connections)
+        connections.append(stream)
+        commands = hiredis.Reader()
+        xadds = 0
+        while data := await stream.receive_some():
+            commands.feed(data)
+            replies = []
+            while (command := commands.gets()) is not False:
+                if command[0].upper() == b"HELLO":
+                    await stream.send_all(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                elif command[0].upper() != b"XADD":
+                    await stream.send_all(b"+OK\r\n")
+                else:
+                    xadds += 1
+                    entry = b"%d-%d" % (number, xadds)
+                    replies.append(b"$%d\r\n%b\r\n" % (len(entry), entry))
+            if replies and number == 0:  # a push first, an error for the first, the rest, and one more
+                replies = [b">2\r\n$7\r\nMOVING!\r\n:1\r\n", b"-ERR not now\r\n", *replies[1:], b"$3\r\n0-9\r\n"]
+            if replies:
+                # Byte by byte in part: a reply cut across reads is put together again.
+                data = b"".join(replies)
+                await stream.send_all(data[:7])
+                await stream.send_all(data[7:])
+
+    [listener] = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    port = listener.socket.getsockname()[1]
+    async with make_transport("redis", f"127.0.0.1:{port}", {"timeout_ms": 2000}, data_dir=None) as t:
+        with trio.fail_after(5):
+            first = await t.send_batch([outbound(1), outbound(2)])
+            second = await t.send_batch([outbound(3)])
+    assert [r.outcome for r in first] == [Outcome.RETRY, Outcome.ACKED] and "not now" in first[0].detail
+    assert [r.outcome for r in second] == [Outcome.ACKED]
+    assert len(connections) == 2  # the first one, with a reply left over, was not used again
+
+
 async def test_a_server_that_is_not_redis_gives_retry(nursery):
     """A peer that answers +OK to everything, the handshake included: redis-py raises on its
     reply (not a RedisError); the batch is RETRY and the sender goes on."""

@@ -1,0 +1,167 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The Redis transport's XADD commands, compiled: `xadd_commands` must equal
+`delayserver.sender.redis_streams._xadd_commands_py`, byte for byte (tests/test_native.py holds them
+side by side), or hand back None, and the reference then encodes the batch (and raises what it
+raises). Each batch is sized first and written after, into one bytes object.
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from libc.stdint cimport int64_t, uint64_t
+from libc.string cimport memcpy
+
+cdef inline Py_ssize_t digits(int64_t v) noexcept nogil:
+    """The length of `v` in decimal, its sign included."""
+    cdef uint64_t u = <uint64_t>v
+    cdef Py_ssize_t n = 1
+    if v < 0:
+        u = (~u) + 1
+        n = 2
+    while u >= 10:
+        u //= 10
+        n += 1
+    return n
+
+
+cdef inline char *put_raw(char *w, const char *src, Py_ssize_t n) noexcept nogil:
+    memcpy(w, src, n)
+    return w + n
+
+
+cdef inline char *put_int(char *w, int64_t v, Py_ssize_t n) noexcept nogil:
+    """`v` in decimal (`n` of `digits(v)` characters) at `w`."""
+    cdef uint64_t u = <uint64_t>v
+    cdef char *end = w + n
+    cdef char *p = end
+    if v < 0:
+        u = (~u) + 1
+        w[0] = 45  # '-'
+    while True:
+        p -= 1
+        p[0] = <char>(48 + u % 10)  # '0' + the digit
+        u //= 10
+        if u == 0:
+            break
+    return end
+
+
+cdef inline Py_ssize_t bulk_size(Py_ssize_t n) noexcept nogil:
+    """The bytes of a RESP bulk string of `n` bytes: $<n>\\r\\n<data>\\r\\n."""
+    return 1 + digits(n) + 2 + n + 2
+
+
+cdef inline char *put_bulk(char *w, const char *data, Py_ssize_t n) noexcept nogil:
+    w[0] = b'$'
+    w = put_int(w + 1, n, digits(n))
+    w[0] = b'\r'
+    w[1] = b'\n'
+    w = put_raw(w + 2, data, n)
+    w[0] = b'\r'
+    w[1] = b'\n'
+    return w + 2
+
+
+cdef inline char *put_int_bulk(char *w, int64_t v) noexcept nogil:
+    """`v` in decimal as a bulk string."""
+    cdef Py_ssize_t n = digits(v)
+    w[0] = b'$'
+    w = put_int(w + 1, n, digits(n))
+    w[0] = b'\r'
+    w[1] = b'\n'
+    w = put_int(w + 2, v, n)
+    w[0] = b'\r'
+    w[1] = b'\n'
+    return w + 2
+
+
+def xadd_commands(list messages, named, bytes body_field, bytes schedule_field, bytes dispatch_field,
+                  bytes attempt_field, header_prefix, long long fields):
+    """The commands of `_xadd_commands_py` for `messages` (OutboundMessage tuples), or None.
+    `named(subject)`: the bytes before the message id (`*` excluded: the array's length is written
+    here, `fields` plus two per header) and the subject's field and value, as the reference makes
+    them, asked once per subject of the batch. `body_field` and the others: each field's name as a
+    bulk string; `header_prefix`: the str in front of each header key."""
+    cdef Py_ssize_t count = len(messages), i, total = 0, n, id_n, body_n, key_n, value_n, prefix_n
+    cdef int64_t sched, disp, att
+    cdef const char *p
+    cdef const char *prefix_p
+    cdef char *w
+    cdef dict subjects = {}
+    cdef tuple m, pair
+    cdef object body, headers, key, value, subject, item
+    cdef bytes out, head, subject_part
+    cdef list heads = [None] * count
+    prefix_p = PyUnicode_AsUTF8AndSize(header_prefix, &prefix_n)
+    try:
+        for i in range(count):  # checked and measured first, written after
+            item = messages[i]
+            if not isinstance(item, tuple) or len(<tuple>item) != 7:
+                return None
+            m = <tuple>item
+            subject = m[1]
+            pair = subjects.get(subject)
+            if pair is None:
+                if type(subject) is not str:
+                    return None
+                pair = subjects[subject] = tuple(named(subject))
+                if len(pair) != 2 or type(pair[0]) is not bytes or type(pair[1]) is not bytes:
+                    return None
+            heads[i] = pair
+            if type(m[0]) is not str or type(m[2]) is not bytes:
+                return None
+            PyUnicode_AsUTF8AndSize(m[0], &id_n)
+            body_n = PyBytes_GET_SIZE(m[2])
+            sched, disp, att = m[4], m[5], m[6]
+            headers = m[3]
+            n = len(headers)
+            total += (1 + digits(fields + 2 * n) + 2 + PyBytes_GET_SIZE(pair[0]) + bulk_size(id_n)
+                      + PyBytes_GET_SIZE(pair[1]) + PyBytes_GET_SIZE(body_field) + bulk_size(body_n)
+                      + PyBytes_GET_SIZE(schedule_field) + bulk_size(digits(sched))
+                      + PyBytes_GET_SIZE(dispatch_field) + bulk_size(digits(disp))
+                      + PyBytes_GET_SIZE(attempt_field) + bulk_size(digits(att)))
+            if n:
+                if type(headers) is not dict:
+                    return None
+                for key, value in (<dict>headers).items():
+                    if type(key) is not str or type(value) is not str:
+                        return None
+                    PyUnicode_AsUTF8AndSize(key, &key_n)
+                    PyUnicode_AsUTF8AndSize(value, &value_n)
+                    total += bulk_size(prefix_n + key_n) + bulk_size(value_n)
+    except Exception:  # a time out of 64 bits, text not encodable: the reference decides
+        return None
+    out = PyBytes_FromStringAndSize(NULL, total)
+    w = PyBytes_AS_STRING(out)
+    for i in range(count):
+        m = <tuple>messages[i]  # (each checked above)
+        pair = <tuple>heads[i]
+        headers = m[3]
+        n = len(headers)
+        w[0] = b'*'
+        w = put_int(w + 1, fields + 2 * n, digits(fields + 2 * n))
+        w[0] = b'\r'
+        w[1] = b'\n'
+        head, subject_part = pair[0], pair[1]
+        w = put_raw(w + 2, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+        p = PyUnicode_AsUTF8AndSize(m[0], &id_n)
+        w = put_bulk(w, p, id_n)
+        w = put_raw(w, PyBytes_AS_STRING(subject_part), PyBytes_GET_SIZE(subject_part))
+        w = put_raw(w, PyBytes_AS_STRING(body_field), PyBytes_GET_SIZE(body_field))
+        body = m[2]
+        w = put_bulk(w, PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body))
+        w = put_int_bulk(put_raw(w, PyBytes_AS_STRING(schedule_field), PyBytes_GET_SIZE(schedule_field)), m[4])
+        w = put_int_bulk(put_raw(w, PyBytes_AS_STRING(dispatch_field), PyBytes_GET_SIZE(dispatch_field)), m[5])
+        w = put_int_bulk(put_raw(w, PyBytes_AS_STRING(attempt_field), PyBytes_GET_SIZE(attempt_field)), m[6])
+        if n:
+            for key, value in (<dict>headers).items():
+                p = PyUnicode_AsUTF8AndSize(key, &key_n)
+                w[0] = b'$'
+                w = put_int(w + 1, prefix_n + key_n, digits(prefix_n + key_n))
+                w[0] = b'\r'
+                w[1] = b'\n'
+                w = put_raw(w + 2, prefix_p, prefix_n)
+                w = put_raw(w, p, key_n)
+                w[0] = b'\r'
+                w[1] = b'\n'
+                p = PyUnicode_AsUTF8AndSize(value, &value_n)
+                w = put_bulk(w + 2, p, value_n)
+    return out
