@@ -9,7 +9,9 @@ Printed per flush mode: acknowledged msg/s, ack latency per batch, and the CPU p
 message of the server (utime + stime from /proc/<pid>/stat over the load, not wall time: the
 figure other work on a shared machine disturbs least) and of the load generator (its rusage).
 `--profile FILE` also samples the server with py-spy during the flush=sync run and writes the
-collapsed stacks to FILE (`--quick`: 3 s runs instead of 10 s).
+collapsed stacks to FILE (`--quick`: 3 s runs instead of 10 s). `--producers N` and `--batch M`
+change the load's shape (32 producers, 64 messages a request by default): the server's CPU per
+message at two batch sizes separates what it spends per request from what it spends per message.
 """
 from __future__ import annotations
 
@@ -107,8 +109,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="3 s runs instead of 10 s")
     parser.add_argument("--profile", default="", metavar="FILE",
                         help="sample the server with py-spy in the flush=sync run; collapsed stacks to FILE")
+    parser.add_argument("--producers", type=int, default=32, help="concurrent producers (default 32)")
+    parser.add_argument("--batch", type=int, default=64, help="messages per SEND request (default 64)")
     args = parser.parse_args(argv)
-    producers, seconds, batch = 32, 3.0 if args.quick else 10.0, 64
+    if args.producers < 1 or args.batch < 1:
+        parser.error("--producers and --batch take a whole number of at least 1")
+    producers, seconds, batch = args.producers, 3.0 if args.quick else 10.0, args.batch
     print(f"ingest on {environment_note()}", flush=True)
     for flush in ("sync", "async"):
         r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "")
