@@ -49,28 +49,28 @@ cdef inline Py_ssize_t bulk_size(Py_ssize_t n) noexcept nogil:
     return 1 + digits(n) + 2 + n + 2
 
 
-cdef inline char *put_bulk(char *w, const char *data, Py_ssize_t n) noexcept nogil:
-    w[0] = b'$'
-    w = put_int(w + 1, n, digits(n))
-    w[0] = b'\r'
-    w[1] = b'\n'
-    w = put_raw(w + 2, data, n)
-    w[0] = b'\r'
-    w[1] = b'\n'
+cdef inline char *put_crlf(char *w) noexcept nogil:
+    w[0] = 13  # CR
+    w[1] = 10  # LF
     return w + 2
+
+
+cdef inline char *put_length(char *w, char kind, Py_ssize_t n) noexcept nogil:
+    """`kind` ('$' a bulk string, '*' an array) and the length `n`, then CRLF."""
+    w[0] = kind
+    return put_crlf(put_int(w + 1, n, digits(n)))
+
+
+cdef inline char *put_bulk(char *w, const char *data, Py_ssize_t n) noexcept nogil:
+    return put_crlf(put_raw(put_length(w, 36, n), data, n))  # 36: '$'
 
 
 cdef inline char *put_int_bulk(char *w, int64_t v) noexcept nogil:
     """`v` in decimal as a bulk string."""
+    cdef char text[20]
     cdef Py_ssize_t n = digits(v)
-    w[0] = b'$'
-    w = put_int(w + 1, n, digits(n))
-    w[0] = b'\r'
-    w[1] = b'\n'
-    w = put_int(w + 2, v, n)
-    w[0] = b'\r'
-    w[1] = b'\n'
-    return w + 2
+    put_int(text, v, n)
+    return put_bulk(w, text, n)
 
 
 def xadd_commands(list messages, named, bytes body_field, bytes schedule_field, bytes dispatch_field,
@@ -136,12 +136,9 @@ def xadd_commands(list messages, named, bytes body_field, bytes schedule_field, 
         pair = <tuple>heads[i]
         headers = m[3]
         n = len(headers)
-        w[0] = b'*'
-        w = put_int(w + 1, fields + 2 * n, digits(fields + 2 * n))
-        w[0] = b'\r'
-        w[1] = b'\n'
+        w = put_length(w, 42, fields + 2 * n)  # 42: '*'
         head, subject_part = pair[0], pair[1]
-        w = put_raw(w + 2, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+        w = put_raw(w, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
         p = PyUnicode_AsUTF8AndSize(m[0], &id_n)
         w = put_bulk(w, p, id_n)
         w = put_raw(w, PyBytes_AS_STRING(subject_part), PyBytes_GET_SIZE(subject_part))
@@ -154,14 +151,7 @@ def xadd_commands(list messages, named, bytes body_field, bytes schedule_field, 
         if n:
             for key, value in (<dict>headers).items():
                 p = PyUnicode_AsUTF8AndSize(key, &key_n)
-                w[0] = b'$'
-                w = put_int(w + 1, prefix_n + key_n, digits(prefix_n + key_n))
-                w[0] = b'\r'
-                w[1] = b'\n'
-                w = put_raw(w + 2, prefix_p, prefix_n)
-                w = put_raw(w, p, key_n)
-                w[0] = b'\r'
-                w[1] = b'\n'
+                w = put_crlf(put_raw(put_raw(put_length(w, 36, prefix_n + key_n), prefix_p, prefix_n), p, key_n))
                 p = PyUnicode_AsUTF8AndSize(value, &value_n)
-                w = put_bulk(w + 2, p, value_n)
+                w = put_bulk(w, p, value_n)
     return out

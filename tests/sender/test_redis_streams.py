@@ -85,6 +85,27 @@ async def test_a_large_batch_lands_whole_and_in_order(redis_server):
         assert [e[b"body"] for e in landed] == [m.body for m in batch if m.subject == f"s{k}"]
 
 
+async def xadd_replies(stream, number: int):
+    """For a fake Redis, connection `number`: per read of `stream`, the replies a Redis would give
+    to the XADD commands in it, entry ids "<number>-<k>" counted over the connection; every other
+    command answered at once as Redis 7 answers redis-py's handshake (RESP3 for HELLO, +OK else)."""
+    commands = hiredis.Reader()
+    xadds = 0
+    while data := await stream.receive_some():
+        commands.feed(data)
+        replies = []
+        while (command := commands.gets()) is not False:
+            if command[0].upper() == b"HELLO":
+                await stream.send_all(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+            elif command[0].upper() != b"XADD":
+                await stream.send_all(b"+OK\r\n")
+            else:
+                xadds += 1
+                entry = b"%d-%d" % (number, xadds)
+                replies.append(b"$%d\r\n%b\r\n" % (len(entry), entry))
+        yield replies
+
+
 async def test_a_server_that_stops_answering_midway_costs_its_connection(nursery):
     """The first connection gets one reply of three and then silence: every message of that batch
     is RETRY, and the next batch goes out on a new connection, whose replies are its own."""
@@ -93,22 +114,13 @@ async def test_a_server_that_stops_answering_midway_costs_its_connection(nursery
     async def serve(stream):
         number = len(connections)
         connections.append(stream)
-        commands = hiredis.Reader()
-        xadds = 0
-        while data := await stream.receive_some():
-            commands.feed(data)
-            while (command := commands.gets()) is not False:
-                if command[0].upper() == b"HELLO":  # redis-py's handshake: RESP3
-                    await stream.send_all(b"%1\r\n$5\r\nproto\r\n:3\r\n")
-                    continue
-                if command[0].upper() != b"XADD":
-                    await stream.send_all(b"+OK\r\n")
-                    continue
-                xadds += 1
-                if number == 0 and xadds > 1:
+        sent = 0
+        async for replies in xadd_replies(stream, number):
+            for reply in replies:
+                if number == 0 and sent:
                     continue  # silence after the first reply
-                entry = b"%d-%d" % (number, xadds)
-                await stream.send_all(b"$%d\r\n%b\r\n" % (len(entry), entry))
+                sent += 1
+                await stream.send_all(reply)
 
     [listener] = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
     port = listener.socket.getsockname()[1]
@@ -132,24 +144,11 @@ async def test_pushes_between_replies_are_skipped_and_a_surplus_reply_costs_the_
     async def serve(stream):
         number = len(connections)
         connections.append(stream)
-        commands = hiredis.Reader()
-        xadds = 0
-        while data := await stream.receive_some():
-            commands.feed(data)
-            replies = []
-            while (command := commands.gets()) is not False:
-                if command[0].upper() == b"HELLO":
-                    await stream.send_all(b"%1\r\n$5\r\nproto\r\n:3\r\n")
-                elif command[0].upper() != b"XADD":
-                    await stream.send_all(b"+OK\r\n")
-                else:
-                    xadds += 1
-                    entry = b"%d-%d" % (number, xadds)
-                    replies.append(b"$%d\r\n%b\r\n" % (len(entry), entry))
+        async for replies in xadd_replies(stream, number):
             if replies and number == 0:  # a push first, an error for the first, the rest, and one more
                 replies = [b">2\r\n$7\r\nMOVING!\r\n:1\r\n", b"-ERR not now\r\n", *replies[1:], b"$3\r\n0-9\r\n"]
             if replies:
-                # Byte by byte in part: a reply cut across reads is put together again.
+                # In two writes, the first cut inside a reply: one split across reads is put together again.
                 data = b"".join(replies)
                 await stream.send_all(data[:7])
                 await stream.send_all(data[7:])
