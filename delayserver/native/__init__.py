@@ -10,6 +10,10 @@ reference, output for output.
   (`delayserver.storage.record._add_sequenced_records_py`);
 - `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`);
 - `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`);
+- `send.encode_items`, `send.decode_results`: a producer's SEND request and its response
+  (`delayserver.protocol._encode_send_request_py`, `_decode_send_response_py`);
+- `resp.xadd_commands`: the Redis transport's XADD commands of a batch
+  (`delayserver.sender.redis_streams._xadd_commands_py`);
 - `records.id_keys`, `records.time_keys`: the id and time index keys of a replayed append
   (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
 - `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids
