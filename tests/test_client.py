@@ -109,6 +109,32 @@ def test_new_ids_are_distinct_ordered_by_their_time_and_fresh_in_a_forked_child(
     assert child[:12] == parent[:12] == f"{now:012x}" and child[12:22] != parent[12:22] == ids[0][12:22]
 
 
+@pytest.mark.timeout(60)
+async def test_send_many_reads_the_clock_for_new_ids_once_per_65536_messages(monkeypatch):
+    """Once per call would let the ids' 24-bit counter come round under one time in a call of
+    more than 16,777,216 messages; once per message is the cost this saves."""
+    from delayserver import client
+    from delayserver.message import InvalidMessage
+
+    reads, seen = [], []
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            reads.append(None)
+            return len(reads) * 1_000_000
+
+    def item(*args):  # what send_many asks of each message, refused so that nothing is sent
+        seen.append(args[-1])
+        raise InvalidMessage("not sent")
+
+    monkeypatch.setattr(client, "time", Clock)
+    monkeypatch.setattr(client, "_item", item)
+    out = await AsyncProducer("127.0.0.1:1").send_many([Message("s.x", b"")] * 200_000)
+    assert len(out) == 200_000 and all(isinstance(e, InvalidMessage) for e in out[:3])
+    assert len(reads) == 4 and seen == [1 + i // 65_536 for i in range(200_000)]
+
+
 @pytest.mark.timeout(120)
 def test_times_that_are_no_whole_64_bit_number_are_refused_as_bad_schedule_time(node):
     address, _ = node
