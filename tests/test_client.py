@@ -104,7 +104,8 @@ def test_new_ids_are_distinct_ordered_by_their_time_and_fresh_in_a_forked_child(
         os.write(write, client.new_message_id(now).encode())
         os._exit(0)
     os.close(write)
-    child = os.read(read, 100).decode()
+    with open(read, "rb") as pipe:
+        child = pipe.read().decode()
     os.waitpid(pid, 0)
     assert child[:12] == parent[:12] == f"{now:012x}" and child[12:22] != parent[12:22] == ids[0][12:22]
 
