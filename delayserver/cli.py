@@ -95,11 +95,6 @@ def serve_main(argv: list[str]) -> int:
     # No automatic collection while the start builds the node (DelayServer.serve says why); it is
     # off already while the dedupe table is read beside the imports.
     gc.disable()
-    # A worker thread (a bucket's load, a save's encoding, a disk read) that holds the interpreter's
-    # lock keeps the event loop waiting up to this long before it must hand the lock over: 1 ms,
-    # not 5, when deliveries are due every millisecond (ops/bench deliver --bucket-load 3000000:
-    # P99 7 to 10 ms in four runs, against 11 to 18 ms with 5 ms alternated with them).
-    sys.setswitchinterval(0.001)
     if trio.run(run_node, config, _read_dedupe_early(config)):
         # Everything is closed: start again as the same command, which installs the snapshot.
         os.execv(sys.executable, [sys.executable, "-m", "delayserver", "serve", *argv])

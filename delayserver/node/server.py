@@ -67,9 +67,10 @@ MAX_BYTES_BEFORE_AUTH = 64 << 10
 #: Much larger thresholds let more garbage build up between collections, and each pause grows with
 #: it. Figures in README ("Benchmarks": the ingest and deliver rows on the collector).
 GC_THRESHOLDS = (10_000, 20, 20)
-#: How long the event loop may hold the interpreter's lock while a worker thread waits for it
-#: (Python's 5 ms): a thread back from an fsync, a broker's reply or a read-ahead waited up to that
-#: to hand its result over. Figures in README ("Benchmarks": the deliver row on the switch interval).
+#: How long the event loop may hold the interpreter's lock while a worker thread waits for it, and
+#: a thread that holds it (a bucket's load, a save's encoding) the event loop (Python's 5 ms): a
+#: thread back from an fsync, a broker's reply or a read-ahead waited up to that to hand its result
+#: over. Figures in README ("Benchmarks": the deliver rows on the switch interval, 1 ms and 0.5 ms).
 SWITCH_INTERVAL_S = 0.0005
 
 
