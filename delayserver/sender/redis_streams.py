@@ -71,15 +71,22 @@ def xadd_commands(messages: Sequence[OutboundMessage], stream_template: str, max
     with the fields of the module docstring: the command redis-py's `xadd(stream, fields,
     maxlen=maxlen, approximate=True)` sends. The compiled kernel (delayserver/native/resp.pyx) when
     built and it takes the batch, else `_xadd_commands_py`."""
-    if _native_xadd_commands is not None:
-        commands = _native_xadd_commands(
-            messages if type(messages) is list else list(messages),
-            lambda subject: _subject_parts(subject, stream_template, _trim(maxlen)),
-            b"$4\r\nbody\r\n", b"$13\r\nschedule_time\r\n", b"$13\r\ndispatch_time\r\n", b"$7\r\nattempt\r\n",
-            HEADER_PREFIX, _field_count(maxlen))
-        if commands is not None:
-            return commands
-    return _xadd_commands_py(messages, stream_template, maxlen)
+    commands = _xadd_commands_native(messages, stream_template, maxlen)
+    return commands if commands is not None else _xadd_commands_py(messages, stream_template, maxlen)
+
+
+#: The fields after the subject, as RESP bulk strings (the compiled kernel writes them as they are).
+_FIELD_NAMES = (b"$4\r\nbody\r\n", b"$13\r\nschedule_time\r\n", b"$13\r\ndispatch_time\r\n", b"$7\r\nattempt\r\n")
+
+
+def _xadd_commands_native(messages: Sequence[OutboundMessage], stream_template: str, maxlen: int | None) -> bytes | None:
+    """`xadd_commands` by the compiled kernel, or None (not built, or a batch it leaves to the reference)."""
+    if _native_xadd_commands is None:
+        return None
+    trim = _trim(maxlen)
+    return _native_xadd_commands(messages if type(messages) is list else list(messages),
+                                 lambda subject: _subject_parts(subject, stream_template, trim),
+                                 *_FIELD_NAMES, HEADER_PREFIX, _field_count(maxlen))
 
 
 def _trim(maxlen: int | None) -> bytes:
@@ -162,6 +169,13 @@ def _redacted(address: str) -> str:
     if "@" not in parts.netloc:
         return address
     return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _plain_socket(connection) -> socket.socket | None:
+    """The socket of a redis-py connection, to read its replies off in bulk; None for a connection
+    that keeps none where redis-py's own do (its replies are then read through it)."""
+    sock = getattr(connection, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
 
 
 def _read_replies(sock: socket.socket, count: int, name: str) -> tuple[list[Any], bool]:
@@ -249,8 +263,8 @@ class RedisTransport(Transport):
         connection = self.pool.get_connection()
         try:
             connection.send_packed_command([commands])
-            sock = getattr(connection, "_sock", None)
-            if not isinstance(sock, socket.socket):  # a connection of another shape: its own reads, one by one
+            sock = _plain_socket(connection)
+            if sock is None:  # a connection of another shape: its own reads, one by one
                 replies: list[Any] = []
                 for _ in range(len(messages)):
                     try:

@@ -207,6 +207,20 @@ async def test_wrong_type_key_is_rejected_and_the_rest_acked(redis_server):
     assert "WRONGTYPE" in results[1].detail
 
 
+async def test_a_connection_without_a_plain_socket_reads_its_replies_through_redis_py(redis_server, monkeypatch):
+    """The bulk read needs the connection's socket; a connection that keeps none where redis-py's
+    own do gets the same outcomes, read one reply at a time."""
+    from delayserver.sender import redis_streams
+
+    monkeypatch.setattr(redis_streams, "_plain_socket", lambda connection: None)
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.set("plain", "not a stream")
+    async with transport(redis_server) as t:
+        results = await t.send_batch([outbound(1, "orders"), outbound(2, "plain"), outbound(3, "orders")])
+    assert [r.outcome for r in results] == [Outcome.ACKED, Outcome.REJECTED, Outcome.ACKED]
+    assert [e[b"id"] for e in entries(redis_server, "orders")] == [b"m1", b"m3"]
+
+
 async def test_server_out_of_memory_gives_retry_per_message(redis_server):
     with redis.Redis.from_url(redis_server.url) as client:
         client.config_set("maxmemory", 1)
