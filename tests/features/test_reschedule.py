@@ -41,6 +41,15 @@ async def wait_until(predicate, timeout: float = 30) -> None:
             await trio.sleep(0.02)
 
 
+async def state_once_recorded(prod, handle: Handle) -> MessageState:
+    """The message's state once it is no longer PENDING: the spool holds a delivery as soon as the
+    broker acknowledged it, and the dispatch_log record that makes it DELIVERED follows."""
+    with trio.fail_after(30):
+        while (state := (await prod.status(handle)).state) == MessageState.PENDING:
+            await trio.sleep(0.02)
+    return state
+
+
 async def run_node(root, body, **kw) -> None:
     server = DelayServer(config(root, **kw))
     async with trio.open_nursery() as nursery:
@@ -78,7 +87,7 @@ async def test_a_rescheduled_message_moves_and_its_old_handle_reads_cancelled(tm
         promoted = await prod.promote(kept["new"])
         assert promoted.outcome == CancelOutcome.RESCHEDULED
         await wait_until(lambda: delivered(root, "orders.expire") == ["order-42"])
-        assert (await prod.status(promoted.handle)).state == MessageState.DELIVERED
+        assert await state_once_recorded(prod, promoted.handle) == MessageState.DELIVERED
         (_, _, _, m), = list(iter_spool(root, "orders.expire"))
         assert m.body == b"order 42" and m.headers == {"tenant": "acme"}
 
@@ -93,6 +102,7 @@ async def test_promote_delivers_now_once_and_a_delivered_message_cannot_move(tmp
         promoted = await prod.promote(handles[1])
         assert promoted.outcome == CancelOutcome.RESCHEDULED
         await wait_until(lambda: delivered(root, "q.promote") == ["p1"])
+        assert await state_once_recorded(prod, promoted.handle) == MessageState.DELIVERED
         assert (await prod.promote(promoted.handle)).outcome == CancelOutcome.ALREADY_DELIVERED
         assert (await prod.reschedule(promoted.handle, delay=HOUR)).outcome == CancelOutcome.ALREADY_DELIVERED
         assert (await prod.cancel(handles[0])) == CancelOutcome.CANCELLED
