@@ -29,4 +29,5 @@ BENCHMARKS = {
     "transactions": "bench.transactions",
     "replication": "bench.replication",
     "index": "bench.index",
+    "memory": "bench.memory",
 }

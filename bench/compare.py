@@ -55,7 +55,7 @@ import attrs
 from bench.deliver import send_workload
 from bench.rq_queue import QUEUE as RQ_QUEUE
 from bench.harness import (
-    LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, mib, now_ms, pids_of,
+    LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, memory_note, mib, now_ms, pids_of,
 )
 from bench.workload import SUBJECT, StreamConsumer, Workload, message_id, read_stream
 
@@ -362,7 +362,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     w = QUICK if args.quick else FULL
     runs = args.runs or (1 if args.quick else 3)
-    print(f"compare on {environment_note()}", flush=True)
+    print(f"compare on {environment_note()}; {memory_note()}", flush=True)
     print(f"workload: {w.describe()}; every system delivers into a Redis stream; {runs} round(s)", flush=True)
     results = compare(w, (1000,) if args.quick else (1000, 100), runs=runs)
     print(table(results))

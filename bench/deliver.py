@@ -55,7 +55,7 @@ from pathlib import Path
 import attrs
 
 from bench.harness import (
-    DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, mib, now_ms,
+    DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, memory_note, mib, now_ms,
     pids_of, py_spy, run_child,
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
@@ -419,11 +419,11 @@ def main(argv: list[str]) -> None:
                              "--rate: FILE.<transport>.<rate>, one per run)")
     args = parser.parse_args(argv)
     w = attrs.evolve(QUICK if args.quick else FULL, in_order=args.in_order)
+    print(f"deliver benchmark on {environment_note()}; flush=sync; {memory_note()}", flush=True)
     if args.rate:
         transports = args.transports.split(",") if args.transports != ",".join(TRANSPORTS) else ["spool"]
         return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports, args.in_order,
                           args.profile)
-    print(f"deliver benchmark on {environment_note()}; flush=sync", flush=True)
     if args.bucket_load:
         print(report("spool", w, run_deliver("spool", w, args.bucket_load, args.profile), args.bucket_load), flush=True)
         return

@@ -239,6 +239,35 @@ def environment_note() -> str:
     return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load average {load}"
 
 
+def page_cache_cost(directory: str | None = None, mib: int = 256) -> float:
+    """CPU microseconds (user + system) per KiB this process spends writing `mib` MiB into a new
+    file in `directory` (a temp directory by default), 64 KiB a write, through the page cache.
+
+    On a virtual machine whose memory the host backs on first touch, the first write into a page
+    the guest never used costs several times what a write into a page used before costs (measured
+    on the benchmark machine: about 2 us/KiB against 0.3), and every figure of a benchmark that
+    writes (ours to two logs per message, Redis to its append-only file) moves with it. Pages the
+    guest frees go back to the host after a while (free page reporting: measured there, a probe
+    went from 0.3 to 0.8 us/KiB within a minute of touching the memory), so the figure drifts within a
+    sitting too; 256 MiB reaches past the few pages freed just before."""
+    import tempfile
+
+    chunk = b"\0" * 65536
+    with tempfile.TemporaryFile(dir=directory) as f:
+        fd = f.fileno()
+        start = time.process_time()
+        for _ in range(mib * 16):
+            os.write(fd, chunk)
+        spent = time.process_time() - start
+    return spent / (mib * 1024) * 1e6
+
+
+def memory_note(directory: str | None = None) -> str:
+    """`page_cache_cost` (in `directory`) as a benchmark prints it, before its runs."""
+    return (f"page-cache writes cost {page_cache_cost(directory):.2f} us of CPU per KiB here now "
+            f"(pages the machine's host has not backed yet: about 2; touched before: about 0.3)")
+
+
 def cpu_seconds(process: subprocess.Popen) -> float:
     """User plus system CPU time the process (with its threads) has used so far."""
     return proc_cpu_seconds(process.pid)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from bench.harness import environment_note, proc_cpu_seconds, py_spy
+from bench.harness import environment_note, memory_note, proc_cpu_seconds, py_spy
 from delayserver.metrics import percentile
 
 
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
     if args.producers < 1 or args.batch < 1:
         parser.error("--producers and --batch take a whole number of at least 1")
     producers, seconds, batch = args.producers, 3.0 if args.quick else 10.0, args.batch
-    print(f"ingest on {environment_note()}", flush=True)
+    print(f"ingest on {environment_note()}; {memory_note()}", flush=True)
     for flush in ("sync", "async"):
         r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "")
         print(f"ingest flush={flush:5s} producers={producers} batch={batch} body=1KiB: "

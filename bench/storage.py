@@ -33,6 +33,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from bench.harness import memory_note
 from delayserver.clock import WallClock
 from delayserver.config import Config
 from delayserver.dedupe import DedupeTable
@@ -210,7 +211,8 @@ def main(argv: list[str]) -> None:
     try:
         records = args.records - args.records % BATCH
         synced = min(records, 128 * BATCH)
-        print(f"{records:,} records, 1 KiB bodies, batches of {BATCH}, best of {args.repeat}, in {root}")
+        print(f"{records:,} records, 1 KiB bodies, batches of {BATCH}, best of {args.repeat}, in {root}; "
+              f"{memory_note(str(root))}")
         for name, count, fsync, pre_encoded, target in (
             ("append: encode + write, no fsync", records, False, False, 200_000),
             ("append: write of encoded batches, no fsync", records, False, True, 200_000),

@@ -121,3 +121,33 @@ def test_storage_bench_receives_every_message_through_the_batch_path(tmp_path, m
     assert figures.records == records and not (tmp_path / "receive").exists()
     assert [m.message_id for m in seen] == [f"msg-{n:08d}-{i:04d}" for n in range(2) for i in range(storage.REQUEST_BATCH)]
     assert all(m.body == storage.BODY and m.subject == "bench.ingest" for m in seen)
+
+
+def test_page_cache_cost_is_the_cpu_of_writing_new_pages_per_kib(tmp_path, monkeypatch):
+    import bench.harness as harness
+
+    written, ticks = [], iter([10.0, 12.0])
+    monkeypatch.setattr(harness.time, "process_time", lambda: next(ticks))
+    real_write = harness.os.write
+    monkeypatch.setattr(harness.os, "write", lambda fd, data: written.append(len(data)) or real_write(fd, data))
+    # 2 s of CPU over 4 MiB: 2e6 us / 4096 KiB.
+    assert harness.page_cache_cost(str(tmp_path), mib=4) == pytest.approx(2e6 / 4096)
+    assert sum(written) == 4 << 20
+    assert list(tmp_path.iterdir()) == []  # the probe's file is gone
+    monkeypatch.undo()
+    assert "us of CPU per KiB" in harness.memory_note(str(tmp_path))
+
+
+def test_memory_warm_touches_whole_gib_within_what_is_available(monkeypatch, capsys):
+    import bench.memory as memory
+
+    assert memory.available_bytes() > 0
+    assert memory.touch(memory.GIB + 12345) == memory.GIB
+    assert memory.touch(memory.GIB - 1) == 0
+    monkeypatch.setattr(memory, "available_bytes", lambda: 3 * memory.GIB)
+    touched = []
+    monkeypatch.setattr(memory, "touch", lambda n: touched.append(n) or n)
+    memory.main(["--warm", "--leave-gib", "2"])
+    assert touched == [memory.GIB]
+    out = capsys.readouterr().out
+    assert out.count("us of CPU per KiB") == 2 and "touched 1 GiB" in out
