@@ -3,6 +3,8 @@ ingest rate with dedupe on and off.
 
 - Memory: N ids of the client's generated form (28 hex digits) put in a DedupeTable, the process's
   traced memory (tracemalloc) before and after, divided by N.
+- Remember: after the saves, the CPU per id of putting N new ids more into that table, 64 at a time
+  (`remember_many`, as the receiver does once a request is durable).
 - Save: the table written to its file (what a node does every minute and at shutdown), and read
   back (what a restart does before it feeds message_log from the saved offset); the table read
   back, its traced memory per id (its ids stay in the file's columns), and the time of a lookup of
@@ -49,6 +51,20 @@ def memory_per_id(n: int) -> tuple[float, "DedupeTable"]:  # noqa: F821
     # The ids themselves are counted too: a node holds them only in the table.
     id_bytes = sum(sys.getsizeof(x) for x in ids)
     return (after - before + id_bytes) / n, table
+
+
+def remember_per_id(table, n: int, batch: int = 64) -> float:
+    """CPU microseconds per id of `DedupeTable.remember_many` putting `n` new ids into `table`, a
+    request's `batch` at a time (what the receiver does once a request is durable)."""
+    from delayserver.client import new_message_id
+
+    now = time.time_ns() // 1_000_000
+    ids = [new_message_id(now) for _ in range(n)]
+    requests = [[(message_id, now + 60_000) for message_id in ids[i:i + batch]] for i in range(0, n, batch)]
+    start = time.process_time()
+    for request in requests:
+        table.remember_many(request, now)
+    return (time.process_time() - start) / n * 1e6
 
 
 def read_back(path: Path, table) -> tuple[float, float, float]:
@@ -180,6 +196,9 @@ def main(argv: list[str]) -> None:
         print(f"  a node's save: {took:.2f} s; the event loop waited at most {worst * 1000:.0f} ms meanwhile", flush=True)
         print(f"  its next save, {args.ids // 100:,} new ids and {args.ids // 100:,} moved handles later: "
               f"{next_took:.3f} s, {next_bytes:,} bytes written", flush=True)
+        held = len(table)  # the table after the saves: it goes on growing here
+        print(f"  remember: {remember_per_id(table, args.ids):.2f} us of CPU per new id, requests of 64, into a "
+              f"table of {held:,} ids growing to {held + args.ids:,}", flush=True)
         print(f"  expiry of {args.ids // 20:,} of {args.ids:,} ids at once: {expiry_seconds(args.ids) * 1000:.0f} ms",
               flush=True)
         runs = {"0": [], "24h": []}
