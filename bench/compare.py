@@ -55,7 +55,8 @@ import attrs
 from bench.deliver import send_workload
 from bench.rq_queue import QUEUE as RQ_QUEUE
 from bench.harness import (
-    LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, memory_note, mib, now_ms, pids_of,
+    LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, memory_note, mib, now_ms,
+    pids_of,
 )
 from bench.workload import SUBJECT, StreamConsumer, Workload, message_id, read_stream
 

@@ -55,8 +55,8 @@ from pathlib import Path
 import attrs
 
 from bench.harness import (
-    DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures, memory_note, mib, now_ms,
-    pids_of, py_spy, run_child,
+    DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures,
+    memory_note, mib, now_ms, pids_of, py_spy, run_child,
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.sender.spool import iter_spool

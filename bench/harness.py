@@ -248,8 +248,8 @@ def page_cache_cost(directory: str | None = None, mib: int = 256) -> float:
     on the benchmark machine: about 2 us/KiB against 0.3), and every figure of a benchmark that
     writes (ours to two logs per message, Redis to its append-only file) moves with it. Pages the
     guest frees go back to the host after a while (free page reporting: measured there, a probe
-    went from 0.3 to 0.8 us/KiB within a minute of touching the memory), so the figure drifts within a
-    sitting too; 256 MiB reaches past the few pages freed just before."""
+    went from 0.3 to 0.8 us/KiB within a minute of touching the memory), so the figure drifts
+    within a sitting too; 256 MiB reaches past the few pages freed just before."""
     import tempfile
 
     chunk = b"\0" * 65536
