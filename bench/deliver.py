@@ -1,12 +1,14 @@
 """`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]
-[--rate R[,R...] [--seconds S]] [--in-order] [--profile FILE]`: end-to-end delivery of messages falling due at a
-steady rate.
+[--rate R[,R...] [--seconds S] [--repeat N]] [--in-order] [--profile FILE]`: end-to-end delivery of
+messages falling due at a steady rate.
 
 `--rate` runs the workload at each given rate (messages falling due per second, over a window of
 `--seconds`, default 10; spool only unless --transports says otherwise) and prints, per transport,
 the highest rate that was sustained with lateness P99 <= 10 ms and none early, and the server's
 CPU per delivered message at each rate (user plus system time of the server process, from the
-window's start to the last delivery).
+window's start to the last delivery). `--repeat N` runs each rate N times, in rounds over the
+rates, and prints each rate's median and range; a rate counts as sustained only when every run of
+it met the target (near a core's worth of work, one run's P99 says little).
 
 The real server runs as its own process on a temp data directory, delivering, one run each, to
 the spool, to Redis Streams on a redis-server, to a durable RabbitMQ queue (publisher confirms)
@@ -377,26 +379,55 @@ def meets_rate_target(r: dict) -> bool:
 
 
 def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order: bool = False,
-               profile: str = "") -> None:
-    """One run per (transport, rate); then, per transport, the highest rate that met the target and
-    the server CPU per delivered message at each rate."""
+               profile: str = "", repeat: int = 1) -> None:
+    """`repeat` runs per (transport, rate), in rounds over the rates; then, per transport, each
+    rate's P99 and CPU per delivered message over its runs, and the highest rate that met the
+    target in every run."""
     for transport in transports:
         if transport not in TRANSPORTS:
             raise SystemExit(f"unknown transport {transport!r}")
-        summary = []
-        for rate in rates:
-            w = rate_workload(rate, seconds, in_order)
-            r = run_deliver(transport, w, profile=profile and f"{profile}.{transport}.{rate}")
-            print(report(transport, w, r), flush=True)
-            ok = meets_rate_target(r)
-            summary.append((rate, ok, r["dispatch"]["p99"], r["cpu_seconds"] / max(1, r["delivered"]) * 1e6))
-            print(f"  at {rate:,} msg/s falling due: P99 <= {RATE_TARGET_P99_MS} ms sustained: "
-                  f"{'met' if ok else 'MISSED'}; load average now {environment_note()}", flush=True)
-        met = [rate for rate, ok, _, _ in summary if ok]
-        print(f"deliver {transport} rate sweep over {seconds:g} s windows: "
-              + "; ".join(f"{rate:,}/s P99 {p99} ms, {cpu:.1f} us CPU per message" for rate, _, p99, cpu in summary))
-        print(f"  highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms: "
-              + (f"{max(met):,} msg/s" if met else "none of those measured"), flush=True)
+        runs: dict[int, list[tuple[bool, int, float]]] = {rate: [] for rate in rates}
+        for round_ in range(repeat):
+            for rate in rates:
+                w = rate_workload(rate, seconds, in_order)
+                suffix = f".{transport}.{rate}" + (f".{round_ + 1}" if repeat > 1 else "")
+                r = run_deliver(transport, w, profile=profile and f"{profile}{suffix}")
+                print(report(transport, w, r), flush=True)
+                ok = meets_rate_target(r)
+                runs[rate].append((ok, r["dispatch"]["p99"], r["cpu_seconds"] / max(1, r["delivered"]) * 1e6))
+                print(f"  at {rate:,} msg/s falling due: P99 <= {RATE_TARGET_P99_MS} ms sustained: "
+                      f"{'met' if ok else 'MISSED'}; load average now {environment_note()}", flush=True)
+        for line in sweep_summary(transport, seconds, runs):
+            print(line, flush=True)
+
+
+def sweep_summary(transport: str, seconds: float, runs: dict[int, list[tuple[bool, int, float]]]) -> list[str]:
+    """The closing lines of a rate sweep from each rate's runs, ``(met, P99 ms, us of CPU per
+    message)``: one run's figures as they are; several runs' as their median and range, with how
+    many met the target (the median of an even count: the lower middle one). A rate counts as
+    sustained only when every one of its runs met it."""
+    def spread(values, fmt: str, unit: str) -> str:
+        values = sorted(values)
+        median = f"{values[(len(values) - 1) // 2]:{fmt}} {unit}"
+        return median if len(values) == 1 else f"{median} ({values[0]:{fmt}} to {values[-1]:{fmt}})"
+
+    parts = []
+    for rate, figures in runs.items():
+        met = sum(ok for ok, _, _ in figures)
+        part = (f"{rate:,}/s P99 {spread([p99 for _, p99, _ in figures], '', 'ms')}, "
+                f"{spread([cpu for _, _, cpu in figures], '.1f', 'us')} CPU per message")
+        if len(figures) > 1:
+            part += f", met in {met} of {len(figures)} runs"
+        parts.append(part)
+    many = max(len(figures) for figures in runs.values()) > 1
+    sustained = [rate for rate, figures in runs.items() if figures and all(ok for ok, _, _ in figures)]
+    return [
+        f"deliver {transport} rate sweep over {seconds:g} s windows"
+        + (" (median and range over the runs)" if many else "") + ": " + "; ".join(parts),
+        f"  highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms"
+        + (" in every run" if many else "") + ": "
+        + (f"{max(sustained):,} msg/s" if sustained else "none of those measured"),
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -412,18 +443,23 @@ def main(argv: list[str]) -> None:
                         help="messages falling due per second (one run per rate, each transport); prints the "
                              f"highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms")
     parser.add_argument("--seconds", type=float, default=10.0, help="the window's length with --rate (default 10)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="with --rate: N runs of each rate, in rounds; prints each rate's median and range "
+                             "(default 1)")
     parser.add_argument("--in-order", action="store_true",
                         help="messages sent in the order they fall due (as with one fixed delay), not in random order")
     parser.add_argument("--profile", default="", metavar="FILE",
                         help="sample the server with py-spy over the window; collapsed stacks to FILE (with "
-                             "--rate: FILE.<transport>.<rate>, one per run)")
+                             "--rate: FILE.<transport>.<rate>, one per run, .<run> added with --repeat)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat takes a whole number of at least 1")
     w = attrs.evolve(QUICK if args.quick else FULL, in_order=args.in_order)
     print(f"deliver benchmark on {environment_note()}; flush=sync; {memory_note()}", flush=True)
     if args.rate:
         transports = args.transports.split(",") if args.transports != ",".join(TRANSPORTS) else ["spool"]
         return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports, args.in_order,
-                          args.profile)
+                          args.profile, args.repeat)
     if args.bucket_load:
         print(report("spool", w, run_deliver("spool", w, args.bucket_load, args.profile), args.bucket_load), flush=True)
         return

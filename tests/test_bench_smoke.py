@@ -151,3 +151,27 @@ def test_memory_warm_touches_whole_gib_within_what_is_available(monkeypatch, cap
     assert touched == [memory.GIB]
     out = capsys.readouterr().out
     assert out.count("us of CPU per KiB") == 2 and "touched 1 GiB" in out
+
+
+def test_a_rate_sweep_sums_up_each_rate_over_its_runs():
+    from bench.deliver import sweep_summary
+
+    once = sweep_summary("spool", 10, {30_000: [(True, 8, 27.6)], 50_000: [(False, 11, 18.7)]})
+    assert once == [
+        "deliver spool rate sweep over 10 s windows: 30,000/s P99 8 ms, 27.6 us CPU per message; "
+        "50,000/s P99 11 ms, 18.7 us CPU per message",
+        "  highest rate sustained with P99 <= 10 ms: 30,000 msg/s",
+    ]
+    # Several runs: median and range; a rate met in only some of its runs is not sustained.
+    runs = {30_000: [(True, 8, 27.0), (True, 9, 26.0), (True, 7, 28.0)],
+            40_000: [(True, 9, 22.0), (False, 44, 23.0), (True, 10, 21.0)],
+            50_000: [(False, 11, 19.0), (False, 117, 21.5), (False, 68, 22.0)]}
+    summary = sweep_summary("redis", 5, runs)
+    assert summary[0] == (
+        "deliver redis rate sweep over 5 s windows (median and range over the runs): "
+        "30,000/s P99 8 ms (7 to 9), 27.0 us (26.0 to 28.0) CPU per message, met in 3 of 3 runs; "
+        "40,000/s P99 10 ms (9 to 44), 22.0 us (21.0 to 23.0) CPU per message, met in 2 of 3 runs; "
+        "50,000/s P99 68 ms (11 to 117), 21.5 us (19.0 to 22.0) CPU per message, met in 0 of 3 runs")
+    assert summary[1] == "  highest rate sustained with P99 <= 10 ms in every run: 30,000 msg/s"
+    assert sweep_summary("spool", 10, {50_000: [(False, 11, 19.0), (False, 12, 19.0)]})[1].endswith(
+        "none of those measured")
