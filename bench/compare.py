@@ -56,7 +56,7 @@ from bench.deliver import send_workload
 from bench.rq_queue import QUEUE as RQ_QUEUE
 from bench.harness import (
     LOCALHOST, DelayServerProcess, PeakRss, RedisProcess, environment_note, lateness_figures, memory_note, mib, now_ms,
-    pids_of,
+    pids_of, spread,
 )
 from bench.workload import SUBJECT, StreamConsumer, Workload, message_id, read_stream
 
@@ -308,13 +308,6 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else (1.0 if a == b else float("inf"))
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    """Median, and min-max when there is more than one value."""
-    values = sorted(values)
-    median = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
-    return format(median, fmt) + ("" if len(values) == 1 else f" ({format(values[0], fmt)}-{format(values[-1], fmt)})")
-
-
 def ratio_table(results: dict) -> str:
     """Ours / each other system, per round, as median (min-max) over the rounds."""
     rounds = results["rounds"]
@@ -329,10 +322,10 @@ def ratio_table(results: dict) -> str:
         theirs = [r[key] for r in rounds]
         lines.append(
             f"| {theirs[0].system} "
-            f"| {_spread([_ratio(o.acked_per_s, t.acked_per_s) for o, t in zip(ours, theirs)], '.2f')} "
-            f"| {_spread([t.acked_per_s for t in theirs], ',.0f')} | {_spread([o.acked_per_s for o in ours], ',.0f')} "
-            f"| {_spread([_ratio(o.lateness['p99'], t.lateness['p99']) for o, t in zip(ours, theirs)], '.3f')} "
-            f"| {_spread([t.lateness['p99'] for t in theirs], '.0f')} | {_spread([o.lateness['p99'] for o in ours], '.0f')} |")
+            f"| {spread([_ratio(o.acked_per_s, t.acked_per_s) for o, t in zip(ours, theirs)], '.2f')} "
+            f"| {spread([t.acked_per_s for t in theirs], ',.0f')} | {spread([o.acked_per_s for o in ours], ',.0f')} "
+            f"| {spread([_ratio(o.lateness['p99'], t.lateness['p99']) for o, t in zip(ours, theirs)], '.3f')} "
+            f"| {spread([t.lateness['p99'] for t in theirs], '.0f')} | {spread([o.lateness['p99'] for o in ours], '.0f')} |")
     return "\n".join(lines)
 
 

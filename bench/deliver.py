@@ -58,7 +58,7 @@ import attrs
 
 from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures,
-    memory_note, mib, now_ms, pids_of, py_spy, run_child,
+    memory_note, mib, now_ms, pids_of, py_spy, run_child, spread,
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.sender.spool import iter_spool
@@ -403,19 +403,13 @@ def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order
 
 def sweep_summary(transport: str, seconds: float, runs: dict[int, list[tuple[bool, int, float]]]) -> list[str]:
     """The closing lines of a rate sweep from each rate's runs, ``(met, P99 ms, us of CPU per
-    message)``: one run's figures as they are; several runs' as their median and range, with how
-    many met the target (the median of an even count: the lower middle one). A rate counts as
-    sustained only when every one of its runs met it."""
-    def spread(values, fmt: str, unit: str) -> str:
-        values = sorted(values)
-        median = f"{values[(len(values) - 1) // 2]:{fmt}} {unit}"
-        return median if len(values) == 1 else f"{median} ({values[0]:{fmt}} to {values[-1]:{fmt}})"
-
+    message)``: one run's figures as they are; several runs' as their median (min-max), with how
+    many met the target. A rate counts as sustained only when every one of its runs met it."""
     parts = []
     for rate, figures in runs.items():
         met = sum(ok for ok, _, _ in figures)
-        part = (f"{rate:,}/s P99 {spread([p99 for _, p99, _ in figures], '', 'ms')}, "
-                f"{spread([cpu for _, _, cpu in figures], '.1f', 'us')} CPU per message")
+        part = (f"{rate:,}/s P99 {spread([p99 for _, p99, _ in figures], '.0f')} ms, "
+                f"{spread([cpu for _, _, cpu in figures], '.1f')} us CPU per message")
         if len(figures) > 1:
             part += f", met in {met} of {len(figures)} runs"
         parts.append(part)
@@ -423,7 +417,7 @@ def sweep_summary(transport: str, seconds: float, runs: dict[int, list[tuple[boo
     sustained = [rate for rate, figures in runs.items() if figures and all(ok for ok, _, _ in figures)]
     return [
         f"deliver {transport} rate sweep over {seconds:g} s windows"
-        + (" (median and range over the runs)" if many else "") + ": " + "; ".join(parts),
+        + (" (median (min-max) over the runs)" if many else "") + ": " + "; ".join(parts),
         f"  highest rate sustained with P99 <= {RATE_TARGET_P99_MS} ms"
         + (" in every run" if many else "") + ": "
         + (f"{max(sustained):,} msg/s" if sustained else "none of those measured"),

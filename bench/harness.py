@@ -239,17 +239,18 @@ def environment_note() -> str:
     return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load average {load}"
 
 
+def spread(values: list[float], fmt: str) -> str:
+    """Median, and min-max when there is more than one value."""
+    values = sorted(values)
+    median = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return format(median, fmt) + ("" if len(values) == 1 else f" ({format(values[0], fmt)}-{format(values[-1], fmt)})")
+
+
 def page_cache_cost(directory: str | None = None, mib: int = 256) -> float:
     """CPU microseconds (user + system) per KiB this process spends writing `mib` MiB into a new
-    file in `directory` (a temp directory by default), 64 KiB a write, through the page cache.
-
-    On a virtual machine whose memory the host backs on first touch, the first write into a page
-    the guest never used costs several times what a write into a page used before costs (measured
-    on the benchmark machine: about 2 us/KiB against 0.3), and every figure of a benchmark that
-    writes (ours to two logs per message, Redis to its append-only file) moves with it. Pages the
-    guest frees go back to the host after a while (free page reporting: measured there, a probe
-    went from 0.3 to 0.8 us/KiB within a minute of touching the memory), so the figure drifts
-    within a sitting too; 256 MiB reaches past the few pages freed just before."""
+    file in `directory` (a temp directory by default), 64 KiB a write, through the page cache: on a
+    virtual machine it moves with how much of the memory its host has backed (bench/memory.py).
+    256 MiB reaches past the few pages freed just before."""
     import tempfile
 
     chunk = b"\0" * 65536

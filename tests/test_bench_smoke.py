@@ -168,10 +168,10 @@ def test_a_rate_sweep_sums_up_each_rate_over_its_runs():
             50_000: [(False, 11, 19.0), (False, 117, 21.5), (False, 68, 22.0)]}
     summary = sweep_summary("redis", 5, runs)
     assert summary[0] == (
-        "deliver redis rate sweep over 5 s windows (median and range over the runs): "
-        "30,000/s P99 8 ms (7 to 9), 27.0 us (26.0 to 28.0) CPU per message, met in 3 of 3 runs; "
-        "40,000/s P99 10 ms (9 to 44), 22.0 us (21.0 to 23.0) CPU per message, met in 2 of 3 runs; "
-        "50,000/s P99 68 ms (11 to 117), 21.5 us (19.0 to 22.0) CPU per message, met in 0 of 3 runs")
+        "deliver redis rate sweep over 5 s windows (median (min-max) over the runs): "
+        "30,000/s P99 8 (7-9) ms, 27.0 (26.0-28.0) us CPU per message, met in 3 of 3 runs; "
+        "40,000/s P99 10 (9-44) ms, 22.0 (21.0-23.0) us CPU per message, met in 2 of 3 runs; "
+        "50,000/s P99 68 (11-117) ms, 21.5 (19.0-22.0) us CPU per message, met in 0 of 3 runs")
     assert summary[1] == "  highest rate sustained with P99 <= 10 ms in every run: 30,000 msg/s"
     assert sweep_summary("spool", 10, {50_000: [(False, 11, 19.0), (False, 12, 19.0)]})[1].endswith(
         "none of those measured")
