@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import operator
 
 import attrs
 import trio
@@ -42,6 +43,10 @@ class Due:
     group: object = None  # the broker group whose in-flight budget it counts against
     suspect: bool = False  # in a batch that failed whole: one more whole failure splits it
     message_log_offset: int = -1  # where its record was replayed from (its dispatch record names it)
+
+
+_REF = operator.attrgetter("ref")
+_GENERATION = operator.attrgetter("generation")
 
 
 class DueQueue:
@@ -83,30 +88,19 @@ class DueQueue:
         ticks = self._ticks
         generation = ticks.generation
         refs = ticks.take(limit)
-        reads = {}
-        misses = []
-        for ref, read in zip(refs, ticks.read_messages(refs, cached_only=True)):
-            if read is None:
-                misses.append(ref)
-            elif isinstance(read, CorruptSegment):
-                reads[ref] = self._corrupt(ref, read)
-            else:
-                reads[ref] = read
-        if misses:
-            self.disk_reads += len(misses)
-            got = await run_disk(ticks.disk_reader(misses))
-            if ticks.generation != generation:
+        reads = ticks.read_messages(refs, cached_only=True)
+        if set(map(type, reads)) - {tuple}:  # not all read from memory: a miss (None) or damage
+            reads = await self._read_the_rest(refs, reads, generation)
+            if reads is None:
                 return []  # reset meanwhile (a change of role): the reload owns them now
-            for ref in misses:
-                read = got.get(ref)
-                if isinstance(read, CorruptSegment):
-                    read = self._corrupt(ref, read)
-                elif read is None:  # its segment could not be opened there: read it here
-                    read = self._read(ref)
-                reads[ref] = read
+        # One Due per message not cancelled or moving; the checks asked only of buckets with
+        # cancels and while a move is under way (most batches: neither).
+        cancels, moving = ticks.cancels, ticks.moving
+        if not moving and not (cancels and any(read[0] in cancels for read in reads if read is not None)):
+            return [Due(ref, read[0], read[1], read[3], generation, message_log_offset=read[2])
+                    for ref, read in zip(refs, reads) if read is not None]
         out = []
-        for ref in refs:
-            read = reads[ref]
+        for ref, read in zip(refs, reads):
             if read is None:
                 continue
             bucket, offset, mlo, message = read
@@ -118,6 +112,33 @@ class DueQueue:
                 continue
             out.append(Due(ref, bucket, offset, message, generation, message_log_offset=mlo))
         return out
+
+    async def _read_the_rest(self, refs: list[int], reads: list, generation: int) -> list | None:
+        """`reads` completed: what the page cache did not hold (None) read in a worker thread,
+        and a damaged record (CorruptSegment) handed to `on_corrupt`, None in its place; None if
+        the tick manager was reset meanwhile."""
+        ticks = self._ticks
+        reads = list(reads)
+        misses = []
+        for k, (ref, read) in enumerate(zip(refs, reads)):
+            if read is None:
+                misses.append(k)
+            elif isinstance(read, CorruptSegment):
+                reads[k] = self._corrupt(ref, read)
+        if not misses:
+            return reads
+        self.disk_reads += len(misses)
+        got = await run_disk(ticks.disk_reader([refs[k] for k in misses]))
+        if ticks.generation != generation:
+            return None
+        for k in misses:
+            read = got.get(refs[k])
+            if isinstance(read, CorruptSegment):
+                read = self._corrupt(refs[k], read)
+            elif read is None:  # its segment could not be opened there: read it here
+                read = self._read(refs[k])
+            reads[k] = read
+        return reads
 
     def reread(self, due: Due) -> Message | None:
         """The message of a backlogged `due`, read again; None when its record cannot be read
@@ -152,7 +173,10 @@ class DueQueue:
     def settle_many(self, dues: list[Due]) -> None:
         """`settle` of each of `dues`."""
         generation = self._ticks.generation
-        self._ticks.on_dispatched_many([due.ref for due in dues if due.generation == generation])
+        if set(map(_GENERATION, dues)) == {generation}:  # most: a batch taken since the last reset
+            self._ticks.on_dispatched_many(list(map(_REF, dues)))
+        else:
+            self._ticks.on_dispatched_many([due.ref for due in dues if due.generation == generation])
 
     def drop(self, due: Due) -> None:
         """Not delivered and not owed any more (found cancelled)."""

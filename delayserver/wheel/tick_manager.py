@@ -41,7 +41,9 @@ and none of its messages is left in memory.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import operator
 import time
 from array import array
 
@@ -66,6 +68,9 @@ log = logging.getLogger("delayserver.wheel")
 
 OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
+#: ref -> its bucket's index, and its offset, as C-level callables for `map`.
+_BUCKET_OF_REF = OFFSET_BITS.__rrshift__
+_OFFSET_OF_REF = OFFSET_MASK.__and__
 READ_GUESS_BYTES = 4096
 LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
 MIN_READ_BYTES = 16 << 10  # the least a time-bounded slice reads
@@ -477,12 +482,8 @@ class TickManager:
 
     def take(self, limit: int) -> list[int]:
         """Pop up to `limit` ready refs and mark them in flight (the sender owns them now)."""
-        out = []
-        ready, inflight = self.ready, self.inflight
-        while ready and len(out) < limit:
-            ref = ready.popleft()
-            inflight.add(ref)
-            out.append(ref)
+        out = list(map(operator.call, itertools.repeat(self.ready.popleft, min(limit, len(self.ready)))))
+        self.inflight.update(out)
         self.fired += len(out)
         return out
 
@@ -517,12 +518,11 @@ class TickManager:
 
     def _settle(self, refs) -> None:
         """`refs` are owed no more: out of flight, their buckets' counts settled once each."""
-        inflight, per_bucket = self.inflight, collections.Counter()
-        for ref in refs:
-            if ref in inflight:  # else handed out before a reset: nothing of it is counted any more
-                inflight.remove(ref)
-                per_bucket[ref >> OFFSET_BITS] += 1
-        for bid, count in per_bucket.items():
+        inflight, present = self.inflight, set(refs)
+        if not inflight.issuperset(present):  # some handed out before a reset: nothing of them is counted any more
+            present &= inflight
+        inflight.difference_update(present)
+        for bid, count in collections.Counter(map(_BUCKET_OF_REF, present)).items():
             bucket = self._buckets[bid]
             self.outstanding[bucket] -= count
             if self.outstanding[bucket] <= 0:
@@ -546,8 +546,12 @@ class TickManager:
         """`read_message` of each of `refs`, in order, with neighbouring records of a bucket read
         together (`BucketLog.read_records_at`): per ref its answer, None (`cached_only`: not in the
         page cache), or the CorruptSegment."""
+        per_bucket = self._by_bucket(refs)
+        if len(per_bucket) == 1:  # one bucket's: its answers are in the order of `refs`
+            bucket, _, offsets = per_bucket[0]
+            return self._read_bucket(bucket, offsets, cached_only)
         out: list = [None] * len(refs)
-        for bucket, indexes, offsets in self._by_bucket(refs):
+        for bucket, indexes, offsets in per_bucket:
             for k, read in zip(indexes, self._read_bucket(bucket, offsets, cached_only)):
                 out[k] = read
         return out
@@ -596,6 +600,9 @@ class TickManager:
 
     def _by_bucket(self, refs: list[int]) -> list[tuple[int, list[int], list[int]]]:
         """(bucket, indexes into `refs`, their schedule offsets) per bucket the refs name."""
+        ids = set(map(_BUCKET_OF_REF, refs))
+        if len(ids) == 1:  # most batches: one bucket's (no Python-level step per ref)
+            return [(self._buckets[ids.pop()], range(len(refs)), list(map(_OFFSET_OF_REF, refs)))]
         by_index: dict[int, list[int]] = {}
         for k, ref in enumerate(refs):
             by_index.setdefault(ref >> OFFSET_BITS, []).append(k)
