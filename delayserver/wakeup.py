@@ -13,7 +13,10 @@ class Wakeup:
 
     async def wait(self, timeout_s: float | None = None) -> None:
         """Return when set (clearing it), or after `timeout_s` seconds."""
-        with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+        if timeout_s is None or self._event.is_set():  # no deadline to keep (a cancel scope less)
             await self._event.wait()
+        else:
+            with trio.move_on_after(timeout_s):
+                await self._event.wait()
         if self._event.is_set():
             self._event = trio.Event()

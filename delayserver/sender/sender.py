@@ -33,7 +33,9 @@ generation.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import operator
 import random
 
 import attrs
@@ -61,6 +63,15 @@ DISPATCH_SYNC_LINGER_S = 0.005
 
 #: The sender's name for a due message it holds.
 Delivery = Due
+
+# C-level field reads over a batch (`map`), without a Python-level step per message.
+_SCHEDULE_TIME = operator.itemgetter(4)  # an OutboundMessage's
+_SCHEDULE_OFFSET = operator.attrgetter("schedule_offset")
+_MESSAGE_LOG_OFFSET = operator.attrgetter("message_log_offset")
+_BUCKET = operator.attrgetter("bucket")
+_GROUP = operator.attrgetter("group")
+_TRIED = operator.attrgetter("tried")
+_SUBJECT = operator.attrgetter("message.subject")
 
 
 @attrs.define(eq=False)
@@ -127,8 +138,8 @@ class Sender:
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
         # Batches whose dispatch records are appended and await the fsync that settles them:
-        # (acknowledged deliveries, their group, dispatch time).
-        self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
+        # (acknowledged deliveries, their group, dispatch time, their lateness or None).
+        self._unsynced: list[tuple[list[Delivery], BrokerGroup, int, list[int] | None]] = []
         self._unsynced_wakeup = Wakeup()
         self.dispatch_fsyncs = 0
         # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
@@ -213,9 +224,20 @@ class Sender:
         never tried), with a subject's groups looked up once a batch: a message whose subject has
         one healthy group, with room, is queued there as `route` would queue it; any other goes
         through `route`."""
+        limit = self.max_inflight
+        subjects = set(map(_SUBJECT, batch))
+        if len(subjects) == 1:  # most batches: one subject's; when its one healthy group has room for all, in bulk
+            healthy = [g for g in self._candidates(subjects.pop()) if g.breaker.allows(now)]
+            if len(healthy) == 1 and healthy[0].inflight + len(batch) <= limit \
+                    and set(map(_GROUP, batch)) == {None} and not any(map(_TRIED, batch)):
+                group = healthy[0]
+                collections.deque(map(setattr, batch, itertools.repeat("group"), itertools.repeat(group)), maxlen=0)
+                group.inflight += len(batch)
+                group.queue.extend(batch)
+                group.wakeup.set()
+                return
         healthy_of: dict[str, list[BrokerGroup]] = {}
         woken = []
-        limit = self.max_inflight
         for d in batch:
             subject = d.message.subject
             healthy = healthy_of.get(subject)
@@ -319,7 +341,8 @@ class Sender:
                 await (self._room if due.waiting else due.ready).wait(timeout)
                 continue
             self.route_taken(await due.take(min(room, self.batch_size)), monotonic_ms())
-            await trio.lowlevel.checkpoint()
+            if due.waiting:  # more to take: let the others run first (else the wait above does)
+                await trio.lowlevel.checkpoint()
 
     async def _retry_task(self) -> None:
         due = self.due
@@ -416,6 +439,7 @@ class Sender:
             new(cls, ((m := d.message).message_id, m.subject, m.body, m.headers, m.schedule_time, now, d.attempt))
             for d in batch
         ]
+        lateness = list(map(now.__sub__, map(_SCHEDULE_TIME, out)))  # (settling the batch reports it)
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
         try:
             results = await group.transport.send_batch(out)
@@ -437,6 +461,7 @@ class Sender:
                 self._split(group, batch, results[0].detail, at_once=False)
                 return
             acked, failed = await self._sort_results(group, batch, results, now)
+            lateness = None
         if len(failed) == len(batch):
             group.failed_batches += 1
             group.breaker.record_failure(mono)
@@ -457,7 +482,7 @@ class Sender:
                 self._retry_later(d, backoff_ms(d.attempt))
         if acked:
             failpoints.hit("after-broker-ack")
-            await self._record_dispatch(acked, group, now)
+            await self._record_dispatch(acked, group, now, lateness)
 
     async def _sort_results(self, group: BrokerGroup, batch: list[Delivery], results: list,
                             now: int) -> tuple[list[Delivery], list[Delivery]]:
@@ -492,14 +517,16 @@ class Sender:
                 self._retry_later(part, backoff_ms(1))
         group.wakeup.set()
 
-    async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
-        """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
-        offsets = [d.schedule_offset for d in acked]
-        records = encode_dispatch_records(now, group.name, list(zip(offsets, [d.message_log_offset for d in acked])))
-        bucket = acked[0].bucket
+    async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int,
+                               lateness: list[int] | None = None) -> None:
+        """Append the dispatch records of `acked` and hand them to the fsync task, which settles
+        them (`lateness`: each one's, if known already)."""
+        offsets = list(map(_SCHEDULE_OFFSET, acked))
+        records = encode_dispatch_records(now, group.name, list(zip(offsets, map(_MESSAGE_LOG_OFFSET, acked))))
         # Per bucket: its records and their schedule offsets (for the dispatch index).
-        if all(d.bucket == bucket for d in acked):  # most batches: one bucket's
-            per_bucket = {bucket: (records, offsets)}
+        buckets = set(map(_BUCKET, acked))
+        if len(buckets) == 1:  # most batches: one bucket's
+            per_bucket = {buckets.pop(): (records, offsets)}
         else:
             per_bucket: dict[int, tuple[list[bytes], list[int]]] = {}
             for d, rec in zip(acked, records):
@@ -523,7 +550,7 @@ class Sender:
                 await trio.sleep(0.5)
                 continue
             del per_bucket[bucket]
-        self._unsynced.append((acked, group, now))
+        self._unsynced.append((acked, group, now, lateness))
         self._unsynced_wakeup.set()
 
     async def _sync_task(self) -> None:
@@ -550,26 +577,32 @@ class Sender:
             except FsyncFailed as e:
                 # Never retried (fsyncgate): the records are not durable, so these messages go out
                 # again after a restart; settle them in memory rather than deliver again now.
-                n = sum(len(acked) for acked, _, _ in taken)
+                n = sum(len(acked) for acked, *_ in taken)
                 log.error("dispatch_log not durable, a restart delivers these %d again: %s", n, e)
                 break
             except StorageError as e:
                 log.error("dispatch_log fsync failed, retrying: %s", e)
                 dispatch_log.mark_dirty(paths)
                 await trio.sleep(0.5)
-        for acked, group, now in taken:
-            self._settle(acked, group, now)
+        for acked, group, now, lateness in taken:
+            self._settle(acked, group, now, lateness)
 
-    def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
-        lateness = [now - d.message.schedule_time for d in acked]
+    def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int, lateness: list[int] | None = None) -> None:
+        if lateness is None:
+            lateness = [now - d.message.schedule_time for d in acked]
         self.due.settle_many(acked)
-        freed = 0
-        for d in acked:
-            if d.group is group:  # `_assign(d, None)` of each, the room they free announced once
-                d.group = None
-                freed += 1
-            else:
-                self._assign(d, None)
+        # `_assign(d, None)` of each, the room they free announced once.
+        if set(map(_GROUP, acked)) == {group}:  # most batches: all counted against the group that sent them
+            freed = len(acked)
+            collections.deque(map(setattr, acked, itertools.repeat("group"), itertools.repeat(None)), maxlen=0)
+        else:
+            freed = 0
+            for d in acked:
+                if d.group is group:
+                    d.group = None
+                    freed += 1
+                else:
+                    self._assign(d, None)
         if freed:
             group.inflight -= freed
             if group.backlog:
@@ -596,7 +629,7 @@ class Sender:
                 self.store.dispatch_log.sync()
             except StorageError as e:
                 log.error("dispatch_log not durable at stop, a restart delivers %d again: %s",
-                          sum(len(acked) for acked, _, _ in self._unsynced), e)
+                          sum(len(acked) for acked, *_ in self._unsynced), e)
             self._unsynced = []
         for group in self.groups.values():
             await group.transport.aclose()

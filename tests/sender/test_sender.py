@@ -179,33 +179,43 @@ def routing_groups():
     return groups
 
 
-async def test_a_taken_batch_is_routed_as_each_of_its_messages_would_be():
-    """`route_taken` (the dispatch task's: a subject's groups looked up once a batch) queues,
-    backlogs and counts every message as `route` of each does, in the same order."""
+def routed(batch: list[tuple[str, str]], one_at_a_time: bool):
+    """What routing the (message id, subject) pairs of `batch` leaves in a fresh sender over
+    `routing_groups()`, by `route` of each or by `route_taken` of the batch."""
     import types
+    from delayserver.wheel.due_queue import DueQueue
+    sender = Sender(ticks=None, store=None, groups=routing_groups(), clock=None, max_inflight=5)
+    sender.due = DueQueue(types.SimpleNamespace(generation=0))
+    deliveries = [Delivery(k, 0, k, StoredMessage(mid, subject, b"", 0)) for k, (mid, subject) in enumerate(batch)]
+    random.seed(11)
+    if one_at_a_time:
+        for d in deliveries:
+            sender.route(d, 0)
+    else:
+        sender.route_taken(deliveries, 0)
+    return (
+        {g.name: ([d.message.message_id for d in g.queue], [d.ref for d in g.backlog], g.inflight,
+                  g.wakeup._event.is_set()) for g in sender.groups.values()},
+        sender.no_route, sender.due.retrying, [d.group.name if d.group else None for d in deliveries])
+
+
+async def test_a_taken_batch_is_routed_as_each_of_its_messages_would_be():
+    """`route_taken` (the dispatch task's: a subject's groups looked up once a batch, a batch of
+    one subject queued in bulk when its group has room for all) queues, backlogs and counts every
+    message as `route` of each does, in the same order."""
     subjects = ["s.one", "s.two", "s.full", "s.open", "s.none"]
     rng = random.Random(5)
-    batch = [(f"m{i}", rng.choice(subjects)) for i in range(300)]
-    seen = []
-    for one_at_a_time in (True, False):
-        sender = Sender(ticks=None, store=None, groups=routing_groups(), clock=None, max_inflight=5)
-        from delayserver.wheel.due_queue import DueQueue
-        sender.due = DueQueue(types.SimpleNamespace(generation=0))
-        deliveries = [Delivery(k, 0, k, StoredMessage(mid, subject, b"", 0)) for k, (mid, subject) in enumerate(batch)]
-        random.seed(11)
-        if one_at_a_time:
-            for d in deliveries:
-                sender.route(d, 0)
-        else:
-            sender.route_taken(deliveries, 0)
-        seen.append((
-            {g.name: ([d.message.message_id for d in g.queue], [d.ref for d in g.backlog], g.inflight,
-                      g.wakeup._event.is_set()) for g in sender.groups.values()},
-            sender.no_route, sender.due.retrying, [d.group.name if d.group else None for d in deliveries]))
-    assert seen[0] == seen[1]
-    queued, no_route, retrying, _ = seen[1]
+    mixed = [(f"m{i}", rng.choice(subjects)) for i in range(300)]
+    assert routed(mixed, True) == routed(mixed, False)
+    queued, no_route, retrying, _ = routed(mixed, False)
     assert len(queued["one"][0]) > 1 and queued["full"][2] == 5 and queued["full"][1]  # cases met
     assert queued["w1"][0] and queued["w2"][0] and queued["open"][1] and no_route == retrying > 0
+    # One subject's: room for all (in bulk), room for some, two groups, a full one, an open one, none.
+    for subject, n in [("s.one", 5), ("s.one", 6), ("s.two", 4), ("s.full", 3), ("s.open", 2), ("s.none", 2)]:
+        batch = [(f"{subject}-{i}", subject) for i in range(n)]
+        assert routed(batch, True) == routed(batch, False), (subject, n)
+    queued = routed([(f"o{i}", "s.one") for i in range(5)], False)[0]
+    assert queued["one"] == ([f"o{i}" for i in range(5)], [], 5, True)
 
 
 async def test_a_transport_that_raises_costs_its_batch_a_retry_not_the_node(tmp_path, nursery):
@@ -232,3 +242,24 @@ async def test_a_transport_that_raises_costs_its_batch_a_retry_not_the_node(tmp_
     assert raised and server.sender.retried >= raised[0]
     delivered = [m.message_id for _, _, _, m in iter_spool(server.config.data_dir, "t.raise")]
     assert sorted(delivered) == [f"r{i}" for i in range(5)]
+
+
+async def test_the_lateness_reported_is_each_delivered_messages_own(tmp_path, nursery):
+    """The lateness the sender reports (its window, the metrics' hook) is dispatch time minus
+    schedule time of each delivered message, as the delivered records carry them, for batches of
+    one subject and of several (the spool's two paths). Each batch lingers 50 ms to fill: none is
+    0 ms late."""
+    server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}], send_wait_ms=50))
+    reported = []
+    server.sender.on_delivered = lambda group, lateness_ms: reported.extend((group, ms) for ms in lateness_ms)
+    one = [Message("late.one", b"x", delay=0) for _ in range(40)]
+    mixed = [Message(f"late.s{i % 3}", b"y", delay=0) for i in range(30)]
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+        await producer.send_many(one, batch=40)
+        await producer.send_many(mixed, batch=30)
+    await wait_until(lambda: server.sender.delivered == 70, 10)
+    spooled = [t - m.schedule_time for subject in ("late.one", "late.s0", "late.s1", "late.s2")
+               for _, t, _, m in iter_spool(server.config.data_dir, subject)]
+    assert len(spooled) == 70 and min(spooled) > 0
+    assert sorted(ms for _, ms in reported) == sorted(spooled) == sorted(server.sender.lateness_ms)
+    assert {group for group, _ in reported} == {"g"}

@@ -10,9 +10,21 @@ from delayserver.sender.spool import SpoolCorrupt, SpoolTransport, iter_spool, l
 from delayserver.sender.transport import OutboundMessage, Outcome, make_transport
 
 
+#: Whether `outbound` gives its messages headers: every test runs both ways, since a batch with
+#: none is encoded whole by the compiled kernel (the spool's fast path) and one with headers not.
+WITH_HEADERS = [True]
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["headers", "no-headers"])
+def with_headers(request):
+    WITH_HEADERS[0] = request.param
+    yield request.param
+    WITH_HEADERS[0] = True
+
+
 def outbound(i: int, subject: str = "orders", **changes) -> OutboundMessage:
     fields = dict(
-        message_id=f"m{i}", subject=subject, body=b"body-%d" % i, headers={"trace": f"t{i}"},
+        message_id=f"m{i}", subject=subject, body=b"body-%d" % i, headers={"trace": f"t{i}"} if WITH_HEADERS[0] else {},
         schedule_time=1_700_000_000_000 + i, dispatch_time=1_700_000_000_500 + i, attempt=1,
     )
     fields.update(changes)
