@@ -11,6 +11,11 @@
   ingest` sends them) decoded, stored by the node's receiver (`Receiver.send`, `flush = "async"`,
   the dedupe table on as by default) and answered (the response encoded), one after another in
   this process: the server's work per message before replay, without the network.
+- take: messages falling due taken from the due queue as the sender's dispatch task takes them
+  (`DueQueue.take` of 256 at a time: the records read ahead into memory beforehand, as
+  `prefetch_due` does, decoded into messages), routed to their broker group
+  (`Sender.route_taken`) and settled (`DueQueue.settle_many`): the event loop's work per delivered
+  message that waits for no I/O, without the sending itself.
 - read: a whole schedule_log segment read as the tick manager loads it (`BucketLog.read` in 4 MiB
   chunks) and walked with `iter_records` (crc checked), each record decoded two ways:
   `scheduled_key` (what loading a bucket needs) and `decode_scheduled` (the whole message).
@@ -41,6 +46,7 @@ from delayserver.message import TimeSpec
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
 from delayserver.protocol import SendItem, decode_send_request, encode_send_request, encode_send_response
 from delayserver.replayer import Replayer
+from delayserver.sender.sender import BrokerGroup, Sender
 from delayserver.storage.bucket_log import BucketLog
 from delayserver.storage.id_index import IdIndex
 from delayserver.storage.message_log import MessageLog
@@ -50,6 +56,7 @@ from delayserver.storage.record import (
 from delayserver.storage.store import Store
 from delayserver.storage.time_index import TimeIndex
 from delayserver.wakeup import Wakeup
+from delayserver.wheel.prefetch import due_offsets, fetch
 from delayserver.wheel.tick_manager import TickManager
 
 BATCH = 256
@@ -159,6 +166,50 @@ def bench_receive(directory: Path, records: int) -> Figures:
         shutil.rmtree(directory)
 
 
+def bench_take(directory: Path, records: int) -> Figures:
+    """Take `records` due messages 256 at a time, route each batch to a broker group and settle it."""
+    store = Store.open(directory)
+    ticks = TickManager(store, now_ms=BUCKET - 1_000, slots=1 << 14)
+    replayer = Replayer.open(store, ticks)
+    for n in range(records // BATCH):
+        store.message_log.append(encoded_batch(n * BATCH))
+    while replayer.replay_once(BUCKET - 1_000, store.message_log.end_offset, 8 << 20):
+        pass
+    while ticks.load_step(BUCKET - 1_000):
+        pass
+    ticks.ahead.max_bytes = 1 << 40
+    schedule_log = store.schedule_log
+    jobs = [(bucket, str(schedule_log.path(bucket)), schedule_log.size(bucket), offsets)
+            for bucket, offsets in due_offsets(ticks, BUCKET - 1_000, BUCKET + records).items()]
+    for bucket, held in fetch(jobs, ticks.ahead.room):
+        ticks.ahead.put(bucket, held, ticks.ahead.epoch)
+    for now in range(BUCKET, BUCKET + records + 1_000, 1_000):  # all due, a second at a time
+        ticks.advance(now)
+    sender = Sender(ticks, store, [BrokerGroup("spool", transport=None)], clock=WallClock(),
+                    max_inflight=1 << 30)
+    group = sender.groups["spool"]
+
+    async def take_all() -> int:
+        count = 0
+        while sender.due.waiting:
+            batch = await sender.due.take(BATCH)
+            sender.route_taken(batch, 0)
+            group.queue.clear()
+            sender.due.settle_many(batch)
+            group.inflight -= len(batch)
+            count += len(batch)
+        return count
+
+    held_bytes = ticks.ahead.held_bytes  # the records taken, as read ahead
+    watch = Stopwatch()
+    count = trio.run(take_all)
+    figures = watch.figures(count, held_bytes)
+    assert count == records and not ticks.inflight, (count, len(ticks.inflight))
+    store.close()
+    shutil.rmtree(directory)
+    return figures
+
+
 def write_schedule_segment(directory: Path, records: int) -> None:
     log = BucketLog.open(directory)
     for n in range(records // BATCH):
@@ -224,6 +275,7 @@ def main(argv: list[str]) -> None:
             root / str(next(runs)), records)))
         report("replay: into schedule_log, indexes following", best(lambda: bench_replay(root / str(next(runs)),
                                                                                           records)))
+        report("take: due queue take, route, settle", best(lambda: bench_take(root / str(next(runs)), records)))
         write_schedule_segment(root / "schedule_log", records)
         for name, decode in (
             ("read: iter_records + scheduled_key", lambda buf, start, stop: scheduled_key(buf, start)),

@@ -101,6 +101,28 @@ def test_storage_bench_replays_every_record_with_the_indexes_following(tmp_path)
     assert not (tmp_path / "replay").exists()
 
 
+def test_storage_bench_takes_every_message_from_what_was_read_ahead(tmp_path, monkeypatch):
+    """The take figure is of every message routed once and settled, each decoded from the
+    records read ahead into memory (none read from its segment when taken)."""
+    from bench import storage
+    from delayserver.sender.sender import Sender
+
+    records = 3 * storage.BATCH
+    routed, from_memory = [], []
+    real_route_taken = Sender.route_taken
+
+    def recording(sender, batch, now):
+        routed.extend(d.message.message_id for d in batch)
+        from_memory.append(sender.due._ticks.ahead.hits)
+        real_route_taken(sender, batch, now)
+
+    monkeypatch.setattr(Sender, "route_taken", recording)
+    figures = storage.bench_take(tmp_path / "take", records)
+    assert figures.records == records and figures.bytes > records * len(storage.BODY)
+    assert sorted(routed) == [f"msg-{i:012d}" for i in range(records)]
+    assert from_memory[-1] == records and not (tmp_path / "take").exists()
+
+
 def test_storage_bench_receives_every_message_through_the_batch_path(tmp_path, monkeypatch):
     """The receive figure is of requests stored as the server stores them: each message whole in
     message_log, read back as it was sent."""
