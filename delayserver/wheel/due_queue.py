@@ -93,24 +93,28 @@ class DueQueue:
             reads = await self._read_the_rest(refs, reads, generation)
             if reads is None:
                 return []  # reset meanwhile (a change of role): the reload owns them now
-        # One Due per message not cancelled or moving; the checks asked only of buckets with
-        # cancels and while a move is under way (most batches: neither).
-        cancels, moving = ticks.cancels, ticks.moving
-        if not moving and not (cancels and any(read[0] in cancels for read in reads if read is not None)):
-            return [Due(ref, read[0], read[1], read[3], generation, message_log_offset=read[2])
-                    for ref, read in zip(refs, reads) if read is not None]
+        # Cancels and moves asked about only in buckets with cancels and while a move is under way
+        # (most batches: neither).
+        cancels = ticks.cancels
+        if ticks.moving or (cancels and any(read[0] in cancels for read in reads if read is not None)):
+            reads = self._screen(refs, reads)
+        return [Due(ref, read[0], read[1], read[3], generation, message_log_offset=read[2])
+                for ref, read in zip(refs, reads) if read is not None]
+
+    def _screen(self, refs: list[int], reads: list) -> list:
+        """`reads` with None for each message found cancelled (dropped) or being moved (held)."""
+        ticks = self._ticks
         out = []
         for ref, read in zip(refs, reads):
-            if read is None:
-                continue
-            bucket, offset, mlo, message = read
-            if ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
-                ticks.drop_cancelled(ref)
-                self.cancelled += 1
-                continue
-            if ticks.hold_if_moving(ref, message.schedule_time, message.message_id):
-                continue
-            out.append(Due(ref, bucket, offset, message, generation, message_log_offset=mlo))
+            if read is not None:
+                bucket, offset, _, message = read
+                if ticks.is_cancelled(bucket, offset, message.schedule_time, message.message_id):
+                    ticks.drop_cancelled(ref)
+                    self.cancelled += 1
+                    read = None
+                elif ticks.hold_if_moving(ref, message.schedule_time, message.message_id):
+                    read = None
+            out.append(read)
         return out
 
     async def _read_the_rest(self, refs: list[int], reads: list, generation: int) -> list | None:
