@@ -65,13 +65,18 @@ DISPATCH_SYNC_LINGER_S = 0.005
 Delivery = Due
 
 # C-level field reads over a batch (`map`), without a Python-level step per message.
-_SCHEDULE_TIME = operator.itemgetter(4)  # an OutboundMessage's
+_SCHEDULE_TIME = operator.attrgetter("message.schedule_time")
 _SCHEDULE_OFFSET = operator.attrgetter("schedule_offset")
 _MESSAGE_LOG_OFFSET = operator.attrgetter("message_log_offset")
 _BUCKET = operator.attrgetter("bucket")
 _GROUP = operator.attrgetter("group")
 _TRIED = operator.attrgetter("tried")
 _SUBJECT = operator.attrgetter("message.subject")
+
+
+def _set_each(deliveries: list[Delivery], name: str, value) -> None:
+    """`setattr(d, name, value)` of each of `deliveries`, in one C-level pass."""
+    collections.deque(map(setattr, deliveries, itertools.repeat(name), itertools.repeat(value)), maxlen=0)
 
 
 @attrs.define(eq=False)
@@ -138,8 +143,8 @@ class Sender:
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
         # Batches whose dispatch records are appended and await the fsync that settles them:
-        # (acknowledged deliveries, their group, dispatch time, their lateness or None).
-        self._unsynced: list[tuple[list[Delivery], BrokerGroup, int, list[int] | None]] = []
+        # (acknowledged deliveries, their group, dispatch time).
+        self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
         self._unsynced_wakeup = Wakeup()
         self.dispatch_fsyncs = 0
         # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
@@ -231,7 +236,7 @@ class Sender:
             if len(healthy) == 1 and healthy[0].inflight + len(batch) <= limit \
                     and set(map(_GROUP, batch)) == {None} and not any(map(_TRIED, batch)):
                 group = healthy[0]
-                collections.deque(map(setattr, batch, itertools.repeat("group"), itertools.repeat(group)), maxlen=0)
+                _set_each(batch, "group", group)
                 group.inflight += len(batch)
                 group.queue.extend(batch)
                 group.wakeup.set()
@@ -439,7 +444,6 @@ class Sender:
             new(cls, ((m := d.message).message_id, m.subject, m.body, m.headers, m.schedule_time, now, d.attempt))
             for d in batch
         ]
-        lateness = list(map(now.__sub__, map(_SCHEDULE_TIME, out)))  # (settling the batch reports it)
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
         try:
             results = await group.transport.send_batch(out)
@@ -461,7 +465,6 @@ class Sender:
                 self._split(group, batch, results[0].detail, at_once=False)
                 return
             acked, failed = await self._sort_results(group, batch, results, now)
-            lateness = None
         if len(failed) == len(batch):
             group.failed_batches += 1
             group.breaker.record_failure(mono)
@@ -482,7 +485,7 @@ class Sender:
                 self._retry_later(d, backoff_ms(d.attempt))
         if acked:
             failpoints.hit("after-broker-ack")
-            await self._record_dispatch(acked, group, now, lateness)
+            await self._record_dispatch(acked, group, now)
 
     async def _sort_results(self, group: BrokerGroup, batch: list[Delivery], results: list,
                             now: int) -> tuple[list[Delivery], list[Delivery]]:
@@ -517,10 +520,8 @@ class Sender:
                 self._retry_later(part, backoff_ms(1))
         group.wakeup.set()
 
-    async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int,
-                               lateness: list[int] | None = None) -> None:
-        """Append the dispatch records of `acked` and hand them to the fsync task, which settles
-        them (`lateness`: each one's, if known already)."""
+    async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
+        """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
         offsets = list(map(_SCHEDULE_OFFSET, acked))
         records = encode_dispatch_records(now, group.name, list(zip(offsets, map(_MESSAGE_LOG_OFFSET, acked))))
         # Per bucket: its records and their schedule offsets (for the dispatch index).
@@ -550,7 +551,7 @@ class Sender:
                 await trio.sleep(0.5)
                 continue
             del per_bucket[bucket]
-        self._unsynced.append((acked, group, now, lateness))
+        self._unsynced.append((acked, group, now))
         self._unsynced_wakeup.set()
 
     async def _sync_task(self) -> None:
@@ -577,24 +578,23 @@ class Sender:
             except FsyncFailed as e:
                 # Never retried (fsyncgate): the records are not durable, so these messages go out
                 # again after a restart; settle them in memory rather than deliver again now.
-                n = sum(len(acked) for acked, *_ in taken)
+                n = sum(len(acked) for acked, _, _ in taken)
                 log.error("dispatch_log not durable, a restart delivers these %d again: %s", n, e)
                 break
             except StorageError as e:
                 log.error("dispatch_log fsync failed, retrying: %s", e)
                 dispatch_log.mark_dirty(paths)
                 await trio.sleep(0.5)
-        for acked, group, now, lateness in taken:
-            self._settle(acked, group, now, lateness)
+        for acked, group, now in taken:
+            self._settle(acked, group, now)
 
-    def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int, lateness: list[int] | None = None) -> None:
-        if lateness is None:
-            lateness = [now - d.message.schedule_time for d in acked]
+    def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
+        lateness = list(map(now.__sub__, map(_SCHEDULE_TIME, acked)))
         self.due.settle_many(acked)
         # `_assign(d, None)` of each, the room they free announced once.
         if set(map(_GROUP, acked)) == {group}:  # most batches: all counted against the group that sent them
             freed = len(acked)
-            collections.deque(map(setattr, acked, itertools.repeat("group"), itertools.repeat(None)), maxlen=0)
+            _set_each(acked, "group", None)
         else:
             freed = 0
             for d in acked:
@@ -629,7 +629,7 @@ class Sender:
                 self.store.dispatch_log.sync()
             except StorageError as e:
                 log.error("dispatch_log not durable at stop, a restart delivers %d again: %s",
-                          sum(len(acked) for acked, *_ in self._unsynced), e)
+                          sum(len(acked) for acked, _, _ in self._unsynced), e)
             self._unsynced = []
         for group in self.groups.values():
             await group.transport.aclose()
