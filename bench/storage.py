@@ -56,7 +56,7 @@ from delayserver.storage.record import (
 from delayserver.storage.store import Store
 from delayserver.storage.time_index import TimeIndex
 from delayserver.wakeup import Wakeup
-from delayserver.wheel.prefetch import due_offsets, fetch
+from delayserver.wheel.prefetch import fetch, fetch_jobs
 from delayserver.wheel.tick_manager import TickManager
 
 BATCH = 256
@@ -178,10 +178,7 @@ def bench_take(directory: Path, records: int) -> Figures:
     while ticks.load_step(BUCKET - 1_000):
         pass
     ticks.ahead.max_bytes = 1 << 40
-    schedule_log = store.schedule_log
-    jobs = [(bucket, str(schedule_log.path(bucket)), schedule_log.size(bucket), offsets)
-            for bucket, offsets in due_offsets(ticks, BUCKET - 1_000, BUCKET + records).items()]
-    for bucket, held in fetch(jobs, ticks.ahead.room):
+    for bucket, held in fetch(fetch_jobs(ticks, BUCKET - 1_000, BUCKET + records), ticks.ahead.room):
         ticks.ahead.put(bucket, held, ticks.ahead.epoch)
     for now in range(BUCKET, BUCKET + records + 1_000, 1_000):  # all due, a second at a time
         ticks.advance(now)

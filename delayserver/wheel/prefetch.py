@@ -79,6 +79,14 @@ def due_offsets(ticks: TickManager, start_ms: int, end_ms: int) -> dict[int, lis
     return by_bucket
 
 
+def fetch_jobs(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[int, str, int, list[int]]]:
+    """`fetch`'s jobs for the entries due in [start_ms, end_ms): (bucket, its segment's path, its
+    size, the offsets)."""
+    schedule_log = ticks.store.schedule_log
+    return [(bucket, str(schedule_log.path(bucket)), schedule_log.size(bucket), offsets)
+            for bucket, offsets in due_offsets(ticks, start_ms, end_ms).items()]
+
+
 def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
           chunk: int = FETCH_CHUNK) -> list[tuple[int, dict[int, bytes]]]:
     """A worker thread's part: the records of each job (bucket, segment path, its size, offsets
@@ -118,18 +126,15 @@ async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_M
     task_status.started()
     done_until = None
     ahead = ticks.ahead
-    schedule_log = ticks.store.schedule_log
     while True:
         now = clock.now_ms()
         if done_until is None or done_until < now or done_until > now + horizon_ms:
             done_until = now  # first round, fell behind, or the clock stepped back
         end = now + horizon_ms
-        wanted = due_offsets(ticks, done_until, end)  # nothing when the clock has not moved
+        jobs = fetch_jobs(ticks, done_until, end)  # none when the clock has not moved
         done_until = end
         ahead.forget_before(now - horizon_ms, ticks.scale)
-        if wanted:
-            jobs = [(bucket, str(schedule_log.path(bucket)), schedule_log.size(bucket), offsets)
-                    for bucket, offsets in wanted.items()]
+        if jobs:
             epoch = ahead.epoch
             try:
                 got = await run_blocking(fetch, jobs, ahead.room, advise)
