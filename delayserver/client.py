@@ -42,7 +42,7 @@ from delayserver.message import (
 )
 from delayserver.meta.wire import parse_address_list
 from delayserver.protocol import SendItem
-from delayserver.trio_util import BackgroundTasks, send_whole
+from delayserver.trio_util import BackgroundTasks, receive_into, send_whole
 
 log = logging.getLogger("delayserver.client")
 
@@ -293,10 +293,8 @@ class AsyncProducer(BackgroundTasks):
         error: Exception = ConnectionError("connection closed by the server")
         try:
             while True:
-                data = await stream.receive_some(65536)
-                if not data:
+                if not await receive_into(stream, decoder.feed, 65536):
                     break
-                decoder.feed(data)
                 while (frame := decoder.next_frame()) is not p.NEED_DATA:
                     if not frame.is_response:
                         if frame.command == p.Command.TXN_CHECK:

@@ -27,6 +27,60 @@ def write_now(stream: trio.abc.Stream, data) -> int:
         raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
 
 
+#: The one buffer every connection's socket reads land in (`receive_into`), before they are
+#: copied to the connection's own: a read is taken whole into its reader before anything else
+#: runs. One per trio run: two runs in two threads of one process (two sync Producers) read at
+#: the same time.
+_RECEIVE_BUFFER = trio.lowlevel.RunVar("delayserver_receive_buffer")
+RECEIVE_BUFFER_BYTES = 1 << 20
+
+
+def _receive_buffer() -> memoryview:
+    try:
+        return _RECEIVE_BUFFER.get()
+    except LookupError:
+        buffer = memoryview(bytearray(RECEIVE_BUFFER_BYTES))
+        _RECEIVE_BUFFER.set(buffer)
+        return buffer
+
+
+async def receive_into(stream: trio.abc.Stream, feed, max_bytes: int) -> int:
+    """Wait until the stream has bytes, read at most `max_bytes` of them and hand them to
+    `feed` (which copies them: it is given a view of a shared buffer, valid only during the
+    call); returns how many were read, 0 at EOF. Raises as `receive_some` does.
+
+    trio's `receive_some` makes a new bytes object of `max_bytes` for every read (a large one
+    costs the allocator, and the pages it touches, more than the read), and on a socket that
+    has bytes already it passes through the scheduler once more after the read. For a plain
+    `trio.SocketStream` this reads into one buffer shared by every connection of the trio run
+    instead, once the socket is readable (one pass through the scheduler per read, as when
+    `receive_some` had to wait); any other stream (TLS) goes through `receive_some`."""
+    if type(stream) is not trio.SocketStream or max_bytes > RECEIVE_BUFFER_BYTES:
+        data = await stream.receive_some(max_bytes)
+        if data:
+            feed(data)
+        return len(data)
+    sock = stream.socket
+    if sock.fileno() < 0:
+        raise trio.ClosedResourceError("this socket was already closed")
+    await trio.lowlevel.wait_readable(sock)
+    into = [_receive_buffer()[:max_bytes]]
+    while True:
+        fd = sock.fileno()  # (-1 once another task closed it while this one waited)
+        if fd < 0:
+            raise trio.ClosedResourceError("this socket was already closed")
+        try:
+            n = os.readv(fd, into)  # the socket does not block: this never waits
+        except BlockingIOError:  # readable, then taken (or a spurious wakeup): wait again
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        except OSError as e:
+            raise trio.BrokenResourceError(f"socket connection broken: {e}") from e
+        if n:
+            feed(into[0][:n])
+        return n
+
+
 async def send_whole(stream: trio.abc.Stream, lock: trio.Lock, data: bytes, timeout_s: float | None = None) -> None:
     """Send one frame whole, its bytes never mixed with another's sent under the same `lock`.
 

@@ -42,7 +42,7 @@ import trio
 from delayserver import protocol as p
 from delayserver.budget import ByteBudget
 from delayserver.message import ResultCode
-from delayserver.trio_util import send_whole
+from delayserver.trio_util import receive_into, send_whole
 
 log = logging.getLogger("delayserver.connections")
 
@@ -189,7 +189,8 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                 timeout = limits.idle_timeout_s
             with trio.CancelScope(deadline=now + max(timeout, 0)) as scope:
                 try:
-                    data = await stream.receive_some(limits.receive_bytes if admitted else 65536)
+                    received = await receive_into(stream, decoder.feed,
+                                                  limits.receive_bytes if admitted else 65536)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
                     log.info("%s from %s lost: %r", what, peer_name(stream), e)
                     break
@@ -200,12 +201,11 @@ async def pump(stream: trio.abc.Stream, limits: PumpLimits, respond: Respond, *,
                     await send(error_frame(0, ResultCode.BAD_REQUEST, "timed out"))
                 nursery.cancel_scope.cancel()
                 return
-            if not data:
+            if not received:
                 if decoder.buffered_bytes:
                     log.info("%s from %s closed inside a frame (%d bytes)", what, peer_name(stream),
                              decoder.buffered_bytes)
                 break
-            decoder.feed(data)
             if not admitted and limits.max_bytes_before_gate is not None \
                     and decoder.buffered_bytes > limits.max_bytes_before_gate:
                 log.warning("refused %s from %s: %d bytes before AUTH", what, peer_name(stream),
