@@ -12,6 +12,8 @@ figure other work on a shared machine disturbs least) and of the load generator 
 collapsed stacks to FILE (`--quick`: 3 s runs instead of 10 s). `--producers N` and `--batch M`
 change the load's shape (32 producers, 64 messages a request by default): the server's CPU per
 message at two batch sizes separates what it spends per request from what it spends per message.
+`--dedupe-window D` runs the server with that `dedupe_window` ("0": no dedupe table), to see what
+the table of accepted ids costs each message.
 """
 from __future__ import annotations
 
@@ -64,12 +66,22 @@ async def _load(address: str, producers: int, seconds: float, batch: int, timeli
     return result
 
 
-def bench(flush: str, producers: int, seconds: float, batch: int, profile: str = "") -> dict:
+def server_command(tmp: Path, flush: str, dedupe_window: str | None = None) -> list[str]:
+    """The server's command line, its data (and its config file, for a `dedupe_window`) in `tmp`."""
+    config = []
+    if dedupe_window is not None:
+        (tmp / "node.toml").write_text(f"dedupe_window = {json.dumps(dedupe_window)}\n")
+        config = ["--config", str(tmp / "node.toml")]
+    return [sys.executable, "-m", "delayserver", "serve", *config, "--data-dir", str(tmp / "data"),
+            "--listen", "127.0.0.1:0", "--flush", flush, "--log-level", "WARNING"]
+
+
+def bench(flush: str, producers: int, seconds: float, batch: int, profile: str = "",
+          dedupe_window: str | None = None) -> dict:
+    """`dedupe_window`: the server's `dedupe_window` (its default when None; "0" turns it off)."""
     with tempfile.TemporaryDirectory() as tmp:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "delayserver", "serve", "--data-dir", str(Path(tmp) / "data"),
-             "--listen", "127.0.0.1:0", "--flush", flush, "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(server_command(Path(tmp), flush, dedupe_window),
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
             line = server.stdout.readline().decode()
             port = int(line.rsplit(":", 1)[1].split(",")[0])
@@ -111,14 +123,24 @@ def main(argv: list[str]) -> None:
                         help="sample the server with py-spy in the flush=sync run; collapsed stacks to FILE")
     parser.add_argument("--producers", type=int, default=32, help="concurrent producers (default 32)")
     parser.add_argument("--batch", type=int, default=64, help="messages per SEND request (default 64)")
+    parser.add_argument("--dedupe-window", default=None, metavar="DURATION",
+                        help='the server\'s dedupe_window ("0" turns dedupe off; default: the server\'s own)')
     args = parser.parse_args(argv)
     if args.producers < 1 or args.batch < 1:
         parser.error("--producers and --batch take a whole number of at least 1")
+    if args.dedupe_window is not None:
+        from delayserver.config import ConfigError, parse_duration
+
+        try:
+            parse_duration(args.dedupe_window, "--dedupe-window")
+        except ConfigError as e:
+            parser.error(str(e))
     producers, seconds, batch = args.producers, 3.0 if args.quick else 10.0, args.batch
     print(f"ingest on {environment_note()}; {memory_note()}", flush=True)
     for flush in ("sync", "async"):
-        r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "")
-        print(f"ingest flush={flush:5s} producers={producers} batch={batch} body=1KiB: "
+        r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "", args.dedupe_window)
+        dedupe = "" if args.dedupe_window is None else f" dedupe_window={args.dedupe_window}"
+        print(f"ingest flush={flush:5s} producers={producers} batch={batch} body=1KiB{dedupe}: "
               f"{r['msgs_per_s']:,.0f} acknowledged msg/s; ack latency per batch "
               f"P50 {r['batch_ack_ms_p50']:.1f} ms, P99 {r['batch_ack_ms_p99']:.1f} ms; "
               f"server CPU {r['server_cpu_us_per_msg']:.1f} us per acknowledged message "
