@@ -30,4 +30,5 @@ BENCHMARKS = {
     "replication": "bench.replication",
     "index": "bench.index",
     "memory": "bench.memory",
+    "pump": "bench.pump",
 }

@@ -226,3 +226,14 @@ def test_ingest_bench_runs_the_server_with_the_dedupe_window_asked_for(tmp_path,
         server.terminate()
         server.wait(30)
     assert (second.schedule_time == first.schedule_time) == deduplicated
+
+
+def test_pump_bench_times_the_pump_and_each_answer_over_a_real_socket():
+    """`ops/bench pump`: every request read, framed and answered once, over loopback from another
+    process; the figures are CPU per request of the pump's steps and of the answer's."""
+    from bench import pump
+
+    r = pump.run(requests=50, batch=4)
+    assert r["answer_steps"] == 1.0  # one answer task per request, answered at once
+    assert r["pump_steps"] >= 1.0  # at least one read per request (a frame may come in pieces)
+    assert r["pump_us"] > 0 and r["answer_us"] > 0
