@@ -2,6 +2,8 @@
 real server, across a restart, and the table's own rules."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import trio
@@ -769,3 +771,21 @@ def test_the_ids_start_offsets_are_summed_in_slices_without_losing_the_carry(ste
     expected = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     assert _starts(lengths, np.int32, step).tolist() == expected.tolist()
     assert _starts(lengths[:0], np.int32, step).tolist() == [0]
+
+
+def _keeps_hashes(positions: dict) -> bool:
+    """The id -> position dict keeps each key's hash beside it (CPython's general layout), so that
+    a probe of a new id compares hashes without reading the string in each slot it passes: it is
+    larger than a dict of the same string keys built one by one, which keeps none."""
+    return sys.getsizeof(positions) > sys.getsizeof({k: v for k, v in positions.items()})
+
+
+def test_the_ids_dict_keeps_each_ids_hash_remembered_or_read_back(tmp_path):
+    table = DedupeTable(window_ms=HOUR)
+    table.remember_many([(f"order-{i:06d}", T0 + HOUR + i) for i in range(1000)], T0)
+    assert len(table._positions) == 1000 and _keeps_hashes(table._positions)
+    # Ids that are not all ASCII are read back as strings, into a dict of their own.
+    table.remember("ordre-é", T0 + HOUR, T0)
+    again = saved_and_read(tmp_path, table)
+    assert len(again._positions) == 1001 and _keeps_hashes(again._positions)
+    assert again.find("ordre-é", T0 + 1) == T0 + HOUR and again.find("order-000999", T0 + 1) == T0 + HOUR + 999
