@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from bench.harness import environment_note, memory_note, proc_cpu_seconds, py_spy
+from bench.harness import DelayServerProcess, environment_note, memory_note, proc_cpu_seconds, py_spy
 from delayserver.metrics import percentile
 
 
@@ -66,31 +66,28 @@ async def _load(address: str, producers: int, seconds: float, batch: int, timeli
     return result
 
 
-def server_command(tmp: Path, flush: str, dedupe_window: str | None = None) -> list[str]:
-    """The server's command line, its data (and its config file, for a `dedupe_window`) in `tmp`."""
-    config = []
+def start_server(tmp: Path, flush: str, dedupe_window: str | None = None) -> DelayServerProcess:
+    """The server, started, its data (and its config file, for a `dedupe_window`) in `tmp`."""
+    config = None
     if dedupe_window is not None:
-        (tmp / "node.toml").write_text(f"dedupe_window = {json.dumps(dedupe_window)}\n")
-        config = ["--config", str(tmp / "node.toml")]
-    return [sys.executable, "-m", "delayserver", "serve", *config, "--data-dir", str(tmp / "data"),
-            "--listen", "127.0.0.1:0", "--flush", flush, "--log-level", "WARNING"]
+        config = tmp / "node.toml"
+        config.write_text(f"dedupe_window = {json.dumps(dedupe_window)}\n")
+    return DelayServerProcess(tmp / "data", config_path=config, flush=flush).start()
 
 
 def bench(flush: str, producers: int, seconds: float, batch: int, profile: str = "",
           dedupe_window: str | None = None) -> dict:
     """`dedupe_window`: the server's `dedupe_window` (its default when None; "0" turns it off)."""
     with tempfile.TemporaryDirectory() as tmp:
-        server = subprocess.Popen(server_command(Path(tmp), flush, dedupe_window),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        server = start_server(Path(tmp), flush, dedupe_window)
         try:
-            line = server.stdout.readline().decode()
-            port = int(line.rsplit(":", 1)[1].split(",")[0])
+            pid = server.process.pid
             spy = None
             if profile:
-                spy = py_spy(server.pid, seconds, profile)
-            before, children_before = proc_cpu_seconds(server.pid), _children_cpu()
+                spy = py_spy(pid, seconds, profile)
+            before, children_before = proc_cpu_seconds(pid), _children_cpu()
             load = subprocess.Popen(
-                [sys.executable, "-m", "bench.ingest", "load", f"127.0.0.1:{port}",
+                [sys.executable, "-m", "bench.ingest", "load", server.address,
                  str(producers), str(seconds), str(batch)], stdout=subprocess.PIPE)
             out, _ = load.communicate()
             if spy is not None:
@@ -99,13 +96,12 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
                 raise RuntimeError(f"the load generator failed ({load.returncode})")
             result = json.loads(out)
             # The load process has exited, so its CPU is whole; the server's is read as the load ends.
-            result["server_cpu_us_per_msg"] = (proc_cpu_seconds(server.pid) - before) / max(result["acked"], 1) * 1e6
+            result["server_cpu_us_per_msg"] = (proc_cpu_seconds(pid) - before) / max(result["acked"], 1) * 1e6
             # The server is still running, so the children's figure grew by the load process alone.
             result["load_cpu_us_per_msg"] = (_children_cpu() - children_before) / max(result["acked"], 1) * 1e6
             return result
         finally:
-            server.terminate()
-            server.wait(30)
+            server.stop()
 
 
 def _children_cpu() -> float:

@@ -203,28 +203,22 @@ def test_a_rate_sweep_sums_up_each_rate_over_its_runs():
 def test_ingest_bench_runs_the_server_with_the_dedupe_window_asked_for(tmp_path, dedupe_window, deduplicated):
     """`ops/bench ingest --dedupe-window 0` measures a server without the table of accepted ids: a
     second send under the same id is stored again, not answered with the first one's handle."""
-    import subprocess
-
     import trio
 
-    from bench.ingest import server_command
-    from delayserver.client import AsyncProducer, Message
+    from bench.ingest import start_server
+    from delayserver.client import AsyncProducer
 
-    server = subprocess.Popen(server_command(tmp_path, "sync", dedupe_window), stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL)
+    async def send_twice(address: str):
+        async with AsyncProducer(address, timeout=30) as producer:
+            first = await producer.send("bench.ingest", b"x", delay=3_600_000, message_id="same-id")
+            second = await producer.send("bench.ingest", b"x", delay=7_200_000, message_id="same-id")
+            return first, second
+
+    server = start_server(tmp_path, "sync", dedupe_window)
     try:
-        port = int(server.stdout.readline().decode().rsplit(":", 1)[1].split(",")[0])
-
-        async def send_twice():
-            async with AsyncProducer(f"127.0.0.1:{port}", timeout=30) as producer:
-                first = await producer.send("bench.ingest", b"x", delay=3_600_000, message_id="same-id")
-                second = await producer.send("bench.ingest", b"x", delay=7_200_000, message_id="same-id")
-                return first, second
-
-        first, second = trio.run(send_twice)
+        first, second = trio.run(send_twice, server.address)
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop()
     assert (second.schedule_time == first.schedule_time) == deduplicated
 
 
