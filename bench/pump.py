@@ -1,8 +1,8 @@
 """`ops/bench pump [--requests N] [--batch M] [--repeat R]`: what the node's connection pump costs
 per SEND request, apart from storing it.
 
-A load process sends SEND requests of M messages of 1 KiB (as `ops/bench ingest`'s producers
-make them) over a real TCP socket on loopback, one at a time, each waiting for its answer; in
+A load process sends SEND requests of M messages of 1 KiB (as `ops/bench storage`'s receive
+line makes them) over a real TCP socket on loopback, one at a time, each waiting for its answer; in
 this process `delayserver.node.pump.pump` reads them off the socket, frames them and answers each
 at once with a fixed response of the size a SEND answer has, through the same task and send path
 as the node's. A trio instrument times every task step by its thread's CPU: the figures are the
@@ -26,13 +26,11 @@ RESPONSE_BYTES_PER_MESSAGE = 48  # about what a SEND answer carries per message
 
 
 def request_frame(batch: int) -> bytes:
+    """A SEND frame of `batch` messages of 1 KiB, as `ops/bench storage` makes its requests."""
+    from bench.storage import send_request
     from delayserver import protocol as p
-    from delayserver.client import Message, _item
 
-    message = Message("bench.ingest", b"x" * 1024, delay=3_600_000)
-    now = time.time_ns() // 1_000_000
-    items = [_item(message.subject, message.body, None, message.delay, None, None, None, now) for _ in range(batch)]
-    return p.encode(p.Frame(p.Command.SEND, 1, p.encode_send_request(items)))
+    return p.encode(p.Frame(p.Command.SEND, 1, send_request(0, batch)))
 
 
 def load(port: int, requests: int, batch: int) -> None:

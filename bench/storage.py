@@ -137,11 +137,15 @@ def bench_replay(directory: Path, records: int) -> Figures:
 REQUEST_BATCH = 64  # messages per SEND request, as ops/bench ingest's producers send them
 
 
+def send_request(n: int, batch: int = REQUEST_BATCH) -> bytes:
+    """SEND request `n`: `batch` messages of BODY due in an hour, ids `msg-<n>-<i>`."""
+    return encode_send_request([SendItem(f"msg-{n:08d}-{i:04d}", "bench.ingest", TimeSpec.delay(3_600_000), BODY)
+                                for i in range(batch)])
+
+
 def bench_receive(directory: Path, records: int) -> Figures:
     """Decode, store and answer `records` messages in SEND requests of REQUEST_BATCH."""
-    requests = [encode_send_request([SendItem(f"msg-{n:08d}-{i:04d}", "bench.ingest", TimeSpec.delay(3_600_000),
-                                              BODY) for i in range(REQUEST_BATCH)])
-                for n in range(records // REQUEST_BATCH)]
+    requests = [send_request(n) for n in range(records // REQUEST_BATCH)]
     store = Store.open(directory)
     config = Config.from_dict({"flush": "async"})
     receiver = Receiver(store, WallClock(), config, recent=RecentBatches(), disk=DiskSpace(store, 0),
