@@ -11,6 +11,7 @@ KERNELS = [
     Extension("delayserver.native.receive", ["delayserver/native/receive.pyx"], optional=True),
     Extension("delayserver.native.wheel", ["delayserver/native/wheel.pyx"], optional=True),
     Extension("delayserver.native.resp", ["delayserver/native/resp.pyx"], optional=True),
+    Extension("delayserver.native.idmap", ["delayserver/native/idmap.pyx"], optional=True),
 ]
 
 setup(ext_modules=cythonize(KERNELS, language_level=3))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,7 @@ from delayserver import protocol as p
 from delayserver.message import BadScheduleTime, ResultCode, TimeKind, TimeSpec
 # The kernels must be built (see the module docstring): imported here, not skipped when missing.
 from delayserver.native import dedupe as native_dedupe
+from delayserver.native import idmap as native_idmap
 from delayserver.native import receive as native_receive
 from delayserver.native import records as native_records
 from delayserver.native import resp as native_resp
@@ -371,12 +373,116 @@ def test_the_indexes_take_the_walk_s_keys():
 # --- the dedupe table ---------------------------------------------------------------------------
 
 
+class Colliding(str):
+    """An id whose hash is one of five: a few of them fill one run of the map's slots, wrapping
+    past its end over the home slot of others (hash 0), so that removals must close up runs the
+    way probes read them."""
+
+    def __hash__(self):
+        return -2 if self.startswith("z") else 0 if self.startswith("a") else len(self) % 3 + 5
+
+
+map_ops = st.lists(st.tuples(st.sampled_from(["set", "del", "pop", "get", "remove_if"]),
+                             st.sampled_from([f"k{i}" for i in range(40)] + ["zz", "zzz", "ab", "abc", "abcd", "\u00e9"]),
+                             st.one_of(st.integers(0, 3), st.integers(0, 2**62))), max_size=200)
+
+
+@SETTINGS
+@given(map_ops, st.booleans())
+def test_the_id_map_answers_as_a_dict(ops, colliding):
+    """Every answer of the compiled map equals a dict's, after every step; keys that share hashes
+    (`Colliding`) and runs that wrap past the last slot included."""
+    m, d = native_idmap.IdMap(), {}
+    for op, key, value in ops:
+        key = Colliding(key) if colliding else key
+        if op == "set":
+            m[key] = value
+            d[key] = value
+        elif op == "del":
+            if key in d:
+                del m[key]
+                del d[key]
+            else:
+                with pytest.raises(KeyError):
+                    del m[key]
+        elif op == "pop":
+            assert m.pop(key, None) == d.pop(key, None)
+        elif op == "remove_if":
+            removed = d.get(key) == value % 4
+            assert m.remove_if(key, value % 4) == removed
+            if removed:
+                del d[key]
+        assert m.get(key) == d.get(key) and (key in m) == (key in d) and len(m) == len(d)
+        assert sorted(m.items()) == sorted(d.items())
+        for k in d:  # every key still reachable from its home slot
+            assert m[k] == d[k]
+
+
+def test_the_id_map_closes_up_a_run_that_wraps_past_its_last_slot():
+    m = native_idmap.IdMap()  # 8 slots: "zz" and "zzz" at 6 and 7, "ab" and "abc" (home 0) at 0 and 1
+    keys = [Colliding(k) for k in ("zz", "zzz", "ab", "abc")]
+    for i, key in enumerate(keys):
+        m[key] = i
+    del m[keys[0]]  # "zzz" moves back to 6; "ab", "abc" stay at their home and after it
+    assert [m.get(k) for k in keys] == [None, 1, 2, 3]
+    del m[keys[1]]
+    assert [m.get(k) for k in keys] == [None, None, 2, 3] and len(m) == 2
+
+
+def test_the_id_map_holds_a_reference_to_each_key_until_it_lets_go():
+    key = "".join(["order-", "000001"])  # (a string of its own)
+    before = sys.getrefcount(key)
+    m = native_idmap.IdMap()
+    m[key] = 1
+    m[key] = 2  # (the same key again: no second reference)
+    assert sys.getrefcount(key) == before + 1
+    del m[key]
+    assert sys.getrefcount(key) == before
+    m.update({key: 3})
+    del m
+    assert sys.getrefcount(key) == before
+
+
+def test_the_id_map_refuses_what_is_not_an_id_or_a_position():
+    m = native_idmap.IdMap()
+    with pytest.raises(TypeError):
+        m[b"bytes"] = 1
+    with pytest.raises(ValueError):
+        m["a"] = -1
+    with pytest.raises(OverflowError):
+        m["a"] = 2**63
+    assert len(m) == 0 and m.get(b"bytes") is None and None not in m and m.pop(7, "none") == "none"
+    assert m.remove_if(None, 0) is False
+
+
+def test_the_id_map_grows_and_stays_at_most_half_full():
+    m = native_idmap.IdMap()
+    small = sys.getsizeof(m)
+    m.update((f"m{i}", i) for i in range(100_000))
+    assert len(m) == 100_000 and all(m[f"m{i}"] == i for i in range(0, 100_000, 997))
+    assert sys.getsizeof(m) - small >= 2 * 100_000 * 24  # slots of 24 bytes, half of them empty at most
+    for i in range(0, 100_000, 2):
+        del m[f"m{i}"]
+    assert len(m) == 50_000 and "m0" not in m and m["m99999"] == 99_999
+
+
+def test_the_dedupe_table_keeps_its_ids_in_the_compiled_map(tmp_path):
+    table = dedupe.DedupeTable(WINDOW)
+    assert type(table._positions) is native_idmap.IdMap and table.only_ids() is table._positions
+    table.remember_many([("a", 5), ("\u00e9", 6)], 0)
+    path = tmp_path / "dedupe.bin"
+    table.save_to(path, 0)
+    again = dedupe.DedupeTable(WINDOW)
+    again.load(path)  # ids not all ASCII are read back as strings, into a map of their own
+    assert type(again._positions) is native_idmap.IdMap and dict(again._positions) == {"a": 0, "\u00e9": 1}
+
+
 WINDOW = 1000
 
 
 def columns(table):
     saved = None if table._saved is None else table._saved.current.tolist()
-    return (dict(table._positions), list(table._keys), list(table._stores), list(table._scheds),
+    return (dict(table._positions.items()), list(table._keys), list(table._stores), list(table._scheds),
             list(table._hashes), list(table._updates), table.changes, table._base, table._head, saved, len(table))
 
 

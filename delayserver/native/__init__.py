@@ -18,6 +18,8 @@ reference, output for output.
   (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
 - `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids
   (`delayserver.dedupe.DedupeTable._remember_many_py`);
+- `idmap.IdMap`: the dedupe table's map of ids to positions, probed from C by `remember_many`
+  and `admit` (the dict of `delayserver.dedupe._positions_dict`);
 - `receive.admit`: the receiver's pass over a request's messages (`delayserver.node.receiver._admit`);
 - `wheel.add_many`: the timing wheel's adds of a replayed append
   (`delayserver.wheel.timingwheel.TimingWheel._add_many_py`).

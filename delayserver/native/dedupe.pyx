@@ -4,6 +4,7 @@ delayserver/dedupe.py is the reference this must equal: tests/test_native.py hol
 side, column for column)."""
 from cpython cimport array
 from libc.stdint cimport int64_t, uint32_t
+from delayserver.native.idmap cimport IdMap
 
 
 cdef inline int append_q(array.array a, long long v) except -1:
@@ -20,20 +21,30 @@ cdef inline int append_i(array.array a, unsigned int v) except -1:
     return 0
 
 
-def remember_many(dict positions, list keys, array.array stores, array.array scheds, array.array hashes,
+def remember_many(positions, list keys, array.array stores, array.array scheds, array.array hashes,
                   list updates, Py_ssize_t base, long long window, entries, long long store_time, saved,
                   saved_position, key_hash):
     """`DedupeTable.remember_many` over the table's columns (`stores`, `scheds`: array "q";
     `hashes`: array "I"); `saved`, `saved_position(key, raw, h)`: the entries read back at start
-    and the lookup among them, or None; `key_hash(raw)`: the saved hash. Returns how many changes
-    it made (the table's `changes` grows by that)."""
+    and the lookup among them, or None; `key_hash(raw)`: the saved hash; `positions`: the map of
+    ids (an `IdMap`, probed here without a Python call, or a dict). Returns how many changes it
+    made (the table's `changes` grows by that)."""
     cdef Py_ssize_t changes = 0, i
-    cdef object message_id, position, h, raw
+    cdef object message_id, position, h, raw, entry
     cdef long long schedule_time
+    cdef int64_t found
+    cdef IdMap id_map = positions if type(positions) is IdMap else None
     if stores.ob_descr.typecode != b"q"[0] or scheds.ob_descr.typecode != b"q"[0] or hashes.ob_descr.typecode != b"I"[0]:
         raise TypeError("dedupe columns of unexpected types")
+    if id_map is not None and type(entries) is list:  # the probes' cache misses, overlapped
+        for entry in <list>entries:
+            id_map.prefetch(entry[0])
     for message_id, schedule_time in entries:
-        position = positions.get(message_id)
+        if id_map is not None:
+            found = id_map.lookup(message_id)
+            position = None if found < 0 else found
+        else:
+            position = positions.get(message_id)
         h = None
         if position is None and saved is not None:  # its hash is taken once, for the lookup and to keep
             raw = message_id.encode("utf-8")
@@ -53,7 +64,10 @@ def remember_many(dict positions, list keys, array.array stores, array.array sch
                 updates.append(position)
                 changes += 1
                 continue
-        positions[message_id] = base + len(keys)
+        if id_map is not None:
+            id_map.put(message_id, base + len(keys))
+        else:
+            positions[message_id] = base + len(keys)
         keys.append(message_id)
         append_q(stores, store_time)
         append_q(scheds, schedule_time)

@@ -11,6 +11,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64
+from delayserver.native.idmap cimport IdMap
 
 cdef enum:
     MESSAGE_HEAD_SIZE = 36  # store q, schedule q, sequence Q, flags H, id B, subject B, headers I, body I
@@ -22,7 +23,8 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     send_result, duplicate, invalid_message, encode_message_fields, checked_subjects, dedupe_key, max_id, max_headers = context
     cdef Py_ssize_t count = len(rows), i, span, id_at, id_len, subject_len, headers_len, body_len
     cdef Py_ssize_t max_id_bytes = max_id, max_headers_bytes = max_headers
-    cdef dict only_ids = table.only_ids() if table is not None else None
+    only_ids = table.only_ids() if table is not None else None
+    cdef IdMap only_map = only_ids if type(only_ids) is IdMap else None  # probed without a Python call
     cdef list results = [None] * count
     cdef list accepted = []
     cdef list payloads = []
@@ -40,6 +42,11 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     if view is not None:
         buf = view
         buf_n = buf.shape[0]
+    if only_map is not None and refused is None:  # the probes' cache misses, overlapped
+        for i in range(count):
+            row = <tuple>rows[i]
+            if not row[3]:
+                only_map.prefetch(row[0])
     for i in range(count):
         row = <tuple>rows[i]
         message_id, subject, spec, headers = row[0], row[1], row[2], row[3]
@@ -49,7 +56,10 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
         if table is not None:
             key = message_id if not headers else dedupe_key(message_id, headers)
             keys[i] = key
-            known = None if only_ids is not None and key not in only_ids else table.find(key, now)
+            if only_map is not None:
+                known = None if only_map.lookup(key) < 0 else table.find(key, now)
+            else:
+                known = None if only_ids is not None and key not in only_ids else table.find(key, now)
             if known is not None:
                 results[i] = duplicate(known, message_id)
                 continue

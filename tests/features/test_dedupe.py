@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import trio
 
+from delayserver import dedupe
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message, Producer
 from delayserver.config import Config
@@ -164,7 +165,7 @@ def test_ids_read_back_stay_in_the_files_columns_and_answer_as_before(tmp_path):
     for i in range(1000):
         table.remember(f"order-{i:06d}", T0 + HOUR + i, T0 + i)
     again = saved_and_read(tmp_path, table)
-    assert again._positions == {} and set(again._keys) == {None}
+    assert dict(again._positions) == {} and set(again._keys) == {None}
     assert len(again) == 1000
     assert all(again.find(f"order-{i:06d}", T0 + 1000) == T0 + HOUR + i for i in range(1000))
     assert again.find("order-001000", T0 + 1000) is None and again.find("order", T0) is None
@@ -172,7 +173,7 @@ def test_ids_read_back_stay_in_the_files_columns_and_answer_as_before(tmp_path):
     assert again.find("order-000005", T0 + 1001) == T0 + 2 * HOUR and len(again) == 1000
     again.remember("order-000007", T0 + 3 * HOUR, T0 + HOUR + 7)  # after its window: a new one
     assert again.find("order-000007", T0 + HOUR + 8) == T0 + 3 * HOUR and len(again) == 1000
-    assert again._positions == {"order-000007": 1000}
+    assert dict(again._positions) == {"order-000007": 1000}
 
     third = saved_and_read(tmp_path, again)  # the columns' entries written back from the columns
     assert len(third) == 1000 and third.find("order-000005", T0 + 1001) == T0 + 2 * HOUR
@@ -214,7 +215,7 @@ async def test_ids_that_share_a_hash_are_told_apart(tmp_path, monkeypatch):
     await dedupe.save(T0 + 1, 200)
     assert journal_entries(dedupe) == [2]
     again = Dedupe(HOUR, tmp_path)
-    assert again.load() == 200 and again.table._positions == {}
+    assert again.load() == 200 and dict(again.table._positions) == {}
     assert len(again.table) == 51 and again.table.find("m3", T0 + 2) == T0 + 999
     assert all(again.table.find(f"m{i}", T0 + 2) == T0 + i for i in range(51) if i != 3)
     assert again.table.find("m51", T0 + 2) is None
@@ -263,7 +264,7 @@ async def test_journal_chunks_merge_into_the_files_order_of_hashes(tmp_path):
     assert journal_entries(dedupe)[-1] == 0 and len(journal_entries(dedupe)) == 4
 
     again = Dedupe(HOUR, tmp_path)
-    assert again.load() == 200 and again.table._positions == {}
+    assert again.load() == 200 and dict(again.table._positions) == {}
     saved = again.table._saved
     assert (saved.sorted[1:] >= saved.sorted[:-1]).all() and sorted(saved.order.tolist()) == list(range(len(saved)))
     assert len(again.table) == len(expected) == 5900
@@ -302,7 +303,7 @@ async def test_a_table_file_of_the_format_before_is_read_and_then_written_whole(
     await dedupe.save(T0 + 3, 400)
     assert (tmp_path / FILE_NAME).read_bytes()[:8] == b"DSDEDUP4" and not dedupe.journal_path.exists()
     again = Dedupe(HOUR, tmp_path)
-    assert again.load() == 400 and again.table._positions == {}
+    assert again.load() == 400 and dict(again.table._positions) == {}
     assert [again.table.find(k, T0 + 3) for k in "abc"] == [T0 + 7, T0 + 6, T0 + 8]
 
 
@@ -773,11 +774,20 @@ def test_the_ids_start_offsets_are_summed_in_slices_without_losing_the_carry(ste
     assert _starts(lengths[:0], np.int32, step).tolist() == [0]
 
 
-def _keeps_hashes(positions: dict) -> bool:
-    """The id -> position dict keeps each key's hash beside it (CPython's general layout), so that
-    a probe of a new id compares hashes without reading the string in each slot it passes: it is
-    larger than a dict of the same string keys built one by one, which keeps none."""
+def _keeps_hashes(positions) -> bool:
+    """The map of id -> position probes by each key's hash without reading the string in each
+    slot it passes: the compiled `IdMap` (each slot holds its key's hash) when built, else a dict
+    in CPython's general layout (larger than a dict of the same string keys built one by one,
+    which keeps no hash)."""
+    if dedupe.IdMap is not None:
+        return type(positions) is dedupe.IdMap
     return sys.getsizeof(positions) > sys.getsizeof({k: v for k, v in positions.items()})
+
+
+def test_the_fallback_dict_of_ids_keeps_each_ids_hash():
+    positions = dedupe._positions_dict((f"order-{i:06d}", i) for i in range(1000))
+    assert len(positions) == 1000 and positions["order-000999"] == 999
+    assert sys.getsizeof(positions) > sys.getsizeof({k: v for k, v in positions.items()})
 
 
 def test_the_ids_dict_keeps_each_ids_hash_remembered_or_read_back(tmp_path):
