@@ -31,6 +31,10 @@ the stream) and prints:
   also arrival time minus schedule time, the arrival being the millisecond part of the stream
   entry id (Redis's clock, when it took the entry), and for NATS the stream's timestamp of the
   stored message (RabbitMQ stamps none);
+- the three 100 ms stretches of the window (by when their messages fell due) whose messages
+  were latest at the median, and how long after the server's start the window opened: a pause
+  of the whole node (a save of its dedupe table, a slow fsync) makes a stretch or two late, and
+  puts a P99 that the rest of the window meets out of reach;
 - early deliveries (must be 0), duplicates and missing messages;
 - the server's peak RSS (sampled every 50 ms).
 
@@ -62,6 +66,7 @@ from bench.harness import (
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.sender.spool import iter_spool
+from delayserver.metrics import percentile
 
 FULL = Workload(n=100_000, window_ms=10_000)
 QUICK = Workload(n=30_000, window_ms=3_000)
@@ -277,6 +282,7 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
         server = DelayServerProcess(tmp / "data", config)
         stack.callback(server.stop)
         server.start(timeout=600)
+        started = now_ms()
         if t0 is None:
             t0 = now_ms() + w.lead_ms
         elif t0 - now_ms() < w.lead_ms:
@@ -298,7 +304,25 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
             stalls = [line for line in server.log_path.read_text(errors="replace").splitlines()
                       if "event loop blocked" in line]
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
-                "cpu_seconds": cpu, "stalls": stalls}
+                "cpu_seconds": cpu, "stalls": stalls, "window_after_start_ms": t0 - started}
+
+
+#: The stretches of the window `worst_stretches` compares, by when their messages fell due.
+STRETCH_MS = 100
+
+
+def worst_stretches(delivered: list[Delivered], t0: int, count: int = 3, width_ms: int = STRETCH_MS) -> list[dict]:
+    """The `count` stretches of `width_ms` (by schedule time, from `t0`) whose messages were the
+    latest at the median, in time order: where in the window the tail of the lateness came from
+    (a pause of the whole node makes one or two stretches late, not the window's spread). Each:
+    its start in ms after `t0`, how many fell due in it, their lateness P50 and max."""
+    by: dict[int, list[int]] = {}
+    for d in delivered:
+        by.setdefault((d.schedule_time - t0) // width_ms, []).append(d.dispatch_time - d.schedule_time)
+    stretches = [{"at_ms": k * width_ms, "n": len(v), "p50": percentile(sorted(v), 0.5), "max": max(v)}
+                 for k, v in by.items()]
+    worst = sorted(stretches, key=lambda x: (-x["p50"], -x["max"], x["at_ms"]))[:count]
+    return sorted(worst, key=lambda x: x["at_ms"])
 
 
 def _figures(w: Workload, t0: int, load: dict, delivered: list[Delivered], peak_rss: int, *, with_arrival: bool) -> dict:
@@ -318,6 +342,7 @@ def _figures(w: Workload, t0: int, load: dict, delivered: list[Delivered], peak_
         "slowest_second": out_n,
         "slowest_second_due": due_n,
         "dispatch": lateness_figures([d.dispatch_time - d.schedule_time for d in delivered]),
+        "worst_stretches": worst_stretches(delivered, t0),
         "arrival": (lateness_figures([d.arrival_time - d.schedule_time for d in delivered])
                     if with_arrival else None),
         "peak_rss": peak_rss,
@@ -334,6 +359,10 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
         f"{r['delivered_per_s']:,.0f} msg/s from window start to last dispatch; slowest second "
         f"{r['slowest_second']:,} delivered, {r['slowest_second_due']:,} fell due",
         f"  lateness, dispatch - schedule: {format_lateness(r['dispatch'])}",
+        f"  latest {STRETCH_MS} ms stretches (by when due; the window opened "
+        f"{r.get('window_after_start_ms', 0) / 1000:.1f} s after the server started): "
+        + "; ".join(f"{x['at_ms'] / 1000:.1f} s in, P50 {x['p50']} ms, max {x['max']} ms"
+                    for x in r.get("worst_stretches", [])),
     ]
     if r["arrival"] is not None:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")

@@ -12,7 +12,8 @@ import pytest
 
 from bench.brokers import nats_executable, rabbitmq_installed
 from bench.compare import compare, ratio_table, ratios, table
-from bench.deliver import report, run_deliver
+from bench.deliver import report, run_deliver, worst_stretches
+from bench.workload import Delivered
 from bench.workload import Workload
 
 pytestmark = [
@@ -35,6 +36,16 @@ def test_deliver_measures_every_message(transport):
     assert r["dispatch"]["early"] == 0
     assert (r["arrival"] is not None) == (transport in ("redis", "nats"))
     assert f"deliver {transport}:" in report(transport, TINY, r)
+
+
+def test_the_latest_stretches_of_the_window_are_found_by_their_median():
+    t0 = 1_000_000
+    # 100 ms stretches: the third (200 ms in) paused; the fifth has one late message, not a pause.
+    delivered = [Delivered(f"m{i}", t0 + i, t0 + i + (40 if 200 <= i < 300 else 3)) for i in range(1000)]
+    delivered.append(Delivered("late", t0 + 450, t0 + 450 + 90))
+    worst = worst_stretches(delivered, t0, count=2)
+    assert [(x["at_ms"], x["p50"], x["max"]) for x in worst] == [(200, 40, 40), (400, 3, 90)]
+    assert worst[1]["n"] == 101 and worst_stretches([], t0) == []
 
 
 def test_deliver_in_order_sends_the_same_times_in_the_order_they_fall_due():
