@@ -306,7 +306,7 @@ class DelayServer:
             await self.replayer.checkpoint_async()
         except StorageError as e:  # a failed fsync, say: the next start replays from the last checkpoint
             log.error("no checkpoint at shutdown: %s", e)
-        await self._save_followers()
+        await self._save_followers(loop_share=1.0)  # stopping: the save need not leave room
         with trio.move_on_after(2):
             while self.ticks.inflight:
                 await trio.sleep(0.01)
@@ -374,11 +374,12 @@ class DelayServer:
         while the dedupe table learns from the log, else only what the schedules look at."""
         return None if self.dedupe.table.enabled and not own else self.schedules.id_prefix
 
-    async def _save_followers(self) -> None:
-        """Save the dedupe table and the schedules, covering message_log up to replay's offset."""
+    async def _save_followers(self, loop_share: float | None = None) -> None:
+        """Save the dedupe table and the schedules, covering message_log up to replay's offset.
+        `loop_share`: the most of the event loop the table's save takes (None: its own)."""
         offset = self.replayer.offset
         if self.dedupe.table.enabled:
-            await self.dedupe.save(self.clock.now_ms(), offset)
+            await self.dedupe.save(self.clock.now_ms(), offset, loop_share=loop_share)
         try:
             await self.schedules.save(offset)
         except StorageError as e:

@@ -3,6 +3,7 @@ real server, across a restart, and the table's own rules."""
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from delayserver import dedupe
 from delayserver import protocol as p
 from delayserver.client import AsyncProducer, Message, Producer
 from delayserver.config import Config
-from delayserver.dedupe import _HEAD, FILE_NAME, DedupeTable, _starts, dedupe_key
+from delayserver.dedupe import _HEAD, FILE_NAME, Dedupe, DedupeTable, _starts, dedupe_key
 from delayserver.message import MessageState, ResultCode, TimeSpec
 from delayserver.node.server import DelayServer
 from delayserver.storage.record import RecordType, decode_message, iter_records
@@ -373,6 +374,53 @@ async def test_a_save_goes_in_slices_with_the_event_loop_free_between_them(tmp_p
     assert again.find("m9999", T0 + 9999) == T0 + 9999
 
 
+async def test_a_save_keeps_to_its_share_of_the_event_loop(tmp_path, autojump_clock):
+    """After each slice a save lets the rest of the loop run three times as long as the slice took:
+    with each slice taking 10 ms (a work clock that says so), 30 ms pass after each before the
+    next, however many slices the save has."""
+    from delayserver.dedupe import Dedupe
+
+    dedupe = Dedupe(HOUR, tmp_path)
+    for i in range(10_000):
+        dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
+    worked = 0.0
+
+    def work_clock():  # read at a slice's start and at its end: each read 10 ms on
+        nonlocal worked
+        worked += 0.010
+        return worked
+
+    dedupe.work_clock = work_clock
+    gaps = []  # trio time between the save's steps, the other tasks' part of the loop
+    last = None
+
+    class Between(trio.abc.Instrument):
+        def before_task_step(self, task):
+            nonlocal last
+            if task.name == "save":
+                now = trio.current_time()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+    between = Between()
+    trio.lowlevel.add_instrument(between)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dedupe.save, T0 + 5000 + HOUR, 1234, 1000, name="save")
+    finally:
+        trio.lowlevel.remove_instrument(between)
+    # 5 slices of expiry, 5 of encoding (the thread's writing is one more step after them).
+    paced = [gap for gap in gaps if gap > 0]
+    assert len(paced) >= 10 and all(gap >= 0.030 - 1e-9 for gap in paced[:10])
+    assert DedupeTable(HOUR).load(tmp_path / FILE_NAME) == 1234
+    # A node that is stopping saves without pauses: no time passes between the slices.
+    dedupe.table.remember("after", T0 + 6000, T0 + 6000)
+    began = trio.current_time()
+    await dedupe.save(T0 + 6000, 1240, 1000, loop_share=1.0)
+    assert trio.current_time() == began and Dedupe.read(HOUR, tmp_path)[1] == 1240
+
+
 def test_consumer_retries_and_redrives_are_new_attempts_of_their_id():
     assert dedupe_key("m", {}) == "m"
     assert dedupe_key("m", {"tenant": "x"}) == "m"
@@ -451,6 +499,23 @@ async def test_the_dedupe_state_survives_a_restart(tmp_path):
         nursery.cancel_scope.cancel()
     await run_node(root, after)
     assert sorted(m.message_id for m in stored_messages(root)) == ["a", "b"]
+
+
+async def test_a_node_that_is_stopping_saves_its_table_without_pauses(tmp_path):
+    """Saves pause after each slice to leave the loop to delivery, but not at a drain: with a work
+    clock saying each slice took 10 s, a paced save would wait 30 s after the first."""
+    root = tmp_path / "node"
+
+    async def body(server):
+        worked = iter(range(0, 10**6, 10))
+        server.dedupe.work_clock = lambda: float(next(worked))
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+            await prod.send("q.stop", b"s", delay=HOUR, message_id="s")
+
+    with trio.fail_after(20):
+        await run_node(root, body)
+    again, offset = Dedupe.read(HOUR * 24, root / "checkpoint")
+    assert offset and again.table.find("s", int(time.time() * 1000)) is not None
 
 
 async def test_the_table_is_rebuilt_from_message_log_when_its_file_is_lost(tmp_path):
