@@ -93,9 +93,10 @@ _CHUNK = struct.Struct(">8sQQIII")
 _CHUNK_MAGIC = b"DSDEDJ01"
 #: A journal is never compacted before it holds this much.
 JOURNAL_MIN_COMPACT_BYTES = 1 << 20
-#: The most of the event loop a save's expiry and encoding take (`Dedupe.save`): a save of
-#: 500,000 ids spent 52 ms of a 93 ms stretch in its slices, and delivery at 50,000 msg/s, which
-#: needs about 40% of the loop, fell 40 to 60 ms behind while it did.
+#: The most of the event loop a save's expiry and encoding take (`Dedupe.save`): unpaced, a whole
+#: save of 500,000 ids spent 52 ms of a 93 ms stretch in its slices, and the messages falling due
+#: meanwhile at 50,000 msg/s were 13 to 22 ms late at the median, against 4 to 6 ms before and
+#: after (the stretch line of `ops/bench deliver`; README's delivery rows).
 SAVE_LOOP_SHARE = 0.25
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
@@ -882,12 +883,12 @@ class Dedupe:
 
         Expiry and encoding go in slices of `slice_entries` (8,192 ids: about a millisecond
         each), and after each the save lets the rest of the loop run for three times as long as
-        the slice took (`loop_share`), so that a save never takes more than a quarter of the loop
-        from delivery and acknowledgements however many ids it writes (`loop_share`, None: the
-        table's own; a node that is stopping saves at 1.0, without pauses); only the files' writing and
-        fsyncs run in a worker thread, and they hold no lock Python code waits for (a save of millions of ids used to hold the loop for a tenth of a
-        second and more: a copy of the whole table, then conversions in the thread that kept the
-        interpreter's lock)."""
+        the slice took, so that however many ids it writes it never takes more than a quarter of
+        the loop from delivery and acknowledgements (`loop_share`; None: the table's own, 1.0: no
+        pauses, as a node that is stopping saves). Only the files' writing and fsyncs run in a
+        worker thread, and they hold no lock Python code waits for (a save of millions of ids
+        used to hold the loop for a tenth of a second and more: a copy of the whole table, then
+        conversions in the thread that kept the interpreter's lock)."""
         share = self.loop_share if loop_share is None else loop_share
         async with self._saving:  # one writer of the files at a time
             began = self.work_clock()
