@@ -65,8 +65,8 @@ from bench.harness import (
     memory_note, mib, now_ms, pids_of, py_spy, run_child, spread,
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
-from delayserver.sender.spool import iter_spool
 from delayserver.metrics import percentile
+from delayserver.sender.spool import iter_spool
 
 FULL = Workload(n=100_000, window_ms=10_000)
 QUICK = Workload(n=30_000, window_ms=3_000)
@@ -360,9 +360,9 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
         f"{r['slowest_second']:,} delivered, {r['slowest_second_due']:,} fell due",
         f"  lateness, dispatch - schedule: {format_lateness(r['dispatch'])}",
         f"  latest {STRETCH_MS} ms stretches (by when due; the window opened "
-        f"{r.get('window_after_start_ms', 0) / 1000:.1f} s after the server started): "
+        f"{r['window_after_start_ms'] / 1000:.1f} s after the server started): "
         + "; ".join(f"{x['at_ms'] / 1000:.1f} s in, P50 {x['p50']} ms, max {x['max']} ms"
-                    for x in r.get("worst_stretches", [])),
+                    for x in r["worst_stretches"]),
     ]
     if r["arrival"] is not None:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")

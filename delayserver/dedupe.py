@@ -93,10 +93,10 @@ _CHUNK = struct.Struct(">8sQQIII")
 _CHUNK_MAGIC = b"DSDEDJ01"
 #: A journal is never compacted before it holds this much.
 JOURNAL_MIN_COMPACT_BYTES = 1 << 20
-#: The most of the event loop a save's expiry and encoding take (`Dedupe.save`): unpaced, a whole
-#: save of 500,000 ids spent 52 ms of a 93 ms stretch in its slices, and the messages falling due
-#: meanwhile at 50,000 msg/s were 13 to 22 ms late at the median, against 4 to 6 ms before and
-#: after (the stretch line of `ops/bench deliver`; README's delivery rows).
+#: The most of the event loop a save's expiry and encoding take (`Dedupe.save`; after a slice that
+#: took t it waits t * (1 - share) / share): unpaced, a whole save of 500,000 ids made the messages
+#: falling due meanwhile at 50,000 msg/s 13 to 22 ms late at the median, against 4 ms over the
+#: whole window (the stretch line of `ops/bench deliver`; README's delivery rows).
 SAVE_LOOP_SHARE = 0.25
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _MESSAGE_HEAD_SIZE = MESSAGE_HEAD.size
@@ -113,9 +113,8 @@ def key_hash(raw: bytes) -> int:
 
 def _positions_map(entries=()):
     """The table's map of key -> position, with `entries`: the compiled `IdMap` when the install
-    built it (its own probes, positions held as machine integers: 244 against 305 ns a probe of
-    an id it does not hold, 50 against 70 bytes an id, with 2,000,000 ids), else a dict
-    (`_positions_dict`). Both answer `get`, `in`, `[]`, `del`, `len`, `items` alike."""
+    built it (its own probes, positions held as machine integers: 157 against 176 bytes an id,
+    the id's string included, in `ops/bench dedupe`), else a dict (`_positions_dict`). Both answer `get`, `in`, `[]`, `del`, `len`, `items` alike."""
     if IdMap is None:
         return _positions_dict(entries)
     positions = IdMap()
@@ -819,9 +818,6 @@ class Dedupe:
         self._base_id: int | None = None  # the table file the journal extends (None: none usable)
         self._base_bytes = 0
         self.journal_bytes = 0  # the journal's valid length: what the next chunk follows
-        #: The most of the event loop a save's slices take: after a slice that took t, the save
-        #: waits t * (1 - share) / share before the next (`_pause`).
-        self.loop_share = SAVE_LOOP_SHARE
         #: What a slice's time is read from (trio's clock; tests give one that counts slices).
         self.work_clock = trio.current_time
 
@@ -875,7 +871,7 @@ class Dedupe:
         return self.saved_offset
 
     async def save(self, now_ms: int, replay_offset: int, slice_entries: int = 8192,
-                   loop_share: float | None = None) -> None:
+                   loop_share: float = SAVE_LOOP_SHARE) -> None:
         """Expire, then save the table covering message_log up to `replay_offset` (every record
         before it is in the table; later ones may be too: feeding them again changes nothing):
         what changed since the last save, as a journal chunk, or the whole table when there is no
@@ -884,16 +880,15 @@ class Dedupe:
         Expiry and encoding go in slices of `slice_entries` (8,192 ids: about a millisecond
         each), and after each the save lets the rest of the loop run for three times as long as
         the slice took, so that however many ids it writes it never takes more than a quarter of
-        the loop from delivery and acknowledgements (`loop_share`; None: the table's own, 1.0: no
-        pauses, as a node that is stopping saves). Only the files' writing and fsyncs run in a
+        the loop from delivery and acknowledgements (`loop_share`; 1.0: no pauses, as a node that
+        is stopping saves). Only the files' writing and fsyncs run in a
         worker thread, and they hold no lock Python code waits for (a save of millions of ids
         used to hold the loop for a tenth of a second and more: a copy of the whole table, then
         conversions in the thread that kept the interpreter's lock)."""
-        share = self.loop_share if loop_share is None else loop_share
         async with self._saving:  # one writer of the files at a time
             began = self.work_clock()
             while self.table.expire(now_ms, slice_entries) >= slice_entries:
-                began = await self._pause(began, share)
+                began = await self._pause(began, loop_share)
             whole = self._base_id is None or not self.saved_offset or not self.path.exists() \
                 or self.journal_bytes > max(self._base_bytes // 2, JOURNAL_MIN_COMPACT_BYTES)
             unchanged = not whole and self._saved_changes == self.table.changes
@@ -917,7 +912,7 @@ class Dedupe:
             began = self.work_clock()
             for part in self.table.encode_slices(slice_entries, start, reached):
                 slices.append(part)
-                began = await self._pause(began, share)
+                began = await self._pause(began, loop_share)
             try:
                 if whole:
                     await trio.to_thread.run_sync(self._write_whole, slices, replay_offset)

@@ -13,8 +13,7 @@ import pytest
 from bench.brokers import nats_executable, rabbitmq_installed
 from bench.compare import compare, ratio_table, ratios, table
 from bench.deliver import report, run_deliver, worst_stretches
-from bench.workload import Delivered
-from bench.workload import Workload
+from bench.workload import Delivered, Workload
 
 pytestmark = [
     pytest.mark.slow,

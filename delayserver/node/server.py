@@ -22,7 +22,7 @@ from delayserver import protocol as p
 from delayserver.budget import ByteBudget
 from delayserver.clock import WallClock
 from delayserver.config import Config
-from delayserver.dedupe import Dedupe
+from delayserver.dedupe import SAVE_LOOP_SHARE, Dedupe
 from delayserver.lookup import Lookup
 from delayserver.loopwatch import LoopWatch
 from delayserver.message import ResultCode
@@ -374,9 +374,9 @@ class DelayServer:
         while the dedupe table learns from the log, else only what the schedules look at."""
         return None if self.dedupe.table.enabled and not own else self.schedules.id_prefix
 
-    async def _save_followers(self, loop_share: float | None = None) -> None:
+    async def _save_followers(self, loop_share: float = SAVE_LOOP_SHARE) -> None:
         """Save the dedupe table and the schedules, covering message_log up to replay's offset.
-        `loop_share`: the most of the event loop the table's save takes (None: its own)."""
+        `loop_share`: the most of the event loop the table's save takes."""
         offset = self.replayer.offset
         if self.dedupe.table.enabled:
             await self.dedupe.save(self.clock.now_ms(), offset, loop_share=loop_share)

@@ -378,8 +378,6 @@ async def test_a_save_keeps_to_its_share_of_the_event_loop(tmp_path, autojump_cl
     """After each slice a save lets the rest of the loop run three times as long as the slice took:
     with each slice taking 10 ms (a work clock that says so), 30 ms pass after each before the
     next, however many slices the save has."""
-    from delayserver.dedupe import Dedupe
-
     dedupe = Dedupe(HOUR, tmp_path)
     for i in range(10_000):
         dedupe.table.remember(f"m{i}", T0 + i, T0 + i)
