@@ -37,8 +37,8 @@ import trio
 
 from delayserver import protocol as p
 from delayserver.message import (
-    CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, MessageTooLarge, ResultCode, TimeSpec,
-    TransactionState, check_body_size, error_for, parse_address,
+    MAX_BODY_BYTES, CancelOutcome, DelayServerError, Handle, InvalidMessage, MessageState, MessageTooLarge, ResultCode,
+    TimeKind, TimeSpec, TransactionState, check_body_size, error_for, parse_address,
 )
 from delayserver.meta.wire import parse_address_list
 from delayserver.protocol import SendItem
@@ -70,14 +70,19 @@ os.register_at_fork(after_in_child=_renew_id_prefix)
 def new_message_id(now_ms: int | None = None) -> str:
     """A time-ordered id, unique without coordination: 12 hex digits of epoch ms, 10 random hex
     digits drawn once per process, then a per-process counter (6 hex digits, wrapping)."""
-    global _id_head
     if now_ms is None:
         now_ms = time.time_ns() // 1_000_000
+    return _id_head_at(now_ms) + "%06x" % (next(_id_counter) & 0xFFFFFF)
+
+
+def _id_head_at(now_ms: int) -> str:
+    """The first 22 hex digits of the ids made at `now_ms`: made once per millisecond."""
+    global _id_head
     ms, head = _id_head
     if ms != now_ms:
         head = f"{now_ms:012x}{_ID_PREFIX}"
         _id_head = (now_ms, head)
-    return head + "%06x" % (next(_id_counter) & 0xFFFFFF)
+    return head
 
 
 def _item(subject: str, body, deliver_at, delay, delay_level, message_id: str | None, headers,
@@ -118,6 +123,41 @@ def _batches(items: list[tuple[int, SendItem]], count: int) -> list[list[tuple[i
     if current:
         batches.append(current)
     return batches
+
+
+def _requests_fast(messages: list, batch: int) -> list[tuple[bytes, int, int]] | None:
+    """`send_many`'s requests made by the compiled kernel in one pass, without a SendItem per
+    message: what `_item`, `_batches` and `protocol.encode_send_request` make of them (each request
+    ``(payload, index of its first message, count)``), or None when a message needs the checked
+    path (a refusal to decide, an unusual type) or the kernel is not built."""
+    if _native_encode_messages is None:
+        return None
+    return _native_encode_messages(messages, Message, _id_head_at, _id_counter, _clock_ms, batch,
+                                   p.DEFAULT_MAX_FRAME_BYTES, MAX_BODY_BYTES, TimeKind.AT, TimeKind.DELAY)
+
+
+def _decode_handles(payload: bytes) -> tuple[list, bool]:
+    """The results of a SEND response, each stored message's its Handle, each other its SendResult;
+    and whether all were stored. Raises RemoteProtocolError as `protocol.decode_send_response` does."""
+    if _native_decode_handles is not None:
+        decoded = _native_decode_handles(payload if type(payload) is bytes else bytes(payload), p.SendResult,
+                                         p._RESULT_CODE_BY_VALUE, Handle, ResultCode.OK, ResultCode.DUPLICATE)
+        if decoded is not None:
+            return decoded
+    results = [_new_tuple(Handle, (r.schedule_time, r.message_id)) if r.code in _STORED else r
+               for r in p.decode_send_response(payload)]
+    return results, all(type(r) is Handle for r in results)
+
+
+def _clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+try:  # the compiled SEND encoder (delayserver/native/send.pyx), when the install built it
+    from delayserver.native.send import decode_handles as _native_decode_handles
+    from delayserver.native.send import encode_messages as _native_encode_messages
+except ImportError:
+    _native_decode_handles = _native_encode_messages = None
 
 
 DEFAULT_MAX_RECONSUME_TIMES = 16
@@ -408,6 +448,49 @@ class AsyncProducer(BackgroundTasks):
         """Schedule many messages in pipelined batches; per message, in order, its handle or the
         exception that refused it (a DelayServerError, or ConnectionError / TimeoutError when the
         batch got no answer and may be sent again)."""
+        messages = messages if type(messages) is list else list(messages)
+        requests = _requests_fast(messages, batch)
+        if requests is None:  # something only the checked path decides (or no compiled kernel)
+            requests, out = self._requests_checked(messages, batch)
+        else:
+            out = [None] * len(messages)
+
+        async def one(request: tuple[bytes | Exception, int, int]) -> None:
+            payload, first, count = request
+            try:
+                if isinstance(payload, Exception):
+                    raise payload
+                results, all_stored = _decode_handles(await self._call(p.Command.SEND, payload))
+                if len(results) != count and len(results) != sum(out[i] is None for i in range(first, first + count)):
+                    raise ConnectionError(f"the server answered {len(results)} results to a batch of {count}")
+            except (ConnectionError, TimeoutError, DelayServerError) as e:
+                # Not acknowledged: the caller may send these again (at least once).
+                for i in range(first, first + count):
+                    if out[i] is None:
+                        out[i] = e
+                return
+            if all_stored and len(results) == count:  # the usual answer: all stored, none refused before
+                out[first : first + count] = results
+                return
+            i = first
+            for r in results:
+                while out[i] is not None:  # refused before sending (the checked path's gaps)
+                    i += 1
+                out[i] = r if type(r) is Handle else error_for(r.code, r.message)
+                i += 1
+
+        if len(requests) == 1:  # one request: no task of its own
+            await one(requests[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for request in requests:
+                    nursery.start_soon(one, request)
+        return out
+
+    def _requests_checked(self, messages: list[Message], batch: int) -> tuple[list, list]:
+        """The SEND requests of `send_many`, each ``(payload or the exception refusing the whole
+        request, index of its first message, count)``, made item by item with every check, and the
+        result list with each message refused alone already in its place (the others None)."""
         out: list = []
         items = []
         for i, m in enumerate(messages):
@@ -421,25 +504,15 @@ class AsyncProducer(BackgroundTasks):
                 out.append(None)
             except DelayServerError as e:  # refused before sending, alone
                 out.append(e)
-
-        async def one(chunk: list[tuple[int, SendItem]]) -> None:
+        requests = []
+        for chunk in _batches(items, batch):
             try:
-                request = self._send_request([item for _, item in chunk])
-                results = p.decode_send_response(await self._call(p.Command.SEND, request))
-            except (ConnectionError, TimeoutError, DelayServerError) as e:
-                # Not acknowledged: the caller may send these again (at least once).
-                for i, _ in chunk:
-                    out[i] = e
-                return
-            for (i, _), r in zip(chunk, results):
-                # Handle(...) as the named tuple's own constructor makes it, without its Python-level call.
-                out[i] = (_new_tuple(Handle, (r.schedule_time, r.message_id)) if r.code in _STORED
-                          else error_for(r.code, r.message))
-
-        async with trio.open_nursery() as nursery:
-            for chunk in _batches(items, batch):
-                nursery.start_soon(one, chunk)
-        return out
+                payload = self._send_request([item for _, item in chunk])
+            except DelayServerError as e:
+                payload = e
+            # The messages refused alone between the chunk's first and last keep their errors.
+            requests.append((payload, chunk[0][0], chunk[-1][0] + 1 - chunk[0][0]))
+        return requests, out
 
     @staticmethod
     def _send_request(items: list[SendItem]) -> bytes:

@@ -3,6 +3,7 @@ bodies no node takes and times no node can hold are refused before sending, and 
 node's own cap comes back as MESSAGE_TOO_LARGE, never as a connection reset to retry forever."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -113,7 +114,7 @@ def test_new_ids_are_distinct_ordered_by_their_time_and_fresh_in_a_forked_child(
 @pytest.mark.timeout(60)
 async def test_send_many_reads_the_clock_for_new_ids_once_per_65536_messages(monkeypatch):
     """Once per call would let the ids' 24-bit counter come round under one time in a call of
-    more than 16,777,216 messages; once per message is the cost this saves."""
+    more than 16,777,216 messages; once per message is the cost this saves. The checked path."""
     from delayserver import client
     from delayserver.message import InvalidMessage
 
@@ -131,9 +132,35 @@ async def test_send_many_reads_the_clock_for_new_ids_once_per_65536_messages(mon
 
     monkeypatch.setattr(client, "time", Clock)
     monkeypatch.setattr(client, "_item", item)
+    monkeypatch.setattr(client, "_native_encode_messages", None)
     out = await AsyncProducer("127.0.0.1:1").send_many([Message("s.x", b"")] * 200_000)
     assert len(out) == 200_000 and all(isinstance(e, InvalidMessage) for e in out[:3])
     assert len(reads) == 4 and seen == [1 + i // 65_536 for i in range(200_000)]
+
+
+def test_the_compiled_requests_read_the_clock_for_new_ids_once_per_65536_messages(monkeypatch):
+    """The same of the compiled kernel: each id's first 12 hex digits are the time it was made at."""
+    from delayserver import client
+    from delayserver.protocol import decode_send_request
+
+    if client._native_encode_messages is None:
+        pytest.skip("the compiled kernels are not built")
+    reads = []
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            reads.append(None)
+            return len(reads) * 1_000_000
+
+    monkeypatch.setattr(client, "time", Clock)
+    messages = [Message("s.x", b"")] * 200_000
+    messages[65_536] = Message("s.x", b"", message_id="given")  # a run's first message may bring its own id
+    requests = client._requests_fast(messages, 1024)
+    ids = [item.message_id for payload, _, _ in requests for item in decode_send_request(payload)]
+    assert len(reads) == 4
+    assert [int(i[:12], 16) for i in ids if i != "given"] == [1 + i // 65_536 for i in range(200_000) if i != 65_536]
+    assert ids[65_536] == "given" and len(set(ids)) == 200_000
 
 
 @pytest.mark.timeout(120)
@@ -143,8 +170,9 @@ def test_times_that_are_no_whole_64_bit_number_are_refused_as_bad_schedule_time(
         for kw in ({"delay": 2**70}, {"delay": 1.5}, {"deliver_at": -(2**64)}, {"delay_level": 2.0}):
             with pytest.raises(BadScheduleTime):
                 producer.send("orders.q", b"x", **kw)
-        results = producer.send_many([Message("orders.q", b"x", delay=2**70), Message("orders.q", b"y", delay=5)])
-    assert isinstance(results[0], BadScheduleTime) and isinstance(results[1], Handle)
+        results = producer.send_many([Message("orders.q", b"x", delay=2**70), Message("orders.q", b"y", delay=5),
+                                      Message("orders.q", b"z", delay=1.5), Message("orders.q", b"w", delay=5)])
+    assert [type(r) for r in results] == [BadScheduleTime, Handle, BadScheduleTime, Handle]
 
 
 @pytest.mark.timeout(180)
@@ -167,3 +195,30 @@ async def test_send_many_cuts_batches_by_bytes_as_well_as_count(tmp_path, nurser
     async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
         results = await producer.send_many([Message("orders.q", body, delay=10**6) for _ in range(5)])
     assert all(isinstance(r, Handle) for r in results) and server.receiver.appended == 5
+
+
+async def test_a_response_with_fewer_results_than_the_batch_fails_the_batch_as_unanswered(nursery):
+    """Each message of a batch gets its own result or the batch's error, never None: an answer
+    that leaves some out (not a node's, a broken peer's) is a ConnectionError for the whole batch,
+    which the caller may send again."""
+    from delayserver import protocol as p
+    from delayserver.message import ResultCode
+
+    async def peer(stream):  # answers each SEND with one OK, whatever the batch held
+        decoder = p.FrameDecoder()
+        async for data in stream:
+            decoder.feed(data)
+            while (frame := decoder.next_frame()) is not p.NEED_DATA:
+                result = p.SendResult(ResultCode.OK, "stored", 1, "m")
+                await stream.send_all(p.encode(p.Frame(frame.command, frame.request_id,
+                                                       p.encode_send_response([result]), is_response=True)))
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    async with AsyncProducer(f"127.0.0.1:{port}", timeout=10) as producer:
+        one = await producer.send_many([Message("s.x", b"a", message_id="m")])
+        two = await producer.send_many([Message("s.x", b"a"), Message("s.x", b"b")])
+        gap = await producer.send_many([Message("s.x", b"a"), Message("s.x", b"b", delay=1.5), Message("s.x", b"c")])
+    assert one == [Handle(1, "m")]
+    assert [type(r) for r in two] == [ConnectionError, ConnectionError]
+    assert [type(r) for r in gap] == [ConnectionError, BadScheduleTime, ConnectionError]

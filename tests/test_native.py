@@ -6,17 +6,20 @@ build that failed quietly (the extensions are optional) would leave every node o
 """
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import sys
+
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delayserver import dedupe, replayer
+from delayserver import client, dedupe, message, replayer
 from delayserver import protocol as p
-from delayserver.message import BadScheduleTime, ResultCode, TimeKind, TimeSpec
+from delayserver.message import BadScheduleTime, Handle, ResultCode, TimeKind, TimeSpec
 # The kernels must be built (see the module docstring): imported here, not skipped when missing.
 from delayserver.native import dedupe as native_dedupe
 from delayserver.native import idmap as native_idmap
@@ -300,6 +303,16 @@ def test_the_send_response_decoder_is_the_reference(results, cut, garble):
                                  for x, y in zip(native, reference_))
     if cut == 0 and garble is None:
         assert native == results
+    # The producer's own decoding: a stored message's result is its Handle, the others as they are.
+    handles = native_send.decode_handles(data, p.SendResult, p._RESULT_CODE_BY_VALUE, Handle, ResultCode.OK,
+                                         ResultCode.DUPLICATE)
+    if reference_ is None:
+        assert handles is None
+    else:
+        expected = [Handle(r.schedule_time, r.message_id) if r.code in (ResultCode.OK, ResultCode.DUPLICATE) else r
+                    for r in reference_]
+        assert handles == (expected, all(r.code in (ResultCode.OK, ResultCode.DUPLICATE) for r in reference_))
+        assert [type(x) for x in handles[0]] == [type(x) for x in expected]
 
 
 # --- the Redis transport's XADD commands -------------------------------------------------------
@@ -551,6 +564,72 @@ def test_the_send_request_encoder_is_the_reference(items):
         assert reference_ is None or any(type(x) is not p.SendItem for x in items)
     else:
         assert native == reference_
+
+
+# --- a producer's batch of messages into its requests, in one pass ---------------------------------
+
+plain_messages = st.builds(
+    client.Message, st.sampled_from(["s.x", "s.\u00e9"]), st.binary(max_size=40),
+    deliver_at=st.none() | st.integers(-(2**63), 2**63 - 1), message_id=st.none() | st.just("") | st.text(max_size=6),
+    headers=st.dictionaries(st.sampled_from(["k1", "k2"]), st.text(max_size=4), max_size=2))
+odd_messages = st.builds(
+    client.Message, any_text | st.just(b"s"), st.binary(max_size=40) | st.just(bytearray(b"ab")) | st.just("text"),
+    deliver_at=st.none() | values | st.just(True) | st.just(1.5), delay=st.none() | values,
+    delay_level=st.none() | st.integers(0, 20), message_id=st.none() | any_text | st.just(7) | st.just("i" * 70_000),
+    headers=st.dictionaries(any_text, any_text, max_size=2) | st.just({"k": 1}))
+
+
+def _checked_requests(messages, batch, max_frame, head):
+    """What send_many's checked path makes of `messages` (ids made from `head` and a counter), or
+    None when it refuses a message or a request before sending."""
+    counter = itertools.count()
+    with mock.patch.object(client, "new_message_id", lambda now_ms: f"{head}{next(counter) & 0xFFFFFF:06x}"), \
+            mock.patch.object(p, "DEFAULT_MAX_FRAME_BYTES", max_frame):
+        try:
+            requests, out = client.AsyncProducer("127.0.0.1:1")._requests_checked(messages, batch)
+        except Exception:  # ValueError for two times, a TypeError for an odd field: raised to the caller
+            return None
+    if any(r is not None for r in out) or any(not isinstance(payload, bytes) for payload, _, _ in requests):
+        return None
+    return requests
+
+
+@SETTINGS
+@given(st.lists(plain_messages, max_size=12) | st.lists(plain_messages | odd_messages, max_size=6),
+       st.integers(1, 5), st.integers(40, 400))
+def test_a_producer_s_requests_are_the_checked_path_s(messages, batch, max_frame):
+    """The kernel's requests are those the checked path makes, cut at the same messages, or it
+    leaves the batch to that path; it never leaves a batch of plain messages that fit."""
+    head = "0" * 22
+    native = native_send.encode_messages(messages, client.Message, lambda now_ms: head, itertools.count(),
+                                         lambda: 0, batch, max_frame, message.MAX_BODY_BYTES, TimeKind.AT,
+                                         TimeKind.DELAY)
+    reference_ = _checked_requests(messages, batch, max_frame, head)
+    if native is not None:
+        assert native == reference_
+    elif reference_ is not None:  # left to the checked path: only for what is not plain
+        plain = [type(m.subject) is str and type(m.body) is bytes and m.delay_level is None
+                 and (m.deliver_at is None or type(m.deliver_at) is int) and m.delay is None
+                 and (m.message_id is None or type(m.message_id) is str) for m in messages]
+        big = any(4 + len(payload) > max_frame for payload, _, n in reference_ if n == 1)
+        assert not all(plain) or big, "the kernel left plain messages to the checked path"
+
+
+def test_a_producer_s_requests_keep_what_was_measured():
+    """A header dict changed while ids are made (other Python runs then) does not change what is
+    written: each message's fields are taken once, before any byte is written."""
+    headers = {"k": "v"}
+    messages = [client.Message("s", b"b", message_id="given", headers=headers), client.Message("s", b"b")]
+
+    def head(now_ms):
+        headers["k"] = "a much longer value than was measured"
+        return "0" * 22
+
+    (payload, first, count), = native_send.encode_messages(messages, client.Message, head, itertools.count(),
+                                                          lambda: 0, 64, 1 << 20, message.MAX_BODY_BYTES,
+                                                          TimeKind.AT, TimeKind.DELAY)
+    items = p.decode_send_request(payload)
+    assert (first, count) == (0, 2) and items[0].headers == {"k": "v"} and items[1].message_id == "0" * 22 + "000000"
 
 
 # --- the receiver's pass over a request ---------------------------------------------------------

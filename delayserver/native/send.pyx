@@ -8,7 +8,7 @@ checked against the payload before a byte of it is read, and anything the refere
 gives None.
 """
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeASCII, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 from delayserver.native.endian cimport be16, be32, be64, put16, put32, put64
@@ -170,6 +170,26 @@ def decode_results(bytes payload, result_type, codes):
     """The SendResults (`result_type`) of the SEND response `payload`, or None where the reference
     answers None (a length past the end, bytes left over, text that is not UTF-8). `codes`: the
     ResultCode of each known code value; an unknown value is kept as the int."""
+    return results_of(payload, result_type, codes, None, 0, 0)
+
+
+def decode_handles(bytes payload, result_type, codes, handle_type, int stored, int stored_too):
+    """`decode_results` on the producer's hot path: the same list, except that each result whose
+    code is `stored` or `stored_too` (the codes meaning "stored": OK, DUPLICATE) is its
+    ``handle_type(schedule time, message id)`` instead; and whether all were. ``(list, all
+    stored)``, or None where `decode_results` answers None."""
+    cdef list results = results_of(payload, result_type, codes, handle_type, stored, stored_too)
+    cdef object r
+    if results is None:
+        return None
+    for r in results:
+        if type(r) is not handle_type:
+            return results, False
+    return results, True
+
+
+cdef list results_of(bytes payload, result_type, codes, handle_type, int stored, int stored_too):
+    """`decode_results`, and with a `handle_type`, `decode_handles`'s list."""
     cdef const uint8_t *buf = <const uint8_t *>(<char *>payload)
     cdef Py_ssize_t end = len(payload), pos = 4, id_at, text_at, text_len
     cdef Py_ssize_t last_at = -1, last_len = -1
@@ -201,6 +221,10 @@ def decode_results(bytes payload, result_type, codes):
                 text = PyUnicode_DecodeUTF8(<const char *>buf + text_at, text_len, NULL)
                 last_at, last_len = text_at, text_len
             message_id = PyUnicode_DecodeUTF8(<const char *>buf + id_at, text_at - 4 - id_at, NULL)
+            if handle_type is not None and (code == stored or code == stored_too):
+                results.append(tuple.__new__(handle_type, (when, message_id)))
+                pos = text_at + text_len
+                continue
             code_obj = codes.get(code)
             if code_obj is None:
                 code_obj = code
@@ -295,3 +319,148 @@ def encode_items(items, item_type, time_kind_type):
         memcpy(w2, <const char *>body, body_n)
         w = w2 + body_n
     return out
+
+
+cdef object new_id(const char *head, Py_ssize_t head_n, object counter):
+    """`head` then the counter's next value's low 24 bits as six lowercase hex digits:
+    `client.new_message_id`'s form, `head` being its first 22 hex digits (ASCII)."""
+    cdef char buf[64]
+    cdef uint32_t c = <uint32_t>(next(counter) & 0xFFFFFF)
+    cdef int k
+    memcpy(buf, head, head_n)
+    for k in range(6):
+        buf[head_n + 5 - k] = HEX[c & 0xF]
+        c >>= 4
+    return PyUnicode_DecodeASCII(buf, head_n + 6, NULL)
+
+
+cdef const char *HEX = b"0123456789abcdef"
+
+
+def encode_messages(list messages, message_type, id_head, counter, clock_ms, Py_ssize_t max_count,
+                    Py_ssize_t max_frame, Py_ssize_t max_body, int kind_at, int kind_delay):
+    """The SEND requests of a producer's `messages` (each of `message_type`, client.Message) in one
+    pass, as `client._item` then `client._batches` then `protocol.encode_send_request` make them (the
+    reference): a list of ``(payload, index of the first message, message count)``, each request at
+    most `max_count` messages and, unless it holds one message, `max_frame` bytes. Or None, before
+    anything is sent, for any message the reference must decide: not exactly a `message_type`, a
+    body not bytes or over `max_body`, a delay level, both a delivery time and a delay, a time not
+    an int or outside int64, an id or subject not str or over 65,535 bytes of UTF-8, headers not a
+    dict of str, a request over `max_frame`.
+
+    A message without an id (None or "") gets a new one as `client.new_message_id` makes it:
+    ``id_head(now_ms)`` (ASCII) then the low 24 bits of ``next(counter)`` in six hex digits,
+    `now_ms` read from `clock_ms()` once in each run of 65,536 messages that makes an id. What is
+    written is what was measured: each message's fields are taken once, into a row of immutable
+    values (its headers as a tuple of pairs), before any byte is written."""
+    cdef Py_ssize_t count = len(messages), i, n, size, item_size, first, last, total
+    cdef Py_ssize_t body_n, id_n, subject_n
+    cdef object m, body, at, delay, message_id, subject, headers, pairs, key, value, head = None
+    cdef const char *head_p = NULL
+    cdef Py_ssize_t head_n = 0, head_block = -1
+    cdef int64_t time_value
+    cdef const char *p
+    cdef tuple row
+    cdef list rows = [None] * count
+    cdef list chunks = []
+    cdef list out = []
+    cdef bytes payload
+    cdef uint8_t *w
+    cdef uint8_t *w2
+    cdef uint8_t *stop
+    cdef int kind
+    try:
+        for i in range(count):  # checked, given ids and measured first; cut and written after
+            m = messages[i]
+            if type(m) is not message_type:
+                return None
+            body = m.body
+            if type(body) is not bytes or len(<bytes>body) > max_body or m.delay_level is not None:
+                return None
+            at, delay = m.deliver_at, m.delay
+            if at is not None:
+                if delay is not None or type(at) is not int:
+                    return None
+                kind, time_value = kind_at, at  # OverflowError outside int64
+            elif delay is not None:
+                if type(delay) is not int:
+                    return None
+                kind, time_value = kind_delay, delay
+            else:
+                kind, time_value = kind_delay, 0
+            message_id, subject = m.message_id, m.subject
+            if message_id is None or (type(message_id) is str and len(<str>message_id) == 0):
+                if i >> 16 != head_block:  # the clock read once per 65,536 messages, as send_many's
+                    head_block = i >> 16
+                    head = id_head(clock_ms())
+                    if type(head) is not str or not (<str>head).isascii() or len(<str>head) > 48:
+                        return None
+                    head_p = PyUnicode_AsUTF8AndSize(head, &head_n)
+                message_id = new_id(head_p, head_n, counter)
+            id_n = utf8_size(message_id, 0xFFFF)
+            subject_n = utf8_size(subject, 0xFFFF)
+            if id_n < 0 or subject_n < 0:
+                return None
+            item_size = ITEM_SIZE + id_n + subject_n + len(<bytes>body)
+            headers = m.headers
+            if type(headers) is not dict or len(<dict>headers) > 0xFFFF:
+                return None
+            pairs = tuple((<dict>headers).items()) if headers else ()
+            for key, value in pairs:
+                for text in (key, value):
+                    n = utf8_size(text, 0xFFFF)
+                    if n < 0:
+                        return None
+                    item_size += 2 + n
+            rows[i] = (message_id, subject, body, pairs, kind, time_value, item_size)
+    except Exception:  # a lone surrogate, a time outside int64: the reference decides
+        return None
+    # Cut as client._batches cuts (SEND_REQUEST_OVERHEAD is the payload's count, four bytes).
+    first, size = 0, 4
+    for i in range(count):
+        item_size = (<tuple>rows[i])[6]
+        if i > first and (i - first == max_count or size + item_size > max_frame):
+            chunks.append((first, i, size))
+            first, size = i, 4
+        size += item_size
+    if count:
+        chunks.append((first, count, size))
+    for first, last, total in chunks:
+        if total > max_frame:  # one message over the frame: the reference refuses it
+            return None
+    for first, last, total in chunks:
+        payload = PyBytes_FromStringAndSize(NULL, total)
+        w = <uint8_t *><char *>payload
+        stop = w + total
+        put32(w, <uint32_t>(last - first))
+        w += 4
+        for i in range(first, last):
+            row = <tuple>rows[i]
+            message_id, subject, body, pairs = row[0], row[1], row[2], row[3]
+            kind = row[4]
+            time_value = row[5]
+            w[0] = <uint8_t>kind
+            put64(w + 1, <uint64_t>time_value)
+            p = PyUnicode_AsUTF8AndSize(message_id, &id_n)
+            put16(w + 9, <uint32_t>id_n)
+            memcpy(w + ITEM_SIZE, p, id_n)
+            w2 = w + ITEM_SIZE + id_n
+            p = PyUnicode_AsUTF8AndSize(subject, &subject_n)
+            put16(w + 11, <uint32_t>subject_n)
+            memcpy(w2, p, subject_n)
+            w2 += subject_n
+            put16(w + 13, <uint32_t>len(<tuple>pairs))
+            body_n = len(<bytes>body)
+            put32(w + 15, <uint32_t>body_n)
+            for key, value in <tuple>pairs:
+                for text in (key, value):
+                    p = PyUnicode_AsUTF8AndSize(text, &n)
+                    put16(w2, <uint32_t>n)
+                    memcpy(w2 + 2, p, n)
+                    w2 += 2 + n
+            memcpy(w2, <const char *>body, body_n)
+            w = w2 + body_n
+        assert w == stop
+        out.append((payload, first, last - first))
+    return out
+
