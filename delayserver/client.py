@@ -449,28 +449,28 @@ class AsyncProducer(BackgroundTasks):
         exception that refused it (a DelayServerError, or ConnectionError / TimeoutError when the
         batch got no answer and may be sent again)."""
         messages = messages if type(messages) is list else list(messages)
-        requests = _requests_fast(messages, batch)
-        if requests is None:  # something only the checked path decides (or no compiled kernel)
+        fast = _requests_fast(messages, batch)
+        if fast is None:  # something only the checked path decides (or no compiled kernel)
             requests, out = self._requests_checked(messages, batch)
         else:
-            out = [None] * len(messages)
+            requests, out = [(payload, first, n, n) for payload, first, n in fast], [None] * len(messages)
 
-        async def one(request: tuple[bytes | Exception, int, int]) -> None:
-            payload, first, count = request
+        async def one(request: tuple[bytes | Exception, int, int, int]) -> None:
+            payload, first, span, sent = request
             try:
                 if isinstance(payload, Exception):
                     raise payload
                 results, all_stored = _decode_handles(await self._call(p.Command.SEND, payload))
-                if len(results) != count and len(results) != sum(out[i] is None for i in range(first, first + count)):
-                    raise ConnectionError(f"the server answered {len(results)} results to a batch of {count}")
+                if len(results) != sent:
+                    raise ConnectionError(f"the server answered {len(results)} results to a batch of {sent}")
             except (ConnectionError, TimeoutError, DelayServerError) as e:
                 # Not acknowledged: the caller may send these again (at least once).
-                for i in range(first, first + count):
+                for i in range(first, first + span):
                     if out[i] is None:
                         out[i] = e
                 return
-            if all_stored and len(results) == count:  # the usual answer: all stored, none refused before
-                out[first : first + count] = results
+            if all_stored and sent == span:  # the usual answer: all stored, none refused before sending
+                out[first : first + span] = results
                 return
             i = first
             for r in results:
@@ -489,8 +489,9 @@ class AsyncProducer(BackgroundTasks):
 
     def _requests_checked(self, messages: list[Message], batch: int) -> tuple[list, list]:
         """The SEND requests of `send_many`, each ``(payload or the exception refusing the whole
-        request, index of its first message, count)``, made item by item with every check, and the
-        result list with each message refused alone already in its place (the others None)."""
+        request, index of its first message, messages from its first to its last, messages it
+        carries)``, made item by item with every check, and the result list with each message
+        refused alone already in its place (the others None)."""
         out: list = []
         items = []
         for i, m in enumerate(messages):
@@ -511,7 +512,7 @@ class AsyncProducer(BackgroundTasks):
             except DelayServerError as e:
                 payload = e
             # The messages refused alone between the chunk's first and last keep their errors.
-            requests.append((payload, chunk[0][0], chunk[-1][0] + 1 - chunk[0][0]))
+            requests.append((payload, chunk[0][0], chunk[-1][0] + 1 - chunk[0][0], len(chunk)))
         return requests, out
 
     @staticmethod

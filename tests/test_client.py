@@ -197,28 +197,31 @@ async def test_send_many_cuts_batches_by_bytes_as_well_as_count(tmp_path, nurser
     assert all(isinstance(r, Handle) for r in results) and server.receiver.appended == 5
 
 
-async def test_a_response_with_fewer_results_than_the_batch_fails_the_batch_as_unanswered(nursery):
-    """Each message of a batch gets its own result or the batch's error, never None: an answer
-    that leaves some out (not a node's, a broken peer's) is a ConnectionError for the whole batch,
-    which the caller may send again."""
+@pytest.mark.parametrize("extra", [-1, 1])
+async def test_an_answer_with_a_result_too_few_or_too_many_fails_its_batch_as_unanswered(nursery, extra):
+    """Each message of a batch gets its own result or the batch's error, never None and never
+    another's: an answer with a result more or less than the request carried (not a node's, a
+    broken peer's) is a ConnectionError for the whole batch, which the caller may send again. A
+    message refused before sending keeps its own error, and is not counted among those sent."""
     from delayserver import protocol as p
     from delayserver.message import ResultCode
 
-    async def peer(stream):  # answers each SEND with one OK, whatever the batch held
+    async def peer(stream):  # answers each SEND with one result more or fewer than it carried
         decoder = p.FrameDecoder()
         async for data in stream:
             decoder.feed(data)
             while (frame := decoder.next_frame()) is not p.NEED_DATA:
-                result = p.SendResult(ResultCode.OK, "stored", 1, "m")
+                n = len(p.decode_send_request(frame.payload)) + extra
+                results = [p.SendResult(ResultCode.OK, "stored", 1, f"m{i}") for i in range(n)]
                 await stream.send_all(p.encode(p.Frame(frame.command, frame.request_id,
-                                                       p.encode_send_response([result]), is_response=True)))
+                                                       p.encode_send_response(results), is_response=True)))
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
     async with AsyncProducer(f"127.0.0.1:{port}", timeout=10) as producer:
-        one = await producer.send_many([Message("s.x", b"a", message_id="m")])
         two = await producer.send_many([Message("s.x", b"a"), Message("s.x", b"b")])
         gap = await producer.send_many([Message("s.x", b"a"), Message("s.x", b"b", delay=1.5), Message("s.x", b"c")])
-    assert one == [Handle(1, "m")]
+        after = await producer.send_many([Message("s.x", b"d")] * 3, batch=2)
     assert [type(r) for r in two] == [ConnectionError, ConnectionError]
     assert [type(r) for r in gap] == [ConnectionError, BadScheduleTime, ConnectionError]
+    assert [type(r) for r in after] == [ConnectionError] * 3

@@ -589,9 +589,9 @@ def _checked_requests(messages, batch, max_frame, head):
             requests, out = client.AsyncProducer("127.0.0.1:1")._requests_checked(messages, batch)
         except Exception:  # ValueError for two times, a TypeError for an odd field: raised to the caller
             return None
-    if any(r is not None for r in out) or any(not isinstance(payload, bytes) for payload, _, _ in requests):
+    if any(r is not None for r in out) or any(not isinstance(payload, bytes) for payload, _, _, _ in requests):
         return None
-    return requests
+    return [(payload, first, n) for payload, first, n, _ in requests]
 
 
 @SETTINGS
