@@ -280,7 +280,17 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 def proc_cpu_seconds(pid: int) -> float:
     """utime + stime of `pid` (all its threads), read from /proc/<pid>/stat: the CPU the process
     itself used, whatever else the machine runs."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """utime + stime of thread `tid` of process `pid` alone (/proc/<pid>/task/<tid>/stat); the
+    main thread's `tid` is `pid`: a node's event loop, where its Python runs."""
+    return _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+
+
+def _stat_cpu_seconds(path: str) -> float:
+    with open(path, "rb") as f:
         stat = f.read()
     # The command name (field 2) is in parentheses and may hold spaces: split after its last ")".
     fields = stat[stat.rindex(b")") + 2:].split()

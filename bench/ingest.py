@@ -8,6 +8,9 @@ from send to acknowledgement.
 Printed per flush mode: acknowledged msg/s, ack latency per batch, and the CPU per acknowledged
 message of the server (utime + stime from /proc/<pid>/stat over the load, not wall time: the
 figure other work on a shared machine disturbs least) and of the load generator (its rusage).
+The server's figure is also given for its event loop's thread alone (/proc/<pid>/task/<pid>/stat),
+with the share of a core it took over the sends: where that nears 100%, that one thread, which runs
+all of the node's Python, is what limits the rate, however idle the machine's other core is.
 `--profile FILE` also samples the server with py-spy during the flush=sync run and writes the
 collapsed stacks to FILE (`--quick`: 3 s runs instead of 10 s). `--producers N` and `--batch M`
 change the load's shape (32 producers, 64 messages a request by default): the server's CPU per
@@ -27,7 +30,9 @@ from pathlib import Path
 
 import trio
 
-from bench.harness import DelayServerProcess, environment_note, memory_note, proc_cpu_seconds, py_spy
+from bench.harness import (
+    DelayServerProcess, environment_note, memory_note, proc_cpu_seconds, py_spy, thread_cpu_seconds,
+)
 from delayserver.metrics import percentile
 
 
@@ -85,7 +90,7 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
             spy = None
             if profile:
                 spy = py_spy(pid, seconds, profile)
-            before, children_before = proc_cpu_seconds(pid), _children_cpu()
+            before, loop_before, children_before = proc_cpu_seconds(pid), thread_cpu_seconds(pid, pid), _children_cpu()
             load = subprocess.Popen(
                 [sys.executable, "-m", "bench.ingest", "load", server.address,
                  str(producers), str(seconds), str(batch)], stdout=subprocess.PIPE)
@@ -97,6 +102,10 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
             result = json.loads(out)
             # The load process has exited, so its CPU is whole; the server's is read as the load ends.
             result["server_cpu_us_per_msg"] = (proc_cpu_seconds(pid) - before) / max(result["acked"], 1) * 1e6
+            # Its event loop's thread alone: where its Python runs, one core at most.
+            loop = thread_cpu_seconds(pid, pid) - loop_before
+            result["server_loop_cpu_us_per_msg"] = loop / max(result["acked"], 1) * 1e6
+            result["server_loop_share"] = loop / result["seconds"]
             # The server is still running, so the children's figure grew by the load process alone.
             result["load_cpu_us_per_msg"] = (_children_cpu() - children_before) / max(result["acked"], 1) * 1e6
             return result
@@ -140,8 +149,9 @@ def main(argv: list[str]) -> None:
               f"{r['msgs_per_s']:,.0f} acknowledged msg/s; ack latency per batch "
               f"P50 {r['batch_ack_ms_p50']:.1f} ms, P99 {r['batch_ack_ms_p99']:.1f} ms; "
               f"server CPU {r['server_cpu_us_per_msg']:.1f} us per acknowledged message "
-              f"(/proc/<pid>/stat utime+stime); load generator {r['load_cpu_us_per_msg']:.1f} us",
-              flush=True)
+              f"(/proc/<pid>/stat utime+stime), {r['server_loop_cpu_us_per_msg']:.1f} us of it on the event "
+              f"loop's thread ({r['server_loop_share']:.0%} of a core over the sends); "
+              f"load generator {r['load_cpu_us_per_msg']:.1f} us", flush=True)
     print(f"load average after the runs: {environment_note()}")
 
 

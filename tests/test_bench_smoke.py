@@ -5,6 +5,7 @@ of the sorted-set queue without persistence loses what was pending, ours loses n
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import attrs
@@ -241,3 +242,30 @@ def test_pump_bench_times_the_pump_and_each_answer_over_a_real_socket():
     assert r["answer_steps"] == 1.0  # one answer task per request, answered at once
     assert r["pump_steps"] >= 1.0  # at least one read per request (a frame may come in pieces)
     assert r["pump_us"] > 0 and r["answer_us"] > 0
+
+
+def test_a_threads_cpu_is_its_own_and_part_of_its_process_s():
+    """`thread_cpu_seconds` (the ingest bench's event-loop figure) counts the CPU of the thread it
+    names: a busy other thread does not move it, and it never passes its process's."""
+    import os
+    import threading
+
+    from bench.harness import proc_cpu_seconds, thread_cpu_seconds
+
+    pid, me = os.getpid(), threading.get_native_id()
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    mine_before, process_before = thread_cpu_seconds(pid, me), proc_cpu_seconds(pid)
+    other = threading.Thread(target=spin, args=(0.4,))
+    other.start()
+    other.join()
+    mine_between = thread_cpu_seconds(pid, me)
+    spin(0.3)
+    mine_after, process_after = thread_cpu_seconds(pid, me), proc_cpu_seconds(pid)
+    assert mine_between - mine_before < 0.2  # the other thread's 0.4 s are not this one's
+    assert mine_after - mine_between >= 0.25  # (clock ticks of 10 ms)
+    assert process_after - process_before >= mine_after - mine_before + 0.35
