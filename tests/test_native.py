@@ -11,6 +11,7 @@ import os
 import random
 import sys
 
+from collections.abc import Mapping
 from unittest import mock
 
 import pytest
@@ -630,6 +631,33 @@ def test_a_producer_s_requests_keep_what_was_measured():
                                                           TimeKind.AT, TimeKind.DELAY)
     items = p.decode_send_request(payload)
     assert (first, count) == (0, 2) and items[0].headers == {"k": "v"} and items[1].message_id == "0" * 22 + "000000"
+
+
+def test_the_send_request_encoder_writes_the_headers_it_measured():
+    """Headers that answer differently each time they are asked (an odd Mapping) are asked once:
+    what is written is what was measured, as the reference writes it."""
+    class Growing(Mapping):
+        calls = 0
+
+        def items(self):
+            Growing.calls += 1
+            return [("k", "v" * 100 * Growing.calls)]
+
+        def __getitem__(self, key):
+            return dict(self.items())[key]
+
+        def __iter__(self):
+            return iter(["k"])
+
+        def __len__(self):
+            return 1
+
+    def item():
+        return p.SendItem("id", "s.x", TimeSpec.delay(5), b"body", Growing())
+
+    native = native_send.encode_items([item()], p.SendItem, TimeKind)
+    Growing.calls = 0
+    assert native == p._encode_send_request_py([item()]) and len(native) < 200
 
 
 # --- the receiver's pass over a request ---------------------------------------------------------

@@ -173,7 +173,7 @@ def decode_results(bytes payload, result_type, codes):
     return results_of(payload, result_type, codes, None, 0, 0)
 
 
-def decode_handles(bytes payload, result_type, codes, handle_type, int stored, int stored_too):
+def decode_handles(bytes payload, result_type, codes, handle_type, uint32_t stored, uint32_t stored_too):
     """`decode_results` on the producer's hot path: the same list, except that each result whose
     code is `stored` or `stored_too` (the codes meaning "stored": OK, DUPLICATE) is its
     ``handle_type(schedule time, message id)`` instead; and whether all were. ``(list, all
@@ -188,7 +188,7 @@ def decode_handles(bytes payload, result_type, codes, handle_type, int stored, i
     return results, True
 
 
-cdef list results_of(bytes payload, result_type, codes, handle_type, int stored, int stored_too):
+cdef list results_of(bytes payload, result_type, codes, handle_type, uint32_t stored, uint32_t stored_too):
     """`decode_results`, and with a `handle_type`, `decode_handles`'s list."""
     cdef const uint8_t *buf = <const uint8_t *>(<char *>payload)
     cdef Py_ssize_t end = len(payload), pos = 4, id_at, text_at, text_len
@@ -248,20 +248,22 @@ cdef Py_ssize_t utf8_size(object text, Py_ssize_t limit) except -2:
 def encode_items(items, item_type, time_kind_type):
     """The SEND request payload of `items` (`protocol._encode_send_request_py`, the reference), or
     None where that answers None: an item not of `item_type` (a tuple of id, subject, time spec,
-    body, headers), text that is not str or not encodable, a field out of its range."""
-    cdef Py_ssize_t count, i, total = 4, n, nh, body_n
-    cdef object item, time, kind, headers, key, value, body
-    cdef const char *p
+    body, headers), text that is not str or not encodable, a field out of its range. Each item's
+    fields are taken once, before any byte is written (`write_item`)."""
+    cdef Py_ssize_t count, i, total = 4, n
+    cdef object item, time, kind, headers, body, pairs
     cdef tuple row
     cdef int64_t time_value
+    cdef list rows
     cdef bytes out
     cdef uint8_t *w
-    cdef uint8_t *w2
+    cdef uint8_t *stop
     if type(items) is not list:
         items = list(items)
     count = len(items)
     if count > 0xFFFFFFFF:
         return None
+    rows = [None] * count
     try:
         for i in range(count):  # checked and measured first, written after
             item = items[i]
@@ -273,52 +275,76 @@ def encode_items(items, item_type, time_kind_type):
             if type(kind) is not time_kind_type or type(body) is not bytes or not isinstance(time.value, int):
                 return None
             time_value = time.value  # OverflowError outside int64: the reference decides
-            if not 0 <= <long>kind <= 0xFF or len(<bytes>body) > 0xFFFFFFFF or len(headers) > 0xFFFF:
+            pairs = tuple(headers.items()) if len(headers) else ()
+            if not 0 <= <long>kind <= 0xFF or len(<bytes>body) > 0xFFFFFFFF or len(<tuple>pairs) > 0xFFFF:
                 return None
-            total += ITEM_SIZE + len(<bytes>body)
-            for text in (row[0], row[1]):
-                n = utf8_size(text, 0xFFFF)
-                if n < 0:
-                    return None
-                total += n
-            for key, value in headers.items():
-                for text in (key, value):
-                    n = utf8_size(text, 0xFFFF)
-                    if n < 0:
-                        return None
-                    total += 2 + n
+            n = item_size(row[0], row[1], <tuple>pairs, <bytes>body)
+            if n < 0:
+                return None
+            total += n
+            rows[i] = (<long>kind, time_value, row[0], row[1], pairs, body)
     except Exception:  # a lone surrogate, a value out of its field, an odd mapping: the reference decides
         return None
     out = PyBytes_FromStringAndSize(NULL, total)
     w = <uint8_t *><char *>out
+    stop = w + total
     put32(w, <uint32_t>count)
     w += 4
     for i in range(count):
-        row = <tuple>items[i]
-        time, body, headers = row[2], row[3], row[4]
-        w[0] = <uint8_t><long>time.kind
-        time_value = time.value
-        put64(w + 1, <uint64_t>time_value)
-        p = PyUnicode_AsUTF8AndSize(row[0], &n)
-        put16(w + 9, <uint32_t>n)
-        memcpy(w + ITEM_SIZE, p, n)
-        w2 = w + ITEM_SIZE + n
-        p = PyUnicode_AsUTF8AndSize(row[1], &n)
-        put16(w + 11, <uint32_t>n)
-        memcpy(w2, p, n)
-        w2 += n
-        put16(w + 13, <uint32_t>len(headers))
-        body_n = len(<bytes>body)
-        put32(w + 15, <uint32_t>body_n)
-        for key, value in headers.items():
-            for text in (key, value):
-                p = PyUnicode_AsUTF8AndSize(text, &n)
-                put16(w2, <uint32_t>n)
-                memcpy(w2 + 2, p, n)
-                w2 += 2 + n
-        memcpy(w2, <const char *>body, body_n)
-        w = w2 + body_n
+        row = <tuple>rows[i]
+        w = write_item(w, row[0], row[1], row[2], row[3], <tuple>row[4], <bytes>row[5])
+    assert w == stop
     return out
+
+
+cdef Py_ssize_t item_size(object message_id, object subject, tuple pairs, bytes body) except -2:
+    """The bytes a SEND item of these fields takes, or -1 for one no item carries: an id, subject,
+    header key or value not a str or over 65,535 bytes of UTF-8. Raises for text that is not
+    encodable (a lone surrogate)."""
+    cdef Py_ssize_t total = ITEM_SIZE + len(body), n
+    cdef object key, value, text
+    for text in (message_id, subject):
+        n = utf8_size(text, 0xFFFF)
+        if n < 0:
+            return -1
+        total += n
+    for key, value in pairs:
+        for text in (key, value):
+            n = utf8_size(text, 0xFFFF)
+            if n < 0:
+                return -1
+            total += 2 + n
+    return total
+
+
+cdef uint8_t *write_item(uint8_t *w, int kind, int64_t time_value, object message_id, object subject,
+                         tuple pairs, bytes body) except NULL:
+    """One SEND item of these fields at `w`, its size measured by `item_size` already (the fields
+    are immutable: they write what was measured); where the next one goes."""
+    cdef const char *p
+    cdef Py_ssize_t n, body_n = len(body)
+    cdef uint8_t *w2
+    cdef object key, value, text
+    w[0] = <uint8_t>kind
+    put64(w + 1, <uint64_t>time_value)
+    p = PyUnicode_AsUTF8AndSize(message_id, &n)
+    put16(w + 9, <uint32_t>n)
+    memcpy(w + ITEM_SIZE, p, n)
+    w2 = w + ITEM_SIZE + n
+    p = PyUnicode_AsUTF8AndSize(subject, &n)
+    put16(w + 11, <uint32_t>n)
+    memcpy(w2, p, n)
+    w2 += n
+    put16(w + 13, <uint32_t>len(pairs))
+    put32(w + 15, <uint32_t>body_n)
+    for key, value in pairs:
+        for text in (key, value):
+            p = PyUnicode_AsUTF8AndSize(text, &n)
+            put16(w2, <uint32_t>n)
+            memcpy(w2 + 2, p, n)
+            w2 += 2 + n
+    memcpy(w2, <const char *>body, body_n)
+    return w2 + body_n
 
 
 cdef object new_id(const char *head, Py_ssize_t head_n, object counter):
@@ -353,20 +379,17 @@ def encode_messages(list messages, message_type, id_head, counter, clock_ms, Py_
     `now_ms` read from `clock_ms()` once in each run of 65,536 messages that makes an id. What is
     written is what was measured: each message's fields are taken once, into a row of immutable
     values (its headers as a tuple of pairs), before any byte is written."""
-    cdef Py_ssize_t count = len(messages), i, n, size, item_size, first, last, total
-    cdef Py_ssize_t body_n, id_n, subject_n
-    cdef object m, body, at, delay, message_id, subject, headers, pairs, key, value, head = None
+    cdef Py_ssize_t count = len(messages), i, n, size, first, last, total
+    cdef object m, body, at, delay, message_id, subject, headers, pairs, head = None
     cdef const char *head_p = NULL
     cdef Py_ssize_t head_n = 0, head_block = -1
     cdef int64_t time_value
-    cdef const char *p
     cdef tuple row
     cdef list rows = [None] * count
     cdef list chunks = []
     cdef list out = []
     cdef bytes payload
     cdef uint8_t *w
-    cdef uint8_t *w2
     cdef uint8_t *stop
     cdef int kind
     try:
@@ -397,32 +420,26 @@ def encode_messages(list messages, message_type, id_head, counter, clock_ms, Py_
                         return None
                     head_p = PyUnicode_AsUTF8AndSize(head, &head_n)
                 message_id = new_id(head_p, head_n, counter)
-            id_n = utf8_size(message_id, 0xFFFF)
-            subject_n = utf8_size(subject, 0xFFFF)
-            if id_n < 0 or subject_n < 0:
-                return None
-            item_size = ITEM_SIZE + id_n + subject_n + len(<bytes>body)
             headers = m.headers
-            if type(headers) is not dict or len(<dict>headers) > 0xFFFF:
+            if type(headers) is not dict:
                 return None
             pairs = tuple((<dict>headers).items()) if headers else ()
-            for key, value in pairs:
-                for text in (key, value):
-                    n = utf8_size(text, 0xFFFF)
-                    if n < 0:
-                        return None
-                    item_size += 2 + n
-            rows[i] = (message_id, subject, body, pairs, kind, time_value, item_size)
+            if len(<tuple>pairs) > 0xFFFF:
+                return None
+            n = item_size(message_id, subject, <tuple>pairs, <bytes>body)
+            if n < 0:
+                return None
+            rows[i] = (message_id, subject, body, pairs, kind, time_value, n)
     except Exception:  # a lone surrogate, a time outside int64: the reference decides
         return None
     # Cut as client._batches cuts (SEND_REQUEST_OVERHEAD is the payload's count, four bytes).
     first, size = 0, 4
     for i in range(count):
-        item_size = (<tuple>rows[i])[6]
-        if i > first and (i - first == max_count or size + item_size > max_frame):
+        n = (<tuple>rows[i])[6]
+        if i > first and (i - first == max_count or size + n > max_frame):
             chunks.append((first, i, size))
             first, size = i, 4
-        size += item_size
+        size += n
     if count:
         chunks.append((first, count, size))
     for first, last, total in chunks:
@@ -436,30 +453,7 @@ def encode_messages(list messages, message_type, id_head, counter, clock_ms, Py_
         w += 4
         for i in range(first, last):
             row = <tuple>rows[i]
-            message_id, subject, body, pairs = row[0], row[1], row[2], row[3]
-            kind = row[4]
-            time_value = row[5]
-            w[0] = <uint8_t>kind
-            put64(w + 1, <uint64_t>time_value)
-            p = PyUnicode_AsUTF8AndSize(message_id, &id_n)
-            put16(w + 9, <uint32_t>id_n)
-            memcpy(w + ITEM_SIZE, p, id_n)
-            w2 = w + ITEM_SIZE + id_n
-            p = PyUnicode_AsUTF8AndSize(subject, &subject_n)
-            put16(w + 11, <uint32_t>subject_n)
-            memcpy(w2, p, subject_n)
-            w2 += subject_n
-            put16(w + 13, <uint32_t>len(<tuple>pairs))
-            body_n = len(<bytes>body)
-            put32(w + 15, <uint32_t>body_n)
-            for key, value in <tuple>pairs:
-                for text in (key, value):
-                    p = PyUnicode_AsUTF8AndSize(text, &n)
-                    put16(w2, <uint32_t>n)
-                    memcpy(w2 + 2, p, n)
-                    w2 += 2 + n
-            memcpy(w2, <const char *>body, body_n)
-            w = w2 + body_n
+            w = write_item(w, row[4], row[5], row[0], row[1], <tuple>row[3], <bytes>row[2])
         assert w == stop
         out.append((payload, first, last - first))
     return out
