@@ -447,7 +447,8 @@ class AsyncProducer(BackgroundTasks):
     async def send_many(self, messages: Iterable[Message], *, batch: int = SEND_BATCH) -> list[Handle | Exception]:
         """Schedule many messages in pipelined batches; per message, in order, its handle or the
         exception that refused it (a DelayServerError, or ConnectionError / TimeoutError when the
-        batch got no answer and may be sent again)."""
+        batch got no answer, or an answer with more or fewer results than it carried, and may be
+        sent again)."""
         messages = messages if type(messages) is list else list(messages)
         fast = _requests_fast(messages, batch)
         if fast is None:  # something only the checked path decides (or no compiled kernel)

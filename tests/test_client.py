@@ -1,6 +1,8 @@
 """The Python client at its edges, against a real node over real sockets: bad addresses fail fast,
 bodies no node takes and times no node can hold are refused before sending, and a frame over a
-node's own cap comes back as MESSAGE_TOO_LARGE, never as a connection reset to retry forever."""
+node's own cap comes back as MESSAGE_TOO_LARGE, never as a connection reset to retry forever. One
+peer here is not a node: it answers with a result too many or too few, as no node does, to hold
+`send_many` to a result per message whatever comes back."""
 from __future__ import annotations
 
 import functools
