@@ -10,7 +10,6 @@ import itertools
 import os
 import random
 import sys
-
 from collections.abc import Mapping
 from unittest import mock
 
