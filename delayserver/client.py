@@ -71,7 +71,7 @@ def new_message_id(now_ms: int | None = None) -> str:
     """A time-ordered id, unique without coordination: 12 hex digits of epoch ms, 10 random hex
     digits drawn once per process, then a per-process counter (6 hex digits, wrapping)."""
     if now_ms is None:
-        now_ms = time.time_ns() // 1_000_000
+        now_ms = _clock_ms()
     return _id_head_at(now_ms) + "%06x" % (next(_id_counter) & 0xFFFFFF)
 
 
@@ -125,11 +125,12 @@ def _batches(items: list[tuple[int, SendItem]], count: int) -> list[list[tuple[i
     return batches
 
 
-def _requests_fast(messages: list, batch: int) -> list[tuple[bytes, int, int]] | None:
+def _requests_fast(messages: list, batch: int) -> list[tuple[bytes, int, int, int]] | None:
     """`send_many`'s requests made by the compiled kernel in one pass, without a SendItem per
-    message: what `_item`, `_batches` and `protocol.encode_send_request` make of them (each request
-    ``(payload, index of its first message, count)``), or None when a message needs the checked
-    path (a refusal to decide, an unusual type) or the kernel is not built."""
+    message: what `_item`, `_batches` and `protocol.encode_send_request` make of them, each as
+    `AsyncProducer._requests_checked` gives it (none refused alone: its span is its count), or
+    None when a message needs the checked path (a refusal to decide, an unusual type) or the
+    kernel is not built."""
     if _native_encode_messages is None:
         return None
     return _native_encode_messages(messages, Message, _id_head_at, _id_counter, _clock_ms, batch,
@@ -150,6 +151,7 @@ def _decode_handles(payload: bytes) -> tuple[list, bool]:
 
 
 def _clock_ms() -> int:
+    """The wall clock in epoch ms: what new ids are made with."""
     return time.time_ns() // 1_000_000
 
 
@@ -450,11 +452,11 @@ class AsyncProducer(BackgroundTasks):
         batch got no answer, or an answer with more or fewer results than it carried, and may be
         sent again)."""
         messages = messages if type(messages) is list else list(messages)
-        fast = _requests_fast(messages, batch)
-        if fast is None:  # something only the checked path decides (or no compiled kernel)
+        requests = _requests_fast(messages, batch)
+        if requests is None:  # something only the checked path decides (or no compiled kernel)
             requests, out = self._requests_checked(messages, batch)
         else:
-            requests, out = [(payload, first, n, n) for payload, first, n in fast], [None] * len(messages)
+            out = [None] * len(messages)
 
         async def one(request: tuple[bytes | Exception, int, int, int]) -> None:
             payload, first, span, sent = request
@@ -499,7 +501,7 @@ class AsyncProducer(BackgroundTasks):
             if not i & 0xFFFF:
                 # The new ids' time: the clock read once per 65,536 messages, not per message, and
                 # never so seldom that the ids' 24-bit counter comes round within one time.
-                now_ms = time.time_ns() // 1_000_000
+                now_ms = _clock_ms()
             try:
                 items.append((i, _item(m.subject, m.body, m.deliver_at, m.delay, m.delay_level, m.message_id,
                                        m.headers, now_ms)))

@@ -591,7 +591,7 @@ def _checked_requests(messages, batch, max_frame, head):
             return None
     if any(r is not None for r in out) or any(not isinstance(payload, bytes) for payload, _, _, _ in requests):
         return None
-    return [(payload, first, n) for payload, first, n, _ in requests]
+    return requests
 
 
 @SETTINGS
@@ -611,7 +611,7 @@ def test_a_producer_s_requests_are_the_checked_path_s(messages, batch, max_frame
         plain = [type(m.subject) is str and type(m.body) is bytes and m.delay_level is None
                  and (m.deliver_at is None or type(m.deliver_at) is int) and m.delay is None
                  and (m.message_id is None or type(m.message_id) is str) for m in messages]
-        big = any(4 + len(payload) > max_frame for payload, _, n in reference_ if n == 1)
+        big = any(4 + len(payload) > max_frame for payload, _, n, _ in reference_ if n == 1)
         assert not all(plain) or big, "the kernel left plain messages to the checked path"
 
 
@@ -625,7 +625,7 @@ def test_a_producer_s_requests_keep_what_was_measured():
         headers["k"] = "a much longer value than was measured"
         return "0" * 22
 
-    (payload, first, count), = native_send.encode_messages(messages, client.Message, head, itertools.count(),
+    (payload, first, count, _), = native_send.encode_messages(messages, client.Message, head, itertools.count(),
                                                           lambda: 0, 64, 1 << 20, message.MAX_BODY_BYTES,
                                                           TimeKind.AT, TimeKind.DELAY)
     items = p.decode_send_request(payload)

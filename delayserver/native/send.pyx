@@ -170,7 +170,8 @@ def decode_results(bytes payload, result_type, codes):
     """The SendResults (`result_type`) of the SEND response `payload`, or None where the reference
     answers None (a length past the end, bytes left over, text that is not UTF-8). `codes`: the
     ResultCode of each known code value; an unknown value is kept as the int."""
-    return results_of(payload, result_type, codes, None, 0, 0)
+    cdef Py_ssize_t handles = 0
+    return results_of(payload, result_type, codes, None, 0, 0, &handles)
 
 
 def decode_handles(bytes payload, result_type, codes, handle_type, uint32_t stored, uint32_t stored_too):
@@ -178,18 +179,17 @@ def decode_handles(bytes payload, result_type, codes, handle_type, uint32_t stor
     code is `stored` or `stored_too` (the codes meaning "stored": OK, DUPLICATE) is its
     ``handle_type(schedule time, message id)`` instead; and whether all were. ``(list, all
     stored)``, or None where `decode_results` answers None."""
-    cdef list results = results_of(payload, result_type, codes, handle_type, stored, stored_too)
-    cdef object r
+    cdef Py_ssize_t handles = 0
+    cdef list results = results_of(payload, result_type, codes, handle_type, stored, stored_too, &handles)
     if results is None:
         return None
-    for r in results:
-        if type(r) is not handle_type:
-            return results, False
-    return results, True
+    return results, handles == len(results)
 
 
-cdef list results_of(bytes payload, result_type, codes, handle_type, uint32_t stored, uint32_t stored_too):
-    """`decode_results`, and with a `handle_type`, `decode_handles`'s list."""
+cdef list results_of(bytes payload, result_type, codes, handle_type, uint32_t stored, uint32_t stored_too,
+                     Py_ssize_t *handles):
+    """`decode_results`, and with a `handle_type`, `decode_handles`'s list (counting its handles
+    into `handles`)."""
     cdef const uint8_t *buf = <const uint8_t *>(<char *>payload)
     cdef Py_ssize_t end = len(payload), pos = 4, id_at, text_at, text_len
     cdef Py_ssize_t last_at = -1, last_len = -1
@@ -223,6 +223,7 @@ cdef list results_of(bytes payload, result_type, codes, handle_type, uint32_t st
             message_id = PyUnicode_DecodeUTF8(<const char *>buf + id_at, text_at - 4 - id_at, NULL)
             if handle_type is not None and (code == stored or code == stored_too):
                 results.append(tuple.__new__(handle_type, (when, message_id)))
+                handles[0] += 1
                 pos = text_at + text_len
                 continue
             code_obj = codes.get(code)
@@ -367,7 +368,8 @@ def encode_messages(list messages, message_type, id_head, counter, clock_ms, Py_
                     Py_ssize_t max_frame, Py_ssize_t max_body, int kind_at, int kind_delay):
     """The SEND requests of a producer's `messages` (each of `message_type`, client.Message) in one
     pass, as `client._item` then `client._batches` then `protocol.encode_send_request` make them (the
-    reference): a list of ``(payload, index of the first message, message count)``, each request at
+    reference): a list of ``(payload, index of the first message, message count, message count)``
+    (`AsyncProducer._requests_checked`'s shape: span and count, equal here), each request at
     most `max_count` messages and, unless it holds one message, `max_frame` bytes. Or None, before
     anything is sent, for any message the reference must decide: not exactly a `message_type`, a
     body not bytes or over `max_body`, a delay level, both a delivery time and a delay, a time not
@@ -455,6 +457,6 @@ def encode_messages(list messages, message_type, id_head, counter, clock_ms, Py_
             row = <tuple>rows[i]
             w = write_item(w, row[4], row[5], row[0], row[1], <tuple>row[3], <bytes>row[2])
         assert w == stop
-        out.append((payload, first, last - first))
+        out.append((payload, first, last - first, last - first))
     return out
 
