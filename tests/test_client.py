@@ -113,40 +113,10 @@ def test_new_ids_are_distinct_ordered_by_their_time_and_fresh_in_a_forked_child(
     assert child[:12] == parent[:12] == f"{now:012x}" and child[12:22] != parent[12:22] == ids[0][12:22]
 
 
-@pytest.mark.timeout(60)
-async def test_send_many_reads_the_clock_for_new_ids_once_per_65536_messages(monkeypatch):
-    """Once per call would let the ids' 24-bit counter come round under one time in a call of
-    more than 16,777,216 messages; once per message is the cost this saves. The checked path."""
+def _counting_clock(monkeypatch) -> list:
+    """The client's clock replaced by one whose n-th read is n ms; the list of its reads."""
     from delayserver import client
-    from delayserver.message import InvalidMessage
 
-    reads, seen = [], []
-
-    class Clock:
-        @staticmethod
-        def time_ns():
-            reads.append(None)
-            return len(reads) * 1_000_000
-
-    def item(*args):  # what send_many asks of each message, refused so that nothing is sent
-        seen.append(args[-1])
-        raise InvalidMessage("not sent")
-
-    monkeypatch.setattr(client, "time", Clock)
-    monkeypatch.setattr(client, "_item", item)
-    monkeypatch.setattr(client, "_native_encode_messages", None)
-    out = await AsyncProducer("127.0.0.1:1").send_many([Message("s.x", b"")] * 200_000)
-    assert len(out) == 200_000 and all(isinstance(e, InvalidMessage) for e in out[:3])
-    assert len(reads) == 4 and seen == [1 + i // 65_536 for i in range(200_000)]
-
-
-def test_the_compiled_requests_read_the_clock_for_new_ids_once_per_65536_messages(monkeypatch):
-    """The same of the compiled kernel: each id's first 12 hex digits are the time it was made at."""
-    from delayserver import client
-    from delayserver.protocol import decode_send_request
-
-    if client._native_encode_messages is None:
-        pytest.skip("the compiled kernels are not built")
     reads = []
 
     class Clock:
@@ -156,13 +126,50 @@ def test_the_compiled_requests_read_the_clock_for_new_ids_once_per_65536_message
             return len(reads) * 1_000_000
 
     monkeypatch.setattr(client, "time", Clock)
+    return reads
+
+
+@pytest.mark.timeout(60)
+async def test_send_many_reads_the_clock_for_new_ids_once_per_65536_messages(monkeypatch):
+    """Once per call would let the ids' 24-bit counter come round under one time in a call of
+    more than 16,777,216 messages; once per message is the cost this saves. The checked path."""
+    from delayserver import client
+    from delayserver.message import InvalidMessage
+
+    seen = []
+
+    def item(*args):  # what send_many asks of each message, refused so that nothing is sent
+        seen.append(args[-1])
+        raise InvalidMessage("not sent")
+
+    reads = _counting_clock(monkeypatch)
+    monkeypatch.setattr(client, "_item", item)
+    monkeypatch.setattr(client, "_native_encode_messages", None)
+    out = await AsyncProducer("127.0.0.1:1").send_many([Message("s.x", b"")] * 200_000)
+    assert len(out) == 200_000 and all(isinstance(e, InvalidMessage) for e in out[:3])
+    assert len(reads) == 4 and seen == [1 + i // 65_536 for i in range(200_000)]
+
+
+def test_the_compiled_requests_make_the_ids_new_message_id_makes(monkeypatch):
+    """The compiled kernel reads the clock as often, and each id it makes is the one
+    `new_message_id` makes at that time from the same counter."""
+    import itertools
+
+    from delayserver import client
+    from delayserver.protocol import decode_send_request
+
+    if client._native_encode_messages is None:
+        pytest.skip("the compiled kernels are not built")
+    reads = _counting_clock(monkeypatch)
+    monkeypatch.setattr(client, "_id_counter", itertools.count())
     messages = [Message("s.x", b"")] * 200_000
     messages[65_536] = Message("s.x", b"", message_id="given")  # a run's first message may bring its own id
     requests = client._requests_fast(messages, 1024)
-    ids = [item.message_id for payload, _, _ in requests for item in decode_send_request(payload)]
-    assert len(reads) == 4
-    assert [int(i[:12], 16) for i in ids if i != "given"] == [1 + i // 65_536 for i in range(200_000) if i != 65_536]
-    assert ids[65_536] == "given" and len(set(ids)) == 200_000
+    ids = [item.message_id for payload, _, _, _ in requests for item in decode_send_request(payload)]
+    assert len(reads) == 4 and ids[65_536] == "given"
+    monkeypatch.setattr(client, "_id_counter", itertools.count())
+    assert ids[:65_536] + ids[65_537:] == [client.new_message_id(1 + i // 65_536)
+                                           for i in range(200_000) if i != 65_536]
 
 
 @pytest.mark.timeout(120)
