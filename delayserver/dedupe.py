@@ -114,7 +114,8 @@ def key_hash(raw: bytes) -> int:
 def _positions_map(entries=()):
     """The table's map of key -> position, with `entries`: the compiled `IdMap` when the install
     built it (its own probes, positions held as machine integers: 157 against 176 bytes an id,
-    the id's string included, in `ops/bench dedupe`), else a dict (`_positions_dict`). Both answer `get`, `in`, `[]`, `del`, `len`, `items` alike."""
+    the id's string included, in `ops/bench dedupe`), else a dict (`_positions_dict`). Both
+    answer `get`, `in`, `[]`, `del`, `len`, `items` alike."""
     if IdMap is None:
         return _positions_dict(entries)
     positions = IdMap()
