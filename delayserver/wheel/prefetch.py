@@ -72,11 +72,7 @@ def advise(paths_and_ranges: list[tuple[str, list[tuple[int, int]]]]) -> int:
 
 def due_offsets(ticks: TickManager, start_ms: int, end_ms: int) -> dict[int, list[int]]:
     """The schedule_log offsets of the entries due in [start_ms, end_ms), per bucket."""
-    by_bucket: dict[int, list[int]] = {}
-    for ref in ticks.wheel.refs_due_between(start_ms, end_ms):
-        bucket, offset = ticks.split(ref)
-        by_bucket.setdefault(bucket, []).append(offset)
-    return by_bucket
+    return ticks.offsets_by_bucket(ticks.wheel.refs_due_between(start_ms, end_ms))
 
 
 def fetch_jobs(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[int, str, int, list[int]]]:
@@ -142,5 +138,6 @@ async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_M
                 log.debug("read-ahead failed: %s", e)
             else:
                 for bucket, records in got:
-                    ahead.put(bucket, records, epoch)
+                    ahead.put(bucket, records, epoch)  # (dropped if the records changed meanwhile)
+                    await trio.lowlevel.checkpoint()  # a chunk a step: deliveries go between them
         await trio.sleep(step_ms / 1000)

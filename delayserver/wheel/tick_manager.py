@@ -598,6 +598,10 @@ class TickManager:
 
         return read
 
+    def offsets_by_bucket(self, refs: list[int]) -> dict[int, list[int]]:
+        """The schedule offsets of `refs` per bucket, in the order of `refs`."""
+        return {bucket: offsets for bucket, _, offsets in self._by_bucket(refs)} if refs else {}
+
     def _by_bucket(self, refs: list[int]) -> list[tuple[int, list[int], list[int]]]:
         """(bucket, indexes into `refs`, their schedule offsets) per bucket the refs name."""
         ids = set(map(_BUCKET_OF_REF, refs))

@@ -2,6 +2,8 @@
 under trio's MockClock; and delivery's reading of what was read ahead."""
 from __future__ import annotations
 
+import functools
+
 import trio
 
 from delayserver.clock import TrioClock
@@ -40,6 +42,17 @@ async def on_the_loop(fn, *args):  # the mock clock would jump while a thread wo
     return fn(*args)
 
 
+def test_due_offsets_are_grouped_per_bucket_in_the_order_of_the_refs(tmp_path):
+    node, _, _ = loaded_node(tmp_path, 3)
+    ticks = node.ticks
+    pairs = [(7_200_000, 40), (3_600_000, 10), (7_200_000, 5), (3_600_000, 900), (7_200_000, 41)]
+    refs = [ticks.ref(bucket, offset) for bucket, offset in pairs]
+    assert ticks.offsets_by_bucket(refs) == {7_200_000: [40, 5, 41], 3_600_000: [10, 900]}
+    assert ticks.offsets_by_bucket(refs[1::2]) == {3_600_000: [10, 900]}
+    assert ticks.offsets_by_bucket([]) == {}
+    node.crash()
+
+
 async def test_every_record_is_in_memory_before_it_falls_due(tmp_path, autojump_clock):
     clock = TrioClock(START_MS - int(trio.current_time() * 1000))
     node, due, bucket = loaded_node(tmp_path)
@@ -64,6 +77,35 @@ async def test_every_record_is_in_memory_before_it_falls_due(tmp_path, autojump_
     assert set(held) == {offset for _, offset in due.values()}
     assert all(data[offset:offset + len(raw)] == raw for offset, raw in held.items())
     assert node.ticks.ahead.held_bytes == sum(map(len, held.values()))
+    node.crash()
+
+
+async def test_what_a_round_read_is_kept_a_chunk_per_task_step(tmp_path, autojump_clock):
+    # Keeping a round's records (a dict merge per chunk) in one step held the event loop for 1.4 to
+    # 4.7 ms every 100 ms at 50,000 msg/s falling due: deliveries now go between the chunks.
+    clock = TrioClock(START_MS - int(trio.current_time() * 1000))
+    node, due, bucket = loaded_node(tmp_path)
+    seen = []  # how many records were held at each step of another task
+
+    async def in_chunks_of_5(fn, *args):
+        return functools.partial(fn, chunk=5)(*args)
+
+    async def watch():
+        for _ in range(200):
+            seen.append(len(node.ticks.ahead.records.get(bucket, ())))
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        await trio.lowlevel.checkpoint()
+        await nursery.start(lambda **kw: prefetch_due(node.ticks, clock, horizon_ms=1000, step_ms=100,
+                                                      run_blocking=in_chunks_of_5, **kw))
+        await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    in_horizon = sum(1 for at, _ in due.values() if at < START_MS + 1000)
+    assert in_horizon == 26 and seen[0] == 0 and seen[-1] == in_horizon
+    between = set(seen) - {0, in_horizon}  # seen part way through the round: a chunk at a time
+    assert len(between) >= 3 and all(n % 5 == 0 for n in between)
     node.crash()
 
 
