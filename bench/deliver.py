@@ -54,6 +54,7 @@ import argparse
 import collections
 import contextlib
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ from bench.harness import (
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.metrics import percentile
 from delayserver.sender.spool import iter_spool
+from delayserver.storage.segment import SLOW_FSYNC_S
 
 FULL = Workload(n=100_000, window_ms=10_000)
 QUICK = Workload(n=30_000, window_ms=3_000)
@@ -301,10 +303,32 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
                 raise RuntimeError(f"the server exited ({server.process.returncode}); its log:\n"
                                    + server.log_path.read_text()[-5000:])
             cpu = cpu_seconds(server.process) - cpu_at_t0
-            stalls = [line for line in server.log_path.read_text(errors="replace").splitlines()
-                      if "event loop blocked" in line]
+            server_log = server.log_path.read_text(errors="replace").splitlines()
+            stalls = [line for line in server_log if "event loop blocked" in line]
+            slow_fsyncs = slow_fsyncs_between(server_log, t0, until)
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
-                "cpu_seconds": cpu, "stalls": stalls, "window_after_start_ms": t0 - started}
+                "cpu_seconds": cpu, "stalls": stalls, "slow_fsyncs": slow_fsyncs,
+                "window_after_start_ms": t0 - started}
+
+
+_SLOW_FSYNC = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*slow fsync: .* took (\d+) ms"
+                         r"(?:.*\((\d+) more slow fsyncs)?")
+
+
+def slow_fsyncs_between(log_lines: list[str], start_ms: int, end_ms: int) -> tuple[int, int]:
+    """(how many fsyncs the server logged as slow between `start_ms` and `end_ms`, the longest of
+    those logged, in ms) from its log (storage/segment.py: a line a second at most, counting the
+    others): a stretch of late deliveries with no slow event-loop step is then the disk's."""
+    count = longest = 0
+    for line in log_lines:
+        m = _SLOW_FSYNC.match(line)
+        if m is None:
+            continue
+        at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) * 1000 + int(m.group(2))
+        if start_ms <= at <= end_ms:
+            count += 1 + int(m.group(4) or 0)
+            longest = max(longest, int(m.group(3)))
+    return count, longest
 
 
 #: The stretches of the window `worst_stretches` compares, by when their messages fell due.
@@ -368,6 +392,9 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
     lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
                  f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message)")
+    slow, longest = r.get("slow_fsyncs", (0, 0))
+    lines.append(f"  disk: {slow} fsyncs of {SLOW_FSYNC_S * 1000:g} ms or more in the window"
+                 + (f" (the longest logged {longest} ms): deliveries waiting for them waited as long" if slow else ""))
     stalls = r.get("stalls", [])
     lines.append(f"  event loop: {len(stalls)} warnings of a task step over 100 ms"
                  + "".join(f"\n    {line.strip()[-160:]}" for line in stalls[:5]))

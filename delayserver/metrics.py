@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from delayserver.storage.segment import storage_failures
+from delayserver.storage.segment import FSYNC_BUCKETS, FSYNC_TIMES, storage_failures
 
 #: Lateness bounds in seconds: a precise delay server lives in the first few.
 LATENESS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -108,6 +108,20 @@ class BatchHistogram(Collector):
             buckets = [(floatToGoString(bound), n) for bound, n in zip(self.bounds, cumulative)]
             family.add_metric([label_value], buckets + [("+Inf", cumulative[-1])], self._sums[label_value])
         yield family
+
+
+def _fsync_families():
+    """The process's fsync times (storage/segment.py `FSYNC_TIMES`), per log."""
+    counts, sums = FSYNC_TIMES.snapshot()
+    family = HistogramMetricFamily("delayserver_fsync_seconds",
+                                   "How long each fsync of the node's logs, checkpoints and spool took.", labels=["log"])
+    for name, per_bucket in sorted(counts.items()):
+        cumulative = list(itertools.accumulate(per_bucket))
+        family.add_metric([name], [(floatToGoString(bound), n) for bound, n in zip(FSYNC_BUCKETS, cumulative)],
+                          sums[name])
+    yield family
+    yield _gauge("delayserver_fsync_longest_seconds", "The longest fsync since the process started.",
+                 FSYNC_TIMES.longest_s)
 
 
 class NodeMetrics:
@@ -218,6 +232,7 @@ class _NodeCollector(Collector):
                        "CPU time of the event loop's thread in garbage collection since the node started.", watch.gc_seconds)
         yield _gauge("delayserver_gc_longest_pause_seconds", "The longest garbage collection (CPU time) since the node started.",
                      watch.gc_longest_s)
+        yield from _fsync_families()
         yield from self._groups(sender)
         yield from self._replication(s)
         yield from self._transactions(s.replayer.transactions)

@@ -13,7 +13,7 @@ import pytest
 
 from bench.brokers import nats_executable, rabbitmq_installed
 from bench.compare import compare, ratio_table, ratios, table
-from bench.deliver import report, run_deliver, worst_stretches
+from bench.deliver import report, run_deliver, slow_fsyncs_between, worst_stretches
 from bench.workload import Delivered, Workload
 
 pytestmark = [
@@ -36,6 +36,37 @@ def test_deliver_measures_every_message(transport):
     assert r["dispatch"]["early"] == 0
     assert (r["arrival"] is not None) == (transport in ("redis", "nats"))
     assert f"deliver {transport}:" in report(transport, TINY, r)
+    assert "  disk: " in report(transport, TINY, r) and r["slow_fsyncs"][0] >= 0
+
+
+def test_the_slow_fsyncs_a_server_logged_in_the_window_are_counted(tmp_path):
+    import logging
+
+    from delayserver.storage.segment import FsyncTimes
+
+    # The lines as a server writes them: its own formatter, FsyncTimes' own messages.
+    path = tmp_path / "server.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("delayserver.storage")
+    logger.addHandler(handler)
+    try:
+        times = FsyncTimes()
+        start = int(time.time() * 1000) - 1  # (the log's stamps are to the millisecond)
+        times.observe("/d/spool/a.log", 0.120)
+        for _ in range(3):  # within the second: counted in the next line
+            times.observe("/d/spool/a.log", 0.400)
+        times._slow_logged_at -= 2.0
+        times.observe("/d/dispatch_log/1.log", 0.070)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    lines = path.read_text().splitlines()
+    end = int(time.time() * 1000) + 1
+    assert len(lines) == 2 and "(3 more slow fsyncs since the last warning)" in lines[1]
+    assert slow_fsyncs_between(lines, start, end) == (5, 120)  # the longest of those logged
+    assert slow_fsyncs_between(lines, end + 1000, end + 2000) == (0, 0)
+    assert slow_fsyncs_between(["2026-11-28 13:57:44,227 WARNING delayserver.loop: event loop blocked"], 0, 2**62) == (0, 0)
 
 
 def test_the_latest_stretches_of_the_window_are_found_by_their_median():

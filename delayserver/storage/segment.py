@@ -12,6 +12,11 @@ pages, so a later fsync of the same file, through any descriptor, that succeeds 
 Every failed fsync is remembered per file for the life of the process, and every later fsync of
 that file raises FsyncFailed too: nothing written to it since its last good fsync is ever counted
 durable. `fsync_failures()` lists them (the node turns read-only and says why).
+
+Every fsync is timed (`FSYNC_TIMES`, the histogram `delayserver_fsync_seconds{log}`), and one that
+takes `SLOW_FSYNC_S` or more is logged: acknowledgements and deliveries wait for these fsyncs, so a
+stretch of late deliveries with no slow step of the event loop is usually a slow disk, and this
+says so.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import contextlib
 import errno
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -75,6 +82,63 @@ def forget_fsync_failures(under) -> None:
             del failures[key]
 
 
+#: An fsync this slow or slower is logged (at most one line a second; the rest are counted in it).
+SLOW_FSYNC_S = 0.05
+#: The files whose fsyncs are told apart, by the name of their directory in the data directory.
+FSYNC_LOGS = ("message_log", "schedule_log", "dispatch_log", "checkpoint", "spool", "parked")
+#: The histogram's upper bounds, in seconds.
+FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
+
+
+class FsyncTimes:
+    """How long this process's fsyncs took, per log (`FSYNC_LOGS`, else "other"): the counts of a
+    histogram (`counts[log][k]`: those within FSYNC_BUCKETS[k] and over the bound before), their
+    sum and the longest. Worker threads fsync at once: updated under a lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+        self.longest_s = 0.0
+        self._slow_logged_at = None
+        self._slow_unlogged = 0
+
+    @staticmethod
+    def log_of(path) -> str:
+        parts = os.fspath(path).split(os.sep)
+        for name in reversed(parts[-3:]):  # the file's directory, or the directory itself
+            if name in FSYNC_LOGS:
+                return name
+        return "other"
+
+    def observe(self, path, seconds: float) -> None:
+        name = self.log_of(path)
+        k = next(i for i, bound in enumerate(FSYNC_BUCKETS) if seconds <= bound)
+        with self._lock:
+            counts = self.counts.get(name)
+            if counts is None:
+                counts = self.counts[name] = [0] * len(FSYNC_BUCKETS)
+            counts[k] += 1
+            self.sums[name] = self.sums.get(name, 0.0) + seconds
+            self.longest_s = max(self.longest_s, seconds)
+            if seconds < SLOW_FSYNC_S:
+                return
+            now = time.monotonic()
+            if self._slow_logged_at is not None and now - self._slow_logged_at < 1.0:
+                self._slow_unlogged += 1
+                return
+            more, self._slow_logged_at, self._slow_unlogged = self._slow_unlogged, now, 0
+        log.warning("slow fsync: %s took %.0f ms (acknowledgements and deliveries waiting for it waited as "
+                    "long)%s", path, seconds * 1000, f" ({more} more slow fsyncs since the last warning)" if more else "")
+
+    def snapshot(self) -> tuple[dict[str, list[int]], dict[str, float]]:
+        with self._lock:
+            return {name: list(c) for name, c in self.counts.items()}, dict(self.sums)
+
+
+FSYNC_TIMES = FsyncTimes()
+
+
 def _fsync(fd: int, path, op: str, site: str | None = None) -> None:
     key = _fsync_key(path)
     earlier = _failed_fsyncs.get(key)
@@ -83,7 +147,9 @@ def _fsync(fd: int, path, op: str, site: str | None = None) -> None:
                           "its last good fsync counts as durable")
     try:
         failpoints.io(op, path, site)
+        began = time.perf_counter()
         os.fsync(fd)
+        FSYNC_TIMES.observe(path, time.perf_counter() - began)
     except OSError as e:
         _failed_fsyncs[key] = str(e)
         log.critical("%s: fsync failed (%s): what was written to it since its last good fsync is never counted "

@@ -67,6 +67,13 @@ async def test_a_scrape_parses_and_its_figures_match_the_node(tmp_path, nursery)
     assert value(families, "delayserver_event_loop_longest_step_seconds") == node.loop_watch.longest_s
     assert value(families, "delayserver_gc_pause_seconds", "_total") == node.loop_watch.gc_seconds
     assert node.loop_watch.on_gc in __import__("gc").callbacks  # the serving node times collections
+    # Every fsync timed, per log (the process's: other tests' nodes may have added to them).
+    assert families["delayserver_fsync_seconds"].type == "histogram"
+    for log in ("message_log", "dispatch_log", "spool"):
+        count = value(families, "delayserver_fsync_seconds", "_count", log=log)
+        assert count >= 1 and value(families, "delayserver_fsync_seconds", "_bucket", log=log, le="+Inf") == count
+        assert value(families, "delayserver_fsync_seconds", "_sum", log=log) > 0
+    assert value(families, "delayserver_fsync_longest_seconds") > 0
 
     # The metrics port serves the same registry, open as before.
     async with httpx.AsyncClient() as client:

@@ -196,3 +196,34 @@ def test_failed_fsync_raises_fsync_failed(segment_path, monkeypatch):
         seg.sync()
     monkeypatch.undo()
     seg.close()
+
+
+def test_each_fsync_is_timed_per_log_and_a_slow_one_is_logged_once_a_second(tmp_path, caplog, monkeypatch):
+    from delayserver.storage import segment
+    from delayserver.storage.segment import FSYNC_BUCKETS, FsyncTimes, fsync_path
+
+    times = FsyncTimes()
+    assert [times.log_of(p) for p in ("/d/message_log/0.log", "/d/spool/a.b.log", "/d/schedule_log",
+                                      "/d/checkpoint/replay.json", "/elsewhere/x")] == [
+        "message_log", "spool", "schedule_log", "checkpoint", "other"]
+    with caplog.at_level("WARNING", logger="delayserver.storage"):
+        times.observe("/d/spool/a.log", 0.0004)
+        times.observe("/d/spool/a.log", 0.003)
+        times.observe("/d/spool/a.log", 0.2)  # slow: logged
+        times.observe("/d/message_log/0.log", 0.3)  # slow within the second: counted in the next line
+        times.observe("/d/message_log/0.log", 9.0)
+    counts, sums = times.snapshot()
+    assert counts["spool"][0] == 1 and counts["spool"][FSYNC_BUCKETS.index(0.005)] == 1
+    assert counts["spool"][FSYNC_BUCKETS.index(0.25)] == 1 and counts["message_log"][-1] == 1
+    assert sum(counts["spool"]) == 3 and abs(sums["spool"] - 0.2034) < 1e-9 and times.longest_s == 9.0
+    slow = [r.getMessage() for r in caplog.records if "slow fsync" in r.getMessage()]
+    assert slow == ["slow fsync: /d/spool/a.log took 200 ms (acknowledgements and deliveries waiting for it "
+                    "waited as long)"]
+
+    # The real fsyncs of the storage layer go through it.
+    monkeypatch.setattr(segment, "FSYNC_TIMES", times)
+    (tmp_path / "dispatch_log").mkdir()
+    path = tmp_path / "dispatch_log" / "1.log"
+    path.write_bytes(b"x")
+    fsync_path(path)
+    assert sum(times.snapshot()[0]["dispatch_log"]) == 1
