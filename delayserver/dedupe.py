@@ -417,7 +417,7 @@ class DedupeTable:
         try:
             os.ftruncate(fd, valid_bytes)
             data = head + struct.pack(">I", crc) + body
-            write_paced(fd, (data,), valid_bytes)  # (a chunk of a busy minute is tens of MB)
+            write_paced(fd, (data,), valid_bytes)  # (a busy minute's chunk can be tens of MB)
             os.fsync(fd)
         finally:
             os.close(fd)
