@@ -63,7 +63,7 @@ import trio
 import xxhash
 
 from delayserver.storage.record import MESSAGE_HEAD, RecordType, decode_headers, iter_checked_records
-from delayserver.storage.writeback import write_paced
+from delayserver.storage.writeback import write_file_paced, write_paced
 
 try:  # the compiled bookkeeping (delayserver/native/dedupe.pyx), when the install built it
     from delayserver.native.dedupe import remember_many as _native_remember_many
@@ -390,15 +390,10 @@ class DedupeTable:
         count, parts, crc = _columns(slices)
         file_id = int.from_bytes(os.urandom(8), "big")
         tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            # Paced (storage/writeback.py): the fsync below does not flush tens of MB at once, in
-            # front of the spool's and dispatch_log's fsyncs.
-            head = _HEAD.pack(_MAGIC, offset, count, crc, file_id)
-            write_paced(fd, itertools.chain((head,), itertools.chain.from_iterable(parts)))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        # Paced (storage/writeback.py): its fsync does not flush tens of MB at once, in front of
+        # the spool's and dispatch_log's fsyncs.
+        head = _HEAD.pack(_MAGIC, offset, count, crc, file_id)
+        write_file_paced(tmp, itertools.chain((head,), itertools.chain.from_iterable(parts)))
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         return file_id

@@ -102,24 +102,26 @@ class BatchHistogram(Collector):
         self._sums[label_value] = self._sums.get(label_value, 0.0) + sum(values)
 
     def collect(self):
-        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
-        for label_value, counts in self._counts.items():
-            cumulative = list(itertools.accumulate(counts))
-            buckets = [(floatToGoString(bound), n) for bound, n in zip(self.bounds, cumulative)]
-            family.add_metric([label_value], buckets + [("+Inf", cumulative[-1])], self._sums[label_value])
-        yield family
+        yield histogram_family(self.name, self.documentation, self.label, self.bounds, self._counts, self._sums)
+
+
+def histogram_family(name: str, documentation: str, label: str, bounds: tuple[float, ...],
+                     counts: dict[str, list[int]], sums: dict[str, float]) -> HistogramMetricFamily:
+    """A histogram family of one label from per-label counts laid out as `_tally` counts them
+    (per bound, then over the last) and their sums."""
+    family = HistogramMetricFamily(name, documentation, labels=[label])
+    for label_value, per_bound in counts.items():
+        cumulative = list(itertools.accumulate(per_bound))
+        buckets = [(floatToGoString(bound), n) for bound, n in zip(bounds, cumulative)]
+        family.add_metric([label_value], buckets + [("+Inf", cumulative[-1])], sums[label_value])
+    return family
 
 
 def _fsync_families():
     """The process's fsync times (storage/segment.py `FSYNC_TIMES`), per log."""
     counts, sums = FSYNC_TIMES.snapshot()
-    family = HistogramMetricFamily("delayserver_fsync_seconds",
-                                   "How long each fsync of the node's logs, checkpoints and spool took.", labels=["log"])
-    for name, per_bucket in sorted(counts.items()):
-        cumulative = list(itertools.accumulate(per_bucket))
-        family.add_metric([name], [(floatToGoString(bound), n) for bound, n in zip(FSYNC_BUCKETS, cumulative)],
-                          sums[name])
-    yield family
+    yield histogram_family("delayserver_fsync_seconds", "How long each fsync of the node's logs, checkpoints and spool took.",
+                           "log", FSYNC_BUCKETS, counts, sums)
     yield _gauge("delayserver_fsync_longest_seconds", "The longest fsync since the process started.",
                  FSYNC_TIMES.longest_s)
 

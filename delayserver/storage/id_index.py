@@ -57,7 +57,7 @@ from delayserver.storage.record import (
     RecordType, dispatch_schedule_offset, iter_checked_records, iter_records, record_size,
 )
 from delayserver.storage.errors import CorruptSegment
-from delayserver.storage.writeback import write_paced
+from delayserver.storage.writeback import write_file_paced
 
 try:  # the compiled key making (delayserver/native/records.pyx), when the install built it
     from delayserver.native.records import id_keys as _native_id_keys
@@ -115,14 +115,9 @@ def _write_saved(path: Path, runs, covered: int, head: int, saved_id: int | None
     keys = _merge(runs)[0] if runs else _EMPTY
     body = keys.astype(">u8").tobytes()
     tmp = path.with_suffix(".idx.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_paced(fd, (_SAVED_HEAD.pack(_SAVED_MAGIC_2, covered, len(keys), crc32c(body), head),
-                         _SAVED_ID.pack(int.from_bytes(os.urandom(8), "big") if saved_id is None else saved_id),
-                         body))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file_paced(tmp, (_SAVED_HEAD.pack(_SAVED_MAGIC_2, covered, len(keys), crc32c(body), head),
+                           _SAVED_ID.pack(int.from_bytes(os.urandom(8), "big") if saved_id is None else saved_id),
+                           body))
     os.replace(tmp, path)
     # Its chunks name the old file's id: left behind by a crash here, they are never read.
     path.with_suffix(".idj").unlink(missing_ok=True)
@@ -135,12 +130,7 @@ def _append_chunk(path: Path, added, saved_id: int, start: int, covered: int) ->
     keys = np.sort(np.frombuffer(added, dtype=np.uint64)) if len(added) else _EMPTY
     body = keys.astype(">u8").tobytes()
     fields = _CHUNK.pack(_CHUNK_MAGIC, saved_id, start, covered, len(keys), 0)[:-4]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        write_paced(fd, (fields + struct.pack(">I", crc32c(body, crc32c(fields))), body), os.fstat(fd).st_size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file_paced(path, (fields + struct.pack(">I", crc32c(body, crc32c(fields))), body), append=True)
     return len(keys)
 
 

@@ -20,6 +20,7 @@ says so.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import logging
@@ -86,14 +87,15 @@ def forget_fsync_failures(under) -> None:
 SLOW_FSYNC_S = 0.05
 #: The files whose fsyncs are told apart, by the name of their directory in the data directory.
 FSYNC_LOGS = ("message_log", "schedule_log", "dispatch_log", "checkpoint", "spool", "parked")
-#: The histogram's upper bounds, in seconds.
-FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
+#: The histogram's upper bounds, in seconds (then one count over the last, as metrics.py's histograms).
+FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class FsyncTimes:
-    """How long this process's fsyncs took, per log (`FSYNC_LOGS`, else "other"): the counts of a
-    histogram (`counts[log][k]`: those within FSYNC_BUCKETS[k] and over the bound before), their
-    sum and the longest. Worker threads fsync at once: updated under a lock."""
+    """How long this process's fsyncs took, per log (`FSYNC_LOGS`, else "other"): per log, the
+    counts per bound of FSYNC_BUCKETS and over the last (the layout of metrics.py's histograms,
+    which exports them) and their sum; and the longest. Worker threads fsync at once: updated
+    under a lock."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -106,18 +108,18 @@ class FsyncTimes:
     @staticmethod
     def log_of(path) -> str:
         parts = os.fspath(path).split(os.sep)
-        for name in reversed(parts[-3:]):  # the file's directory, or the directory itself
+        for name in reversed(parts[-2:]):  # the directory itself, or the file's
             if name in FSYNC_LOGS:
                 return name
         return "other"
 
     def observe(self, path, seconds: float) -> None:
         name = self.log_of(path)
-        k = next(i for i, bound in enumerate(FSYNC_BUCKETS) if seconds <= bound)
+        k = bisect.bisect_left(FSYNC_BUCKETS, seconds)
         with self._lock:
             counts = self.counts.get(name)
             if counts is None:
-                counts = self.counts[name] = [0] * len(FSYNC_BUCKETS)
+                counts = self.counts[name] = [0] * (len(FSYNC_BUCKETS) + 1)
             counts[k] += 1
             self.sums[name] = self.sums.get(name, 0.0) + seconds
             self.longest_s = max(self.longest_s, seconds)

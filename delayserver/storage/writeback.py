@@ -101,3 +101,16 @@ def write_paced(fd: int, parts: Iterable, at: int = 0, step: int = WRITEBACK_STE
             pace.written(pos)
     pace.written(pos, last=True)
     return pos
+
+
+def write_file_paced(path, parts: Iterable, *, append: bool = False) -> int:
+    """`write_paced` of `parts` into the file at `path` (made anew, or after its end with
+    `append`), then fsync; returns the file's size. Raises OSError."""
+    flags = os.O_WRONLY | os.O_CREAT | (0 if append else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    try:
+        end = write_paced(fd, parts, os.fstat(fd).st_size if append else 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return end
