@@ -6,7 +6,8 @@ messages falling due at a steady rate.
 `--seconds`, default 10; spool only unless --transports says otherwise) and prints, per transport,
 the highest rate that was sustained with lateness P99 <= 10 ms and none early, and the server's
 CPU per delivered message at each rate (user plus system time of the server process, from the
-window's start to the last delivery). `--repeat N` runs each rate N times, in rounds over the
+window's start to the last delivery; the report gives the event loop's thread's part apart, the
+thread all of the node's Python runs on). `--repeat N` runs each rate N times, in rounds over the
 rates, and prints each rate's median and range; a rate counts as sustained only when every run of
 it met the target (near a core's worth of work, one run's P99 says little).
 
@@ -63,7 +64,7 @@ import attrs
 
 from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures,
-    memory_note, mib, now_ms, pids_of, py_spy, run_child, spread,
+    memory_note, mib, now_ms, pids_of, py_spy, run_child, spread, thread_cpu_seconds,
 )
 from bench.workload import SUBJECT, Delivered, Workload, read_stream
 from delayserver.metrics import percentile
@@ -295,6 +296,7 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
             new = broker[1]() if broker is not None else _spool_reader(tmp / "data")
             time.sleep(max(0, t0 - now_ms()) / 1000)
             cpu_at_t0 = cpu_seconds(server.process)
+            loop_at_t0 = thread_cpu_seconds(server.process.pid, server.process.pid)
             spy = py_spy(server.process.pid, w.window_ms / 1000, profile) if profile else None
             delivered = _wait_delivered(new, load["acked"], until)
             if spy is not None:
@@ -303,11 +305,12 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
                 raise RuntimeError(f"the server exited ({server.process.returncode}); its log:\n"
                                    + server.log_path.read_text()[-5000:])
             cpu = cpu_seconds(server.process) - cpu_at_t0
+            loop_cpu = thread_cpu_seconds(server.process.pid, server.process.pid) - loop_at_t0
             server_log = server.log_path.read_text(errors="replace").splitlines()
             stalls = [line for line in server_log if "event loop blocked" in line]
             slow_fsyncs = slow_fsyncs_between(server_log, t0, until)
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
-                "cpu_seconds": cpu, "stalls": stalls, "slow_fsyncs": slow_fsyncs,
+                "cpu_seconds": cpu, "loop_cpu_seconds": loop_cpu, "stalls": stalls, "slow_fsyncs": slow_fsyncs,
                 "window_after_start_ms": t0 - started}
 
 
@@ -391,7 +394,10 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
     if r["arrival"] is not None:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
     lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
-                 f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message)")
+                 f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message"
+                 + ("" if "loop_cpu_seconds" not in r else
+                    f", {r['loop_cpu_seconds'] / max(1, r['delivered']) * 1e6:.1f} us of it on the event loop's thread")
+                 + ")")
     slow, longest = r.get("slow_fsyncs", (0, 0))
     lines.append(f"  disk: {slow} fsyncs of {SLOW_FSYNC_S * 1000:g} ms or more in the window"
                  + (f" (the longest logged {longest} ms): deliveries waiting for them waited as long" if slow else ""))

@@ -37,6 +37,9 @@ def test_deliver_measures_every_message(transport):
     assert (r["arrival"] is not None) == (transport in ("redis", "nats"))
     assert f"deliver {transport}:" in report(transport, TINY, r)
     assert "  disk: " in report(transport, TINY, r) and r["slow_fsyncs"][0] >= 0
+    # The event loop's thread is a part of the process's CPU, and it did the delivering.
+    assert 0 < r["loop_cpu_seconds"] <= r["cpu_seconds"] + 0.02
+    assert "us of it on the event loop's thread" in report(transport, TINY, r)
 
 
 def test_the_slow_fsyncs_a_server_logged_in_the_window_are_counted(tmp_path):
