@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 import random
 import sys
 from collections.abc import Mapping
 from unittest import mock
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -766,6 +768,72 @@ def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():
         with pytest.raises(ValueError, match="ref must be"):
             fn(w, list(items), WHEEL_START)
     assert wheel_state(wheels[0]) == wheel_state(wheels[1]) and len(wheels[0]) == 1
+
+
+# --- due messages taken and sent -----------------------------------------------------------------
+
+DUE_FIELDS = ("ref", "bucket", "schedule_offset", "message", "generation", "attempt", "tried", "group", "suspect",
+              "message_log_offset")
+
+
+def due_fields(d) -> tuple:
+    return tuple(getattr(d, name) for name in DUE_FIELDS)
+
+
+def test_the_compiled_due_is_the_reference_s_fields_defaults_and_identity():
+    from delayserver.wheel import due_queue
+
+    assert due_queue.Due is native_wheel.Due and due_queue._native_dues_of is native_wheel.dues_of
+    assert tuple(f.name for f in attrs.fields(due_queue.DueReference)) == DUE_FIELDS
+    m = r.Message("id-1", "orders", b"body", 1_000, {"k": "v"}, 900, 7, 0)
+    for args, kw in (((1, 2, 3, m), {}), ((1, 2, 3, None, 4), dict(attempt=2, tried=("a",), suspect=True)),
+                     ((5, 6, 7, m), dict(message_log_offset=8, group="g"))):
+        native, reference = native_wheel.Due(*args, **kw), due_queue.DueReference(*args, **kw)
+        assert due_fields(native) == due_fields(reference)
+        assert repr(native) == repr(reference).replace("DueReference(", "Due(", 1)
+        assert native != native_wheel.Due(*args, **kw) and native == native  # identity, as eq=False
+    d = native_wheel.Due(1, 2, 3, m)
+    d.attempt, d.group, d.message = 3, "g", None  # the sender sets them as it goes
+    assert (d.attempt, d.group, d.message) == (3, "g", None)
+    with pytest.raises(AttributeError):
+        d.other = 1  # slotted, as the reference
+    assert weakref.ref(d)() is d
+    with pytest.raises(TypeError):
+        native_wheel.Due(1, 2, 3)
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 2**40), st.integers(0, 2**40), st.integers(-1, 2**40))),
+                max_size=40), st.integers(0, 5))
+def test_dues_are_made_from_reads_as_the_reference_makes_them(reads, generation):
+    from delayserver.wheel import due_queue
+
+    m = r.Message("id", "s", b"", 1, {}, 1, 1, 0)
+    reads = [None if x is None else (x[0], x[1], x[2], m) for x in reads]
+    refs = list(range(100, 100 + len(reads)))
+    made = native_wheel.dues_of(refs, reads, generation)
+    expected = [due_queue.DueReference(ref, read[0], read[1], read[3], generation, message_log_offset=read[2])
+                for ref, read in zip(refs, reads) if read is not None]
+    assert all(type(d) is native_wheel.Due for d in made)
+    assert [due_fields(d) for d in made] == [due_fields(d) for d in expected]
+    with pytest.raises(ValueError):
+        native_wheel.dues_of(refs + [1], reads, generation)
+
+
+def test_outbound_messages_are_made_as_the_sender_s_reference_makes_them():
+    messages = [r.Message(f"id-{k}", f"s{k % 3}", bytes([k]) * k, 1_000 + k, {"h": str(k)} if k % 2 else {}, 900, k, 0)
+                for k in range(20)]
+    batch = [native_wheel.Due(k, 1, k * 10, m, attempt=1 + k % 4) for k, m in enumerate(messages)]
+    made = native_wheel.outbound_of(batch, 5_000, OutboundMessage, r.Message)
+    expected = [OutboundMessage(m.message_id, m.subject, m.body, m.headers, m.schedule_time, 5_000, d.attempt)
+                for d, m in zip(batch, messages)]
+    assert made == expected and all(type(o) is OutboundMessage for o in made)
+    assert made[3].headers is messages[3].headers and made[3].body is messages[3].body
+    # What it leaves to the caller: a due of another class, a message of another shape, other types.
+    assert native_wheel.outbound_of(batch + [object()], 1, OutboundMessage, r.Message) is None
+    assert native_wheel.outbound_of([native_wheel.Due(1, 1, 1, None)], 1, OutboundMessage, r.Message) is None
+    assert native_wheel.outbound_of(batch, 1, tuple, r.Message) is None
+    assert native_wheel.outbound_of(batch, 1, OutboundMessage, OutboundMessage) is None
+    assert native_wheel.outbound_of([], 1, OutboundMessage, r.Message) == []
 
 
 # --- reading due messages ------------------------------------------------------------------------

@@ -3,7 +3,13 @@
 delayserver/wheel/timingwheel.py is the reference this must equal: tests/test_native.py holds the
 two wheels to the same slots, heap and order of firing)."""
 from cpython cimport array
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_SET_ITEM
 from libc.string cimport memmove
+
+cdef extern from "Python.h":
+    PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
 
 cdef long long MAX_REF = 0x7FFFFFFFFFFFFFFF
 
@@ -65,3 +71,106 @@ def add_many(wheel, list items, long long now):
     finally:
         wheel._len += added
     return refused
+
+
+cdef object _ONE = 1
+cdef tuple _NONE_TRIED = ()
+
+
+cdef class Due:
+    """`due_queue.Due` (its reference, an attrs class, is what this must equal: the same fields,
+    defaults and identity, tests/test_native.py), made in C: one is made per due message taken,
+    and the attrs class's Python-level `__init__` cost 0.3 us of each (`dues_of` makes them)."""
+
+    cdef public object ref, bucket, schedule_offset, message, generation, attempt, tried, group, suspect
+    cdef public object message_log_offset
+    cdef object __weakref__
+
+    def __init__(self, ref, bucket, schedule_offset, message, generation=0, attempt=1, tried=(), group=None,
+                 suspect=False, message_log_offset=-1):
+        self.ref = ref
+        self.bucket = bucket
+        self.schedule_offset = schedule_offset
+        self.message = message
+        self.generation = generation
+        self.attempt = attempt
+        self.tried = tried
+        self.group = group
+        self.suspect = suspect
+        self.message_log_offset = message_log_offset
+
+    def __repr__(self):
+        return (f"Due(ref={self.ref!r}, bucket={self.bucket!r}, schedule_offset={self.schedule_offset!r}, "
+                f"message={self.message!r}, generation={self.generation!r}, attempt={self.attempt!r}, "
+                f"tried={self.tried!r}, group={self.group!r}, suspect={self.suspect!r}, "
+                f"message_log_offset={self.message_log_offset!r})")
+
+
+def dues_of(list refs, list reads, object generation):
+    """`DueQueue.take`'s dues: per ref whose read (bucket, offset, message_log offset, message) is
+    not None, in order, ``Due(ref, bucket, offset, message, generation, message_log_offset=...)``."""
+    cdef Py_ssize_t k, n = len(refs)
+    cdef list out = []
+    cdef Due d
+    cdef object read
+    if len(reads) != n:
+        raise ValueError("a read per ref")
+    for k in range(n):
+        read = reads[k]
+        if read is None:
+            continue
+        d = Due.__new__(Due)
+        d.ref = refs[k]
+        d.bucket = read[0]
+        d.schedule_offset = read[1]
+        d.message = read[3]
+        d.generation = generation
+        d.attempt = _ONE
+        d.tried = _NONE_TRIED
+        d.group = None
+        d.suspect = False
+        d.message_log_offset = read[2]
+        out.append(d)
+    return out
+
+
+def outbound_of(list batch, object now, object outbound_type, object message_type):
+    """`Sender._send`'s messages of `batch` (Dues holding their message): per due, in order,
+    ``outbound_type(message_id, subject, body, headers, schedule_time, now, attempt)``, each made
+    as its named tuple's own `__new__` makes it, from the message's fields by position where it is
+    a `message_type` (storage.record.Message). None when one is not a compiled Due, or the types
+    are not the named tuples of 7 fields and at least 5 this expects (the caller makes them)."""
+    cdef list out = []
+    cdef object item, m, t
+    cdef Due d
+    cdef PyObject *o
+    if (not isinstance(outbound_type, type) or (<type>outbound_type).__base__ is not tuple
+            or len(outbound_type._fields) != 7 or (<type>message_type).__base__ is not tuple
+            or tuple(message_type._fields[:5]) != ("message_id", "subject", "body", "schedule_time", "headers")):
+        return None
+    for item in batch:
+        if type(item) is not Due:
+            return None
+        d = <Due>item
+        m = d.message
+        if type(m) is not message_type:
+            return None
+        o = PyType_GenericAlloc(<PyTypeObject *>outbound_type, 7)
+        if o == NULL:
+            raise MemoryError()
+        t = <object>o
+        Py_DECREF(t)  # (the cast took a reference of its own: `t` owns the new tuple's one)
+        _set(o, 0, <object>PyTuple_GET_ITEM(m, 0))
+        _set(o, 1, <object>PyTuple_GET_ITEM(m, 1))
+        _set(o, 2, <object>PyTuple_GET_ITEM(m, 2))
+        _set(o, 3, <object>PyTuple_GET_ITEM(m, 4))
+        _set(o, 4, <object>PyTuple_GET_ITEM(m, 3))
+        _set(o, 5, now)
+        _set(o, 6, d.attempt)
+        out.append(t)
+    return out
+
+
+cdef inline void _set(PyObject *t, Py_ssize_t i, object value):
+    Py_INCREF(value)
+    PyTuple_SET_ITEM(<object>t, i, value)

@@ -49,10 +49,15 @@ from delayserver.sender.groups import (
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
-from delayserver.storage.record import encode_dispatch_records
+from delayserver.storage.record import Message, encode_dispatch_records
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
+
+try:
+    from delayserver.native.wheel import outbound_of as _native_outbound_of
+except ImportError:  # not built: the list comprehension of `_send`
+    _native_outbound_of = None
 
 log = logging.getLogger("delayserver.sender")
 
@@ -439,11 +444,13 @@ class Sender:
             return
         now = self.clock.now_ms()  # wall clock: the dispatch time the message carries
         # As OutboundMessage(...) makes each, without the named tuple's Python-level constructor.
-        new, cls = tuple.__new__, OutboundMessage
-        out = [
-            new(cls, ((m := d.message).message_id, m.subject, m.body, m.headers, m.schedule_time, now, d.attempt))
-            for d in batch
-        ]
+        out = None if _native_outbound_of is None else _native_outbound_of(batch, now, OutboundMessage, Message)
+        if out is None:  # (not built, or a due of another shape: tests' own)
+            new, cls = tuple.__new__, OutboundMessage
+            out = [
+                new(cls, ((m := d.message).message_id, m.subject, m.body, m.headers, m.schedule_time, now, d.attempt))
+                for d in batch
+            ]
         group_fine = group.breaker.state == CLOSED and group.breaker.failures == 0
         try:
             results = await group.transport.send_batch(out)

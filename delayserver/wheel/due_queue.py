@@ -29,9 +29,13 @@ from delayserver.wakeup import Wakeup
 log = logging.getLogger("delayserver.wheel")
 
 @attrs.define(eq=False)
-class Due:
+class DueReference:
     """One due message the sender holds; `message` is None while it waits in a backlog (it is read
-    again from schedule_log when it leaves it, so that a long backlog costs no message bodies)."""
+    again from schedule_log when it leaves it, so that a long backlog costs no message bodies).
+
+    `Due` is the compiled class of the same fields, defaults and identity (delayserver/native/
+    wheel.pyx) where the install built it, made in C per message taken (`dues_of`); this one
+    otherwise, and the reference the compiled one must equal."""
 
     ref: int
     bucket: int
@@ -44,6 +48,11 @@ class Due:
     suspect: bool = False  # in a batch that failed whole: one more whole failure splits it
     message_log_offset: int = -1  # where its record was replayed from (its dispatch record names it)
 
+
+try:
+    from delayserver.native.wheel import Due, dues_of as _native_dues_of
+except ImportError:  # not built: the reference
+    Due, _native_dues_of = DueReference, None
 
 _REF = operator.attrgetter("ref")
 _GENERATION = operator.attrgetter("generation")
@@ -98,6 +107,8 @@ class DueQueue:
         cancels = ticks.cancels
         if ticks.moving or (cancels and any(read[0] in cancels for read in reads if read is not None)):
             reads = self._screen(refs, reads)
+        if _native_dues_of is not None:
+            return _native_dues_of(refs, reads, generation)
         return [Due(ref, read[0], read[1], read[3], generation, message_log_offset=read[2])
                 for ref, read in zip(refs, reads) if read is not None]
 
