@@ -909,7 +909,7 @@ def test_due_messages_are_read_as_the_reference_reads_them(tmp_path_factory, seg
     path.write_bytes(body)
     fd = os.open(path, os.O_RDONLY)
     try:
-        got = native_records.read_scheduled(fd, len(body), offsets, guess, 7, r.Message, r.decode_headers)
+        got = native_records.read_scheduled(fd, len(body), offsets, guess, 7, r.Message)
     finally:
         os.close(fd)
     assert got is not None, "the kernel left the whole read to the reference (no RWF_NOWAIT here?)"
@@ -935,7 +935,7 @@ def test_due_messages_the_kernel_reads_are_all_the_good_ones():
     with tempfile.NamedTemporaryFile() as f:
         f.write(body)
         f.flush()
-        got = native_records.read_scheduled(f.fileno(), len(body), offsets, 4096, 3, r.Message, r.decode_headers)
+        got = native_records.read_scheduled(f.fileno(), len(body), offsets, 4096, 3, r.Message)
     assert [(b, o, mlo, m.message_id, len(m.body), m.headers) for b, o, mlo, m in got] == [
         (3, o, starts.index(o), f"m-{starts.index(o)}", starts.index(o) * 300,
          {"k": str(starts.index(o))} if starts.index(o) % 2 else {}) for o in offsets]
@@ -1001,11 +1001,9 @@ def test_due_messages_read_ahead_are_decoded_as_the_file_is_read(tmp_path_factor
                 ahead[k] = raw[:-1]
             else:
                 ahead[k] = bytearray(raw)
-        from_file = native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, r.decode_headers)
-        with_ahead = native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, r.decode_headers,
-                                                   ahead)
-        from_memory = native_records.read_scheduled(empty, len(body), offsets, 4096, 7, r.Message,
-                                                    r.decode_headers, ahead)
+        from_file = native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message)
+        with_ahead = native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, ahead)
+        from_memory = native_records.read_scheduled(empty, len(body), offsets, 4096, 7, r.Message, ahead)
     finally:
         os.close(fd)
         os.close(empty)
@@ -1015,8 +1013,8 @@ def test_due_messages_read_ahead_are_decoded_as_the_file_is_read(tmp_path_factor
              and from_file[k] not in (None, False)]
     for k in sound:  # decoded from memory: the other descriptor has nothing to read
         assert from_memory[k] == from_file[k], offsets[k]
-    assert len(native_records.read_scheduled(empty, 0, [], 4096, 7, r.Message, r.decode_headers, [])) == 0
-    assert native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message, r.decode_headers,
+    assert len(native_records.read_scheduled(empty, 0, [], 4096, 7, r.Message, [])) == 0
+    assert native_records.read_scheduled(fd, len(body), offsets, 4096, 7, r.Message,
                                          ahead + [None]) is None  # not one per offset: left to the reference
 
 

@@ -394,8 +394,32 @@ cdef int read_nowait(int fd, uint8_t *into, int64_t start, int64_t end) noexcept
     return READ_WHOLE if n == end - start else READ_NOT_CACHED
 
 
+cdef object headers_of(const uint8_t *p, Py_ssize_t end):
+    """`record.decode_headers` of the headers block at `p` (`end` bytes): the dict, or None where the
+    reference raises (a block that does not add up to its length, text that is not UTF-8)."""
+    cdef Py_ssize_t pos = 0, key_at, value_len_at, value_at
+    cdef dict headers = {}
+    while pos < end:
+        key_at = pos + 2
+        if key_at > end:
+            return None
+        value_len_at = key_at + (p[pos] << 8 | p[pos + 1])
+        value_at = value_len_at + 2
+        if value_at > end:
+            return None
+        pos = value_at + (p[value_len_at] << 8 | p[value_len_at + 1])
+        if pos > end:
+            return None
+        try:
+            headers[PyUnicode_DecodeUTF8(<const char *>(p + key_at), value_len_at - key_at, NULL)] = \
+                PyUnicode_DecodeUTF8(<const char *>(p + value_at), pos - value_at, NULL)
+        except UnicodeDecodeError:
+            return None
+    return headers
+
+
 cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,
-                        object message_type, object decode_headers):
+                        object message_type):
     """`_message_of(bucket, offset, record)` of the whole record at `p` (`length` bytes, header
     included), or False for what the kernel leaves to the reference: a type other than SCHEDULED,
     a crc that does not match, fields that do not add up, text that is not UTF-8."""
@@ -429,16 +453,18 @@ cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, obje
     try:
         mid = PyUnicode_DecodeUTF8(<const char *>id_at, idlen, NULL)
         subject = PyUnicode_DecodeUTF8(<const char *>(id_at + idlen), slen, NULL)
-        headers = decode_headers(PyBytes_FromStringAndSize(<const char *>(id_at + idlen + slen), hlen)) if hlen else {}
-    except Exception:
+    except UnicodeDecodeError:
         return False  # the reference raises what it raises
+    headers = headers_of(id_at + idlen + slen, hlen)
+    if headers is None:
+        return False
     body = PyBytes_FromStringAndSize(<const char *>(id_at + idlen + slen + hlen), blen)
     fields = (mid, subject, body, sched, headers, store, seq, flags)
     return (bucket, offset, mlo, tuple.__new__(message_type, fields))
 
 
 def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object bucket, object message_type,
-                   object decode_headers, list ahead=None):
+                   list ahead=None):
     """The due messages at `offsets` of one schedule_log segment (`fd`, `size` bytes long), read
     from the page cache only: per offset what `TickManager.read_messages(..., cached_only=True)`
     answers for it, (bucket, offset, message_log offset, Message) or None (not all in the page
@@ -485,7 +511,7 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
                 held = ahead[k]
                 if type(held) is bytes:
                     got_ahead = due_message(<const uint8_t *>PyBytes_AS_STRING(held), PyBytes_GET_SIZE(held), seed,
-                                            bucket, item, message_type, decode_headers)
+                                            bucket, item, message_type)
                     if got_ahead is not False:
                         out[k] = got_ahead
                         continue
@@ -520,8 +546,7 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
                     if at + HEADER_SIZE <= run_end - first:
                         rsize = HEADER_SIZE + <int64_t>be32(buf + at + 4)
                         if at + rsize <= run_end - first:
-                            out[wanted[k].index] = due_message(buf + at, rsize, seed, bucket, item, message_type,
-                                                               decode_headers)
+                            out[wanted[k].index] = due_message(buf + at, rsize, seed, bucket, item, message_type)
                             continue
                 # On its own, as `_record_at`: a first read, then the whole record if bigger. The
                 # first read is not all of `guess` (most records are far smaller: a page copied
@@ -555,12 +580,11 @@ def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object 
                         if got == READ_ERROR:
                             return None
                         if got == READ_WHOLE:
-                            out[wanted[k].index] = due_message(rec, rsize, seed, bucket, item, message_type,
-                                                               decode_headers)
+                            out[wanted[k].index] = due_message(rec, rsize, seed, bucket, item, message_type)
                     finally:
                         free(rec)
                     continue
-                out[wanted[k].index] = due_message(rec, rsize, seed, bucket, item, message_type, decode_headers)
+                out[wanted[k].index] = due_message(rec, rsize, seed, bucket, item, message_type)
             i = j
         return out
     finally:

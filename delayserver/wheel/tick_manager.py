@@ -52,7 +52,7 @@ import numpy as np
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import (
     HEADER_SIZE, T_SCHEDULED, T_SCHEDULED_CANCEL, RecordError, cancel_key, record_size, scheduled_time,
-    Message, decode_headers, decode_scheduled, iter_records, parse_record,
+    Message, decode_scheduled, iter_records, parse_record,
 )
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
@@ -566,7 +566,7 @@ class TickManager:
         target = schedule_log.cached_reader(bucket) if cached_only and _native_read_scheduled is not None else None
         if target is not None:
             fd, size = target
-            got = _native_read_scheduled(fd, size, offsets, READ_GUESS_BYTES, bucket, Message, decode_headers, ahead)
+            got = _native_read_scheduled(fd, size, offsets, READ_GUESS_BYTES, bucket, Message, ahead)
         if got is None:
             got = [False] * len(offsets) if ahead is None else [
                 False if data is None else _message_in(bucket, offset, data) for offset, data in zip(offsets, ahead)]
