@@ -1,5 +1,5 @@
 """`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]
-[--rate R[,R...] [--seconds S] [--repeat N]] [--in-order] [--profile FILE]`: end-to-end delivery of
+[--rate R[,R...] [--seconds S] [--repeat N]] [--in-order] [--headers] [--profile FILE]`: end-to-end delivery of
 messages falling due at a steady rate.
 
 `--rate` runs the workload at each given rate (messages falling due per second, over a window of
@@ -20,7 +20,8 @@ generator process sends the workload (see `workload.py`: by default 100,000 mess
 uniformly over 10 s, that is 10,000 msg/s falling due) and every send is acknowledged before the
 first message falls due, so the figures are delivery alone. The messages arrive in random order
 of their delivery times; with `--in-order`, in the order they fall due, as with one fixed delay
-(order timeouts), where a tick's due records lie side by side in schedule_log. Once the window has passed and
+(order timeouts), where a tick's due records lie side by side in schedule_log. With `--headers`
+each message carries a header (a trace id, as tracing libraries add one); by default none. Once the window has passed and
 everything has arrived, the benchmark reads what was delivered (the spool files, or XRANGE over
 the stream) and prints:
 
@@ -66,7 +67,7 @@ from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures,
     memory_note, mib, now_ms, pids_of, py_spy, run_child, spread, thread_cpu_seconds,
 )
-from bench.workload import SUBJECT, Delivered, Workload, read_stream
+from bench.workload import SUBJECT, Delivered, Workload, headers_as_sent, read_stream
 from delayserver.metrics import percentile
 from delayserver.sender.spool import iter_spool
 from delayserver.storage.segment import SLOW_FSYNC_S
@@ -95,7 +96,7 @@ def _spool_reader(data_dir: Path):
     def more() -> list[Delivered]:
         nonlocal cursor_offset
         cursor = iter_spool(data_dir, SUBJECT, cursor_offset)
-        out = [Delivered(m.message_id, m.schedule_time, t) for _, t, _, m in cursor]
+        out = [Delivered(m.message_id, m.schedule_time, t, None, tuple(sorted(m.headers.items()))) for _, t, _, m in cursor]
         cursor_offset = cursor.next_offset
         return out
 
@@ -310,6 +311,9 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
             stalls = [line for line in server_log if "event loop blocked" in line]
             slow_fsyncs = slow_fsyncs_between(server_log, t0, until)
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
+                # (the readers of RabbitMQ and NATS do not read the headers back)
+                "headers_as_sent": ((headers_as_sent(delivered), len(delivered))
+                                    if w.headers and transport in ("spool", "redis") else None),
                 "cpu_seconds": cpu, "loop_cpu_seconds": loop_cpu, "stalls": stalls, "slow_fsyncs": slow_fsyncs,
                 "window_after_start_ms": t0 - started}
 
@@ -391,6 +395,9 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
         + "; ".join(f"{x['at_ms'] / 1000:.1f} s in, P50 {x['p50']} ms, max {x['max']} ms"
                     for x in r["worst_stretches"]),
     ]
+    if r.get("headers_as_sent") is not None:
+        carried, deliveries = r["headers_as_sent"]
+        lines.append(f"  headers: {carried:,} of the {deliveries:,} deliveries carried the header sent")
     if r["arrival"] is not None:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
     lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
@@ -429,8 +436,8 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
 RATE_TARGET_P99_MS = 10
 
 
-def rate_workload(rate: int, seconds: float, in_order: bool = False) -> Workload:
-    return Workload(n=int(rate * seconds), window_ms=int(seconds * 1000), in_order=in_order)
+def rate_workload(rate: int, seconds: float, in_order: bool = False, headers: bool = False) -> Workload:
+    return Workload(n=int(rate * seconds), window_ms=int(seconds * 1000), in_order=in_order, headers=headers)
 
 
 def meets_rate_target(r: dict) -> bool:
@@ -441,7 +448,7 @@ def meets_rate_target(r: dict) -> bool:
 
 
 def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order: bool = False,
-               profile: str = "", repeat: int = 1) -> None:
+               profile: str = "", repeat: int = 1, headers: bool = False) -> None:
     """`repeat` runs per (transport, rate), in rounds over the rates; then, per transport, each
     rate's P99 and CPU per delivered message over its runs, and the highest rate that met the
     target in every run."""
@@ -451,7 +458,7 @@ def rate_sweep(rates: list[int], seconds: float, transports: list[str], in_order
         runs: dict[int, list[tuple[bool, int, float]]] = {rate: [] for rate in rates}
         for round_ in range(repeat):
             for rate in rates:
-                w = rate_workload(rate, seconds, in_order)
+                w = rate_workload(rate, seconds, in_order, headers)
                 suffix = f".{transport}.{rate}" + (f".{round_ + 1}" if repeat > 1 else "")
                 r = run_deliver(transport, w, profile=profile and f"{profile}{suffix}")
                 print(report(transport, w, r), flush=True)
@@ -504,18 +511,20 @@ def main(argv: list[str]) -> None:
                              "(default 1)")
     parser.add_argument("--in-order", action="store_true",
                         help="messages sent in the order they fall due (as with one fixed delay), not in random order")
+    parser.add_argument("--headers", action="store_true",
+                        help="each message with a header (a trace id), as tracing adds one")
     parser.add_argument("--profile", default="", metavar="FILE",
                         help="sample the server with py-spy over the window; collapsed stacks to FILE (with "
                              "--rate: FILE.<transport>.<rate>, one per run, .<run> added with --repeat)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat takes a whole number of at least 1")
-    w = attrs.evolve(QUICK if args.quick else FULL, in_order=args.in_order)
+    w = attrs.evolve(QUICK if args.quick else FULL, in_order=args.in_order, headers=args.headers)
     print(f"deliver benchmark on {environment_note()}; flush=sync; {memory_note()}", flush=True)
     if args.rate:
         transports = args.transports.split(",") if args.transports != ",".join(TRANSPORTS) else ["spool"]
         return rate_sweep([int(r) for r in args.rate.split(",")], args.seconds, transports, args.in_order,
-                          args.profile, args.repeat)
+                          args.profile, args.repeat, args.headers)
     if args.bucket_load:
         print(report("spool", w, run_deliver("spool", w, args.bucket_load, args.profile), args.bucket_load), flush=True)
         return

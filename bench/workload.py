@@ -39,6 +39,8 @@ class Workload:
     #: Delivery times rising with the id, so that messages arrive in the order they fall due (as
     #: with one fixed delay: order timeouts); by default they arrive in random order.
     in_order: bool = False
+    #: Each message carries a header, a trace id as tracing libraries add one (`--headers`).
+    headers: bool = False
 
     @property
     def due_per_s(self) -> float:
@@ -60,7 +62,8 @@ class Workload:
     def describe(self) -> str:
         return (f"{self.n:,} messages of {self.body_bytes} B due uniformly over {self.window_ms / 1000:g} s "
                 f"({self.due_per_s:,.0f} msg/s falling due), sent beforehand by {self.producers} producers "
-                f"in batches of {self.batch}" + (", in the order they fall due" if self.in_order else ""))
+                f"in batches of {self.batch}" + (", in the order they fall due" if self.in_order else "")
+                + (f", each with a header ({TRACE_HEADER}: 32 hex digits)" if self.headers else ""))
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
@@ -68,6 +71,15 @@ class Workload:
     @classmethod
     def from_json(cls, text: str) -> "Workload":
         return cls(**json.loads(text))
+
+
+#: The header of `Workload.headers`: the message's trace id.
+TRACE_HEADER = "trace-id"
+
+
+def message_headers(i: int) -> dict[str, str]:
+    """The headers message i carries with `Workload.headers`."""
+    return {TRACE_HEADER: f"{i * 2654435761 % 2**128:032x}"}
 
 
 def message_id(i: int) -> str:
@@ -102,7 +114,8 @@ async def _send_ours(address: str, w: Workload, times: list[int], unacked: list[
     async def producer(batches: list[list[int]]) -> None:
         async with AsyncProducer(address, timeout=60) as prod:
             for batch in batches:
-                msgs = [Message(SUBJECT, body, deliver_at=times[i], message_id=message_id(i)) for i in batch]
+                msgs = [Message(SUBJECT, body, deliver_at=times[i], message_id=message_id(i),
+                                headers=message_headers(i) if w.headers else {}) for i in batch]
                 results = await prod.send_many(msgs, batch=len(msgs))
                 unacked.extend(i for i, r in zip(batch, results) if isinstance(r, Exception))
 
@@ -181,11 +194,19 @@ class Delivered:
     schedule_time: int
     dispatch_time: int
     arrival_time: int | None = None
+    headers: tuple = ()  # its headers' items, sorted
 
 
 def _from_entry(entry_id: bytes, fields: dict) -> Delivered:
+    headers = tuple(sorted((k[2:].decode(), v.decode()) for k, v in fields.items() if k.startswith(b"h:")))
     return Delivered(fields[b"id"].decode(), int(fields[b"schedule_time"]), int(fields[b"dispatch_time"]),
-                     int(entry_id.split(b"-", 1)[0]))
+                     int(entry_id.split(b"-", 1)[0]), headers)
+
+
+def headers_as_sent(delivered: list["Delivered"]) -> int:
+    """How many of `delivered` carry the headers `message_headers` gave them (`Workload.headers`)."""
+    return sum(d.headers == tuple(sorted(message_headers(int(d.message_id.rsplit("-", 1)[1])).items()))
+               for d in delivered)
 
 
 def read_stream(client: redis.Redis, stream: str, after: bytes = b"0-0", count: int = 10_000) -> tuple[list[Delivered], bytes]:

@@ -42,6 +42,24 @@ def test_deliver_measures_every_message(transport):
     assert "us of it on the event loop's thread" in report(transport, TINY, r)
 
 
+@pytest.mark.parametrize("transport", ["spool", "redis"])
+def test_deliver_with_headers_checks_each_message_carried_its_header(transport):
+    w = attrs.evolve(TINY, headers=True)
+    r = run_deliver(transport, w)
+    assert (r["delivered"], r["missing"]) == (300, 0)
+    assert r["headers_as_sent"] == (300, 300)
+    assert "headers: 300 of the 300 deliveries carried the header sent" in report(transport, w, r)
+    assert run_deliver(transport, TINY)["headers_as_sent"] is None
+
+
+def test_headers_as_sent_counts_only_the_headers_each_message_was_given():
+    from bench.workload import headers_as_sent, message_headers
+
+    good = Delivered("bench-00000007", 1, 1, None, tuple(message_headers(7).items()))
+    assert headers_as_sent([good, attrs.evolve(good, headers=()),
+                            attrs.evolve(good, headers=tuple(message_headers(8).items()))]) == 1
+
+
 def test_the_slow_fsyncs_a_server_logged_in_the_window_are_counted(tmp_path):
     import logging
 

@@ -39,6 +39,7 @@ cdef enum:
     DELIVERED_HEAD_SIZE = 12  # record.DELIVERED_HEAD: dispatch time i64, attempt u32
     DISPATCH_HEAD_SIZE = 17   # record.DISPATCH_HEAD: schedule offset u64, dispatch time i64, group length u8
     MAX_PAYLOAD_BYTES = 64 << 20  # record.MAX_PAYLOAD_BYTES
+    MAX_HEADERS_BYTES = 32 << 10  # message.MAX_HEADERS_BYTES
 
 # Record types, as record.RecordType numbers them (the tests compare FORMAT with it).
 cdef enum:
@@ -68,7 +69,7 @@ FORMAT = dict(HEADER_SIZE=HEADER_SIZE, OFFSET_SIZE=OFFSET_SIZE, MESSAGE_HEAD_SIZ
               TXN_PARK=T_TXN_PARK, SCHEDULE=T_SCHEDULE, DISPATCH=T_DISPATCH, DELIVERED=T_DELIVERED,
               SCHEDULED_HEAD_SIZE=SCHEDULED_HEAD_SIZE, DELIVERED_HEAD_SIZE=DELIVERED_HEAD_SIZE,
               DISPATCH_HEAD_SIZE=DISPATCH_HEAD_SIZE, MAX_PAYLOAD_BYTES=MAX_PAYLOAD_BYTES,
-              SHARED_READ_BYTES=SHARED_READ_BYTES)
+              SHARED_READ_BYTES=SHARED_READ_BYTES, MAX_HEADERS_BYTES=MAX_HEADERS_BYTES)
 
 
 cdef inline uint32_t type_seed(uint8_t rtype) noexcept:
@@ -726,13 +727,56 @@ cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object o, Py_ssize_t *size) except NULL
 
 
+cdef Py_ssize_t headers_size(dict headers):
+    """The size of `record.encode_headers(headers)`, or -1 for headers it refuses or that this
+    leaves to it: a key or value not of type str (a subclass too), an empty key, text that cannot
+    be UTF-8 (a lone surrogate), or a block over MAX_HEADERS_BYTES."""
+    cdef Py_ssize_t total = 0, klen, vlen
+    cdef object key, value
+    for key, value in headers.items():
+        if type(key) is not str or type(value) is not str:
+            return -1
+        try:
+            PyUnicode_AsUTF8AndSize(key, &klen)
+            PyUnicode_AsUTF8AndSize(value, &vlen)
+        except UnicodeEncodeError:
+            return -1
+        if klen == 0:
+            return -1
+        total += 4 + klen + vlen
+        if total > MAX_HEADERS_BYTES:
+            return -1
+    return total
+
+
+cdef void put_headers(dict headers, uint8_t *q):
+    """Write `record.encode_headers(headers)` at `q` (headers that `headers_size` measured: the
+    UTF-8 of each str is cached in it by then)."""
+    cdef Py_ssize_t klen, vlen
+    cdef const char *k
+    cdef const char *v
+    cdef object key, value
+    for key, value in headers.items():
+        k = PyUnicode_AsUTF8AndSize(key, &klen)
+        v = PyUnicode_AsUTF8AndSize(value, &vlen)
+        q[0] = <uint8_t>(klen >> 8)
+        q[1] = <uint8_t>klen
+        memcpy(q + 2, k, klen)
+        q += 2 + klen
+        q[0] = <uint8_t>(vlen >> 8)
+        q[1] = <uint8_t>vlen
+        memcpy(q + 2, v, vlen)
+        q += 2 + vlen
+
+
 def delivered_records(list messages, dict checked_subjects, int64_t min_time, int64_t max_time,
                       Py_ssize_t max_id_bytes):
     """Per OutboundMessage of `messages`, its DELIVERED record as the spool's `_encode` writes it,
-    or None for one it leaves to `_encode` (headers, an id not ASCII, a subject not checked yet,
-    anything out of range or of another type: `_encode` accepts or refuses it itself)."""
+    or None for one it leaves to `_encode` (an id not ASCII, a subject not checked yet, headers
+    other than a dict of non-empty str keys and str values within MAX_HEADERS_BYTES, anything out
+    of range or of another type: `_encode` accepts or refuses it itself)."""
     cdef list out = [None] * len(messages)
-    cdef Py_ssize_t k, idlen, slen, blen, plen
+    cdef Py_ssize_t k, idlen, slen, blen, plen, hlen
     cdef const char *mid
     cdef object m, mid_o, subject, raw_subject, body, headers, sched_o, when_o, attempt_o
     cdef uint8_t *q
@@ -754,7 +798,10 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
         raw_subject = checked_subjects.get(subject) if type(subject) is str else None
         if type(raw_subject) is not bytes:
             continue
-        if type(body) is not bytes or type(headers) is not dict or headers:
+        if type(body) is not bytes or type(headers) is not dict:
+            continue
+        hlen = headers_size(<dict>headers) if headers else 0
+        if hlen < 0:
             continue
         if type(sched_o) is not int or type(when_o) is not int or type(attempt_o) is not int:
             continue
@@ -766,7 +813,7 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
             continue
         slen = len(<bytes>raw_subject)
         blen = len(<bytes>body)
-        plen = DELIVERED_HEAD_SIZE + MESSAGE_HEAD_SIZE + idlen + slen + blen
+        plen = DELIVERED_HEAD_SIZE + MESSAGE_HEAD_SIZE + idlen + slen + hlen + blen
         if blen > MAX_PAYLOAD_BYTES or plen > MAX_PAYLOAD_BYTES:
             continue
         mid = PyUnicode_AsUTF8AndSize(mid_o, NULL)
@@ -783,12 +830,14 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
         q[25] = 0
         q[26] = <uint8_t>idlen
         q[27] = <uint8_t>slen
-        put32(q + 28, 0)             # headers
+        put32(q + 28, <uint32_t>hlen)
         put32(q + 32, <uint32_t>blen)
         q += MESSAGE_HEAD_SIZE
         memcpy(q, mid, idlen)
         memcpy(q + idlen, <const char *><bytes>raw_subject, slen)
-        memcpy(q + idlen + slen, <const char *><bytes>body, blen)
+        if hlen:
+            put_headers(<dict>headers, q + idlen + slen)
+        memcpy(q + idlen + slen + hlen, <const char *><bytes>body, blen)
         put_header(p, T_DELIVERED, seed, p + HEADER_SIZE, <uint32_t>plen)
         out[k] = rec
     return out
