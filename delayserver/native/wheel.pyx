@@ -78,9 +78,10 @@ cdef tuple _NONE_TRIED = ()
 
 
 cdef class Due:
-    """`due_queue.Due` (its reference, an attrs class, is what this must equal: the same fields,
-    defaults and identity, tests/test_native.py), made in C: one is made per due message taken,
-    and the attrs class's Python-level `__init__` cost 0.3 us of each (`dues_of` makes them)."""
+    """One due message the sender holds (`due_queue.Due` where this is built): the attrs class
+    `due_queue.DueReference` is what this must equal (the same fields, defaults and identity,
+    tests/test_native.py), made in C: one is made per due message taken, and the attrs class's
+    Python-level `__init__` cost 0.3 us of each (`dues_of` makes them)."""
 
     cdef public object ref, bucket, schedule_offset, message, generation, attempt, tried, group, suspect
     cdef public object message_log_offset
@@ -153,7 +154,7 @@ def outbound_of(list batch, object now, object outbound_type, object message_typ
             return None
         d = <Due>item
         m = d.message
-        if type(m) is not message_type:
+        if type(m) is not message_type or len(<tuple>m) < 5:
             return None
         o = PyType_GenericAlloc(<PyTypeObject *>outbound_type, 7)
         if o == NULL:
