@@ -1019,6 +1019,43 @@ def test_due_messages_read_ahead_are_decoded_as_the_file_is_read(tmp_path_factor
                                          ahead + [None]) is None  # not one per offset: left to the reference
 
 
+# --- the read-ahead's keeping and taking --------------------------------------------------------
+
+ahead_steps = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 2), st.dictionaries(st.integers(0, 30), st.binary(min_size=1, max_size=9),
+                                                                 max_size=8), st.booleans()),
+    st.tuples(st.just("take"), st.integers(0, 2), st.lists(st.integers(0, 30), max_size=8), st.booleans()),
+    st.tuples(st.just("truncated"), st.integers(0, 2), st.none(), st.booleans()),
+), max_size=30)
+
+
+def read_ahead_state(ra) -> tuple:
+    return ({b: list(held.items()) for b, held in ra.records.items()}, ra.held_bytes, ra.hits, ra.epoch)
+
+
+@SETTINGS
+@given(ahead_steps, st.integers(0, 60))
+def test_the_read_ahead_keeps_and_hands_out_as_the_reference(steps, max_bytes):
+    assert read_ahead._native_take is native_records.ahead_take and read_ahead._native_put is native_records.ahead_put
+    native, reference = read_ahead.ReadAhead(max_bytes), read_ahead.ReadAhead(max_bytes)
+    for op, bucket, arg, stale in steps:
+        if op == "put":
+            mine = native.put(bucket, dict(arg), native.epoch - stale)
+            with mock.patch.object(read_ahead, "_native_put", None):
+                theirs = reference.put(bucket, dict(arg), reference.epoch - stale)
+        elif op == "take":
+            mine = native.take(bucket, list(arg))
+            with mock.patch.object(read_ahead, "_native_take", None):
+                theirs = reference.take(bucket, list(arg))
+        else:
+            mine = theirs = None
+            native.truncated(bucket, 0)
+            reference.truncated(bucket, 0)
+        assert mine == theirs
+        assert read_ahead_state(native) == read_ahead_state(reference)
+        assert native.held_bytes == sum(len(x) for held in native.records.values() for x in held.values())
+
+
 # --- the spool's DELIVERED records -----------------------------------------------------------------
 
 outbound = st.builds(

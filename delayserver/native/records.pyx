@@ -632,6 +632,39 @@ cdef Py_ssize_t run_end(const Ahead *want, Py_ssize_t i, Py_ssize_t n, int64_t f
     return j
 
 
+def ahead_take(dict held, list offsets):
+    """`ReadAhead._take_py` on one bucket's `held` records: per offset the bytes held for it (taken
+    out) or None, with how many were found and their bytes, ``(got, found, freed)``."""
+    cdef Py_ssize_t k, n = len(offsets), found = 0, freed = 0
+    cdef list got = [None] * n
+    cdef object data
+    for k in range(n):
+        data = held.pop(offsets[k], None)
+        if data is not None:
+            got[k] = data
+            found += 1
+            freed += len(data)
+    return got, found, freed
+
+
+def ahead_put(dict held, dict records, Py_ssize_t room):
+    """`ReadAhead._put_py`'s keeping of `records` in one bucket's `held`: each offset not held yet,
+    in order, while their bytes fit in `room` (the first that does not fit ends it); returns
+    ``(kept, their bytes)``."""
+    cdef Py_ssize_t kept = 0, added = 0, size
+    cdef object offset, data
+    for offset, data in records.items():
+        if offset in held:
+            continue
+        size = len(data)
+        if added + size > room:
+            break
+        held[offset] = data
+        added += size
+        kept += 1
+    return kept, added
+
+
 def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record):
     """{offset: the bytes of the record there} for the offsets of `offsets` (one schedule_log
     segment: `fd`, `size` bytes) that hold one: header included, as the file holds them (not

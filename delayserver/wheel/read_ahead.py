@@ -29,9 +29,11 @@ import os
 from delayserver.storage.record import HEADER, HEADER_SIZE
 
 try:
+    from delayserver.native.records import ahead_put as _native_put
+    from delayserver.native.records import ahead_take as _native_take
     from delayserver.native.records import read_ahead as _native_read_ahead
-except ImportError:  # not built: the reference below
-    _native_read_ahead = None
+except ImportError:  # not built: the references below
+    _native_read_ahead = _native_take = _native_put = None
 
 #: The most the records read ahead may hold at once (bytes of records; `read_ahead_bytes`).
 MAX_BYTES = 64 << 20
@@ -75,6 +77,14 @@ def read_records(fd: int, size: int, offsets: list[int], first_read: int = FIRST
     return _read_ahead_py(fd, size, offsets, first_read, max_record)
 
 
+def _take_py(held: dict[int, bytes], offsets: list[int]) -> tuple[list, int, int]:
+    """The reference of `records.ahead_take`: per offset the bytes `held` has for it (taken out) or
+    None, how many were found, and their bytes."""
+    got = list(map(held.pop, offsets, itertools.repeat(None, len(offsets))))
+    found = len(got) - got.count(None)
+    return got, found, sum(map(len, filter(None, got))) if found else 0
+
+
 class ReadAhead:
     """Records read ahead, per bucket and offset (a `BucketLog` listener of schedule_log)."""
 
@@ -93,12 +103,27 @@ class ReadAhead:
 
     def put(self, bucket: int, records: dict[int, bytes], epoch: int) -> int:
         """Keep what a worker read ({offset: bytes}, taken over) if nothing changed since it began
-        (`epoch`), within the budget; returns how many records were kept."""
+        (`epoch`), within the budget; returns how many records were kept: those not held already
+        (each is asked for once, mostly), the first ones while they fit. The compiled kernel
+        (`records.ahead_put`) where it is built, `_put_py` otherwise."""
         if epoch != self.epoch or not records:
             return 0
+        if _native_put is None:
+            return self._put_py(bucket, records)
+        held = self.records.get(bucket)
+        if held is None:
+            held = self.records[bucket] = {}
+        kept, added = _native_put(held, records, self.max_bytes - self.held_bytes)
+        if not held:
+            del self.records[bucket]
+        self.held_bytes += added
+        return kept
+
+    def _put_py(self, bucket: int, records: dict[int, bytes]) -> int:
+        """`put`'s keeping, in Python: the compiled kernel's reference."""
         held = self.records.get(bucket)
         if held is not None:
-            for offset in held.keys() & records.keys():  # held already (each is asked for once, mostly)
+            for offset in held.keys() & records.keys():  # held already
                 del records[offset]
         added = sum(map(len, records.values()))
         if self.held_bytes + added > self.max_bytes:  # the first ones, while they fit
@@ -119,14 +144,13 @@ class ReadAhead:
         return len(records)
 
     def take(self, bucket: int, offsets: list[int]) -> list | None:
-        """Per offset, the bytes held for it (taken out), or None; None when the bucket has none."""
+        """Per offset, the bytes held for it (taken out), or None; None when the bucket has none.
+        The compiled kernel (`records.ahead_take`) where it is built, `_take_py` otherwise."""
         held = self.records.get(bucket)
         if held is None:
             return None
-        got = list(map(held.pop, offsets, itertools.repeat(None, len(offsets))))
-        found = len(got) - got.count(None)
+        got, found, freed = (_native_take if _native_take is not None else _take_py)(held, offsets)
         if found:
-            freed = sum(map(len, filter(None, got)))
             self.hits += found
             self.held_bytes -= freed
             if not held:
