@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import itertools
 import time
 
@@ -28,6 +29,12 @@ from delayserver.storage.segment import FSYNC_BUCKETS, FSYNC_TIMES, storage_fail
 
 #: Lateness bounds in seconds: a precise delay server lives in the first few.
 LATENESS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: The same bounds in milliseconds, the unit lateness is measured in: a whole number of ms falls
+#: at the bound it would in seconds (ms / 1000 <= bound exactly when ms <= bound * 1000).
+LATENESS_BOUNDS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000)
+_LATENESS_SLOT = functools.partial(bisect.bisect_left, LATENESS_BOUNDS_MS)
+#: The slot of each whole number of ms from 0 up to a second, looked up rather than bisected.
+_LATENESS_SLOT_OF_MS = [_LATENESS_SLOT(ms) for ms in range(1001)]
 ACK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BREAKER_STATES = ("closed", "half-open", "open")
 
@@ -45,6 +52,14 @@ def _tally(counts: list[int], bounds: tuple[float, ...], values) -> None:
     them all), as a Prometheus histogram's `le` buckets do."""
     for value in values:
         counts[bisect.bisect_left(bounds, value)] += 1
+
+
+def lateness_slots(lateness_ms) -> collections.Counter:
+    """How many of `lateness_ms` fall at each slot of LATENESS_BUCKETS (the last: over them all),
+    as `_tally` counts them in seconds."""
+    if lateness_ms and 0 <= min(lateness_ms) and max(lateness_ms) < len(_LATENESS_SLOT_OF_MS):  # the usual batch
+        return collections.Counter(map(_LATENESS_SLOT_OF_MS.__getitem__, lateness_ms))
+    return collections.Counter(map(_LATENESS_SLOT, lateness_ms))
 
 
 class RecentHistogram:
@@ -71,6 +86,12 @@ class RecentHistogram:
 
     def observe_many(self, values) -> None:
         _tally(self._current(), self.bounds, values)
+
+    def add_counts(self, slots: collections.Counter) -> None:
+        """Add counts already tallied per slot of `bounds` (`lateness_slots`)."""
+        counts = self._current()
+        for slot, n in slots.items():
+            counts[slot] += n
 
     def counts(self, within_s: int | None = None) -> list[int]:
         """Per bound (the last one: over the highest bound), over the last `within_s` seconds."""
@@ -100,6 +121,16 @@ class BatchHistogram(Collector):
             counts = self._counts[label_value] = [0] * (len(self.bounds) + 1)
         _tally(counts, self.bounds, values)
         self._sums[label_value] = self._sums.get(label_value, 0.0) + sum(values)
+
+    def add_counts(self, label_value: str, slots: collections.Counter, total: float) -> None:
+        """`observe_many` of values already tallied per slot of `bounds` (`lateness_slots`), whose
+        sum is `total`."""
+        counts = self._counts.get(label_value)
+        if counts is None:
+            counts = self._counts[label_value] = [0] * (len(self.bounds) + 1)
+        for slot, n in slots.items():
+            counts[slot] += n
+        self._sums[label_value] = self._sums.get(label_value, 0.0) + total
 
     def collect(self):
         yield histogram_family(self.name, self.documentation, self.label, self.bounds, self._counts, self._sums)
@@ -143,10 +174,11 @@ class NodeMetrics:
         self.recent_lateness = RecentHistogram(LATENESS_BUCKETS)
 
     def delivered(self, group: str, lateness_ms: list[int]) -> None:
-        """The sender's hook: these messages were acknowledged by `group`."""
-        seconds = [ms / 1000 for ms in lateness_ms]
-        self.lateness.observe_many(group, seconds)
-        self.recent_lateness.observe_many(seconds)
+        """The sender's hook: these messages were acknowledged by `group`. Their lateness is
+        tallied once, in C-level passes, for both histograms."""
+        slots = lateness_slots(lateness_ms)
+        self.lateness.add_counts(group, slots, sum(lateness_ms) / 1000)
+        self.recent_lateness.add_counts(slots)
 
     def acknowledged(self, api: str, seconds: float) -> None:
         """The message operations' hook: a send request through `api` was answered."""

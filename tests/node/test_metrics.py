@@ -1,6 +1,8 @@
 """Metrics: a scrape of a running node parsed with prometheus-client's own parser."""
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import pytest
 import trio
@@ -143,6 +145,7 @@ def test_the_lateness_histogram_observed_in_batches_scrapes_as_prometheus_client
     is what prometheus-client's Histogram shows for the same values, bound for bound, per group,
     values on a bound included."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.utils import floatToGoString
 
     from delayserver.metrics import LATENESS_BUCKETS, NodeMetrics
 
@@ -169,3 +172,25 @@ def test_the_lateness_histogram_observed_in_batches_scrapes_as_prometheus_client
         # The sums add a batch at a time, in another order: equal but for float rounding.
         assert got == (pytest.approx(expected) if name.endswith("_sum") else expected)
     assert ours.recent_lateness.counts()[0] == 4  # 0 and 1 ms, in the whole batch and its first three
+    # The recent histogram counts as the exported one does (both from one tally of each batch).
+    recent = ours.recent_lateness.counts()
+    exported = {s[1]: s[2] for s in mine if s[0].endswith("_bucket")}
+    per_bound = [exported[(("broker_group", "redis"), ("le", b))] + exported[(("broker_group", "spool"), ("le", b))]
+                 for b in [floatToGoString(x) for x in LATENESS_BUCKETS] + ["+Inf"]]
+    assert list(itertools.accumulate(recent)) == per_bound
+
+
+def test_lateness_is_tallied_in_milliseconds_at_the_bounds_it_has_in_seconds():
+    from delayserver.metrics import LATENESS_BOUNDS_MS, LATENESS_BUCKETS, _tally, lateness_slots
+
+    assert [b / 1000 for b in LATENESS_BOUNDS_MS] == list(LATENESS_BUCKETS)
+    values = list(range(-3, 1003)) + [2499, 2500, 2501, 59_999, 60_000, 60_001, 10**9]
+    expected = [0] * (len(LATENESS_BUCKETS) + 1)
+    _tally(expected, LATENESS_BUCKETS, [ms / 1000 for ms in values])
+    slots = lateness_slots(values)
+    assert [slots.get(i, 0) for i in range(len(expected))] == expected
+    for batch in (list(range(0, 1001)), [0, 1, 2, 3, 1000], [1001], [-1, 5], []):  # within the table, or not
+        expected = [0] * (len(LATENESS_BUCKETS) + 1)
+        _tally(expected, LATENESS_BUCKETS, [ms / 1000 for ms in batch])
+        slots = lateness_slots(batch)
+        assert [slots.get(i, 0) for i in range(len(expected))] == expected, batch
