@@ -1,6 +1,6 @@
 """`ops/bench deliver [--quick] [--transports spool,redis,rabbitmq,nats] [--bridge] [--bucket-load N]
-[--rate R[,R...] [--seconds S] [--repeat N]] [--in-order] [--headers] [--profile FILE]`: end-to-end delivery of
-messages falling due at a steady rate.
+[--rate R[,R...] [--seconds S] [--repeat N]] [--in-order] [--headers] [--profile FILE]`: end-to-end
+delivery of messages falling due at a steady rate.
 
 `--rate` runs the workload at each given rate (messages falling due per second, over a window of
 `--seconds`, default 10; spool only unless --transports says otherwise) and prints, per transport,
@@ -21,9 +21,9 @@ uniformly over 10 s, that is 10,000 msg/s falling due) and every send is acknowl
 first message falls due, so the figures are delivery alone. The messages arrive in random order
 of their delivery times; with `--in-order`, in the order they fall due, as with one fixed delay
 (order timeouts), where a tick's due records lie side by side in schedule_log. With `--headers`
-each message carries a header (a trace id, as tracing libraries add one); by default none. Once the window has passed and
-everything has arrived, the benchmark reads what was delivered (the spool files, or XRANGE over
-the stream) and prints:
+each message carries a header (a trace id, as tracing libraries add one); by default none. Once
+the window has passed and everything has arrived, the benchmark reads what was delivered (the
+spool files, or XRANGE over the stream) and prints:
 
 - delivered/s: messages over the time from the window's start to the last dispatch, and the
   slowest whole second of the window (delivered in it, against what fell due in it): sustained
@@ -96,7 +96,8 @@ def _spool_reader(data_dir: Path):
     def more() -> list[Delivered]:
         nonlocal cursor_offset
         cursor = iter_spool(data_dir, SUBJECT, cursor_offset)
-        out = [Delivered(m.message_id, m.schedule_time, t, None, tuple(sorted(m.headers.items()))) for _, t, _, m in cursor]
+        out = [Delivered(m.message_id, m.schedule_time, t, None, tuple(sorted(m.headers.items())))
+               for _, t, _, m in cursor]
         cursor_offset = cursor.next_offset
         return out
 

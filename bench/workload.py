@@ -25,6 +25,8 @@ import time
 import attrs
 import redis
 
+from delayserver.sender.redis_streams import HEADER_PREFIX  # how the Redis transport writes a header
+
 SUBJECT = "bench.delay"
 
 
@@ -198,7 +200,8 @@ class Delivered:
 
 
 def _from_entry(entry_id: bytes, fields: dict) -> Delivered:
-    headers = tuple(sorted((k[2:].decode(), v.decode()) for k, v in fields.items() if k.startswith(b"h:")))
+    prefix = HEADER_PREFIX.encode()
+    headers = tuple(sorted((k[len(prefix):].decode(), v.decode()) for k, v in fields.items() if k.startswith(prefix)))
     return Delivered(fields[b"id"].decode(), int(fields[b"schedule_time"]), int(fields[b"dispatch_time"]),
                      int(entry_id.split(b"-", 1)[0]), headers)
 
