@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 import os
-import weakref
 import random
 import sys
+import weakref
 from collections.abc import Mapping
 from unittest import mock
 
