@@ -713,6 +713,41 @@ def test_the_receivers_pass_is_the_reference(items, as_batch, refused, with_tabl
     assert receiver_module._native_admit is native_receive.admit
 
 
+@SETTINGS
+@given(st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), min_size=1, max_size=6, unique=True),
+       st.data())
+def test_a_stored_requests_bookkeeping_is_the_reference(ids, data):
+    """The four passes over a stored request's accepted messages: committing marked and unmarked
+    (a key another request holds now is left to it), the dedupe entries and the results."""
+    n = len(ids)
+    keys = list(ids)
+    picked = data.draw(st.lists(st.sampled_from(range(n)), unique=True, max_size=n))
+    accepted = [(i, NOW + 10 * i + data.draw(st.integers(0, 5))) for i in picked]
+    mine, other = object(), object()
+    taken_over = data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2))
+
+    def run(mark, unmark, entries, stored):
+        committing = {"z": (other, NOW)}
+        mark(committing, keys, accepted, mine)
+        marked = dict(committing)
+        for k in taken_over:  # another request of the same id took its key over meanwhile
+            if k in committing:
+                committing[k] = (other, NOW + 1)
+        unmark(committing, keys, accepted, mine)
+        results = [None] * n
+        stored(results, accepted, [(k, "s") for k in ids], p.SendResult, ResultCode.OK, "stored")
+        return marked, committing, entries(keys, accepted), results
+
+    expected = run(receiver_module._mark_committing, receiver_module._unmark_committing,
+                   receiver_module._accepted_entries, receiver_module._stored_results)
+    got = run(native_receive.mark_committing, native_receive.unmark_committing,
+              native_receive.accepted_entries, native_receive.stored_results)
+    assert got == expected
+    assert [type(x) for x in got[3]] == [type(x) for x in expected[3]]
+    assert receiver_module.stored_results is native_receive.stored_results
+    assert receiver_module.unmark_committing is native_receive.unmark_committing
+
+
 # --- the timing wheel's adds in bulk ------------------------------------------------------------
 
 

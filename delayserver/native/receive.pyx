@@ -7,6 +7,7 @@ front of a copy of its span of the request, into one new bytearray. Everything e
 a duplicate, a message whose fields need `encode_message_fields`'s checks) is answered as the
 reference answers it, through the same Python objects (`context`).
 """
+cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -104,3 +105,49 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
         if table is not None:
             in_batch[key] = i
     return results, accepted, payloads, keys, twins, waits
+
+
+# --- a stored request's bookkeeping: `Receiver.send`'s passes over its accepted messages ----------
+# (`receiver._mark_committing` and the three after it are the references, tests/test_native.py;
+# indexed as Python indexes, checked: the indexes are admit's, but a wrong one must not crash)
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+def mark_committing(dict committing, list keys, list accepted, object pending):
+    """``committing[keys[i]] = (pending, when)`` of each ``(i, when)`` of `accepted`."""
+    cdef tuple entry
+    for entry in accepted:
+        committing[keys[<Py_ssize_t>entry[0]]] = (pending, entry[1])
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+def unmark_committing(dict committing, list keys, list accepted, object pending):
+    """Takes the key of each of `accepted` out of `committing` where `pending` still holds it."""
+    cdef tuple entry
+    cdef object key, held
+    for entry in accepted:
+        key = keys[<Py_ssize_t>entry[0]]
+        held = committing.get(key)
+        if held is not None and held[0] is pending:
+            del committing[key]
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+def accepted_entries(list keys, list accepted):
+    """``[(keys[i], when) for i, when in accepted]``: what the dedupe table remembers of them."""
+    cdef tuple entry
+    return [(keys[<Py_ssize_t>entry[0]], entry[1]) for entry in accepted]
+
+
+@cython.boundscheck(True)
+@cython.wraparound(True)
+def stored_results(list results, list accepted, list rows, object result_type, object code, object text):
+    """``results[i] = result_type(code, text, when, rows[i][0])`` of each ``(i, when)`` of
+    `accepted`, made as the named tuple's own constructor makes it."""
+    cdef tuple entry
+    cdef Py_ssize_t i
+    for entry in accepted:
+        i = entry[0]
+        results[i] = tuple.__new__(result_type, (code, text, entry[1], rows[i][0]))

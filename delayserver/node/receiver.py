@@ -49,9 +49,14 @@ from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
 try:  # the compiled pass over a request's messages (delayserver/native/receive.pyx), when built
+    from delayserver.native.receive import accepted_entries as _native_accepted_entries
     from delayserver.native.receive import admit as _native_admit
+    from delayserver.native.receive import mark_committing as _native_mark_committing
+    from delayserver.native.receive import stored_results as _native_stored_results
+    from delayserver.native.receive import unmark_committing as _native_unmark_committing
 except ImportError:
-    _native_admit = None
+    _native_admit = _native_mark_committing = _native_unmark_committing = None
+    _native_accepted_entries = _native_stored_results = None
 
 log = logging.getLogger("delayserver.receiver")
 
@@ -130,6 +135,41 @@ def _admit_context() -> tuple:
     module holds it now (a request's worth of lookups: tests replace some of these)."""
     return (SendResult, _duplicate, InvalidMessage, encode_message_fields, CHECKED_SUBJECTS, dedupe_key,
             MAX_ID_BYTES, MAX_HEADERS_BYTES)
+
+
+# A stored request's passes over its accepted messages, ``(index, schedule time)`` each: the
+# compiled kernels (receive.pyx) must do as these do (tests/test_native.py).
+
+def _mark_committing(committing: dict, keys: list, accepted: list, pending) -> None:
+    """Each accepted message's key committing for `pending`, with its schedule time."""
+    for i, when in accepted:
+        committing[keys[i]] = (pending, when)
+
+
+def _unmark_committing(committing: dict, keys: list, accepted: list, pending) -> None:
+    """Each accepted message's key out of `committing`, where `pending` still holds it."""
+    for i, _ in accepted:
+        held = committing.get(keys[i])
+        if held is not None and held[0] is pending:
+            del committing[keys[i]]
+
+
+def _accepted_entries(keys: list, accepted: list) -> list:
+    """``(key, schedule time)`` of each accepted message: what the dedupe table remembers."""
+    return [(keys[i], when) for i, when in accepted]
+
+
+def _stored_results(results: list, accepted: list, rows: list, result_type, code, text: str) -> None:
+    """The result of each accepted message, made as the named tuple's own constructor makes it."""
+    new = tuple.__new__
+    for i, when in accepted:
+        results[i] = new(result_type, (code, text, when, rows[i][0]))
+
+
+mark_committing = _native_mark_committing or _mark_committing
+unmark_committing = _native_unmark_committing or _unmark_committing
+accepted_entries = _native_accepted_entries or _accepted_entries
+stored_results = _native_stored_results or _stored_results
 
 RECENT_BATCHES = 64
 
@@ -327,22 +367,16 @@ class Receiver:
         if payloads:
             p = _Pending(RecordType.MESSAGE, payloads)
             if table is not None:
-                for i, when in accepted:
-                    self._committing[keys[i]] = (p, when)
-                p.on_durable = lambda: table.remember_many([(keys[i], when) for i, when in accepted], now)
+                mark_committing(self._committing, keys, accepted, p)
+                p.on_durable = lambda: table.remember_many(accepted_entries(keys, accepted), now)
             try:
                 await self._commit(p)
             finally:
                 if table is not None:
-                    for i, _ in accepted:
-                        if self._committing.get(keys[i], (None,))[0] is p:
-                            del self._committing[keys[i]]
+                    unmark_committing(self._committing, keys, accepted, p)
             code = p.code
             if code == ResultCode.OK:
-                # Made as the named tuple's own constructor makes it, without its Python-level call.
-                new = tuple.__new__
-                for i, when in accepted:
-                    results[i] = new(SendResult, (code, "stored", when, rows[i][0]))
+                stored_results(results, accepted, rows, SendResult, code, "stored")
             else:
                 for i, _ in accepted:
                     results[i] = SendResult(code, p.error, 0, rows[i][0])
