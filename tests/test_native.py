@@ -797,6 +797,28 @@ def test_the_wheel_adds_in_bulk_as_the_reference(steps):
         assert wheel_state(wheels[0]) == wheel_state(wheels[1])
 
 
+@SETTINGS
+@given(wheel_steps(), st.data())
+def test_the_wheel_adds_a_buckets_replayed_records_as_the_reference(steps, data):
+    """`add_entries`: (offset, due) entries of one bucket, its refs' base above the offsets, those
+    before a pinned offset left out, against the reference on the same steps."""
+    assert timingwheel._native_add_entries is native_wheel.add_entries
+    wheels = [TimingWheel(start_ms=WHEEL_START, tick_ms=10, slots=64) for _ in range(2)]
+    base = 3 << 40
+    for step in steps:
+        if step[0] == "add":
+            entries = [(ref, due) for due, ref in step[1]]
+            min_offset = data.draw(st.sampled_from([0, 0, *(ref for _, ref in step[1]), 10 ** 6]))
+            got = [native_wheel.add_entries(wheels[0], list(entries), base, step[2], min_offset),
+                   wheels[1]._add_entries_py(list(entries), base, step[2], min_offset)]
+            assert got[0] == got[1]
+        elif step[0] == "advance":
+            assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
+        else:
+            assert wheels[0].cancel(base | step[1]) == wheels[1].cancel(base | step[1])
+        assert wheel_state(wheels[0]) == wheel_state(wheels[1])
+
+
 def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():
     wheels = [TimingWheel(start_ms=WHEEL_START), TimingWheel(start_ms=WHEEL_START)]
     items = [(WHEEL_START + 50, 1), (WHEEL_START + 60, -1), (WHEEL_START + 70, 3)]
@@ -804,6 +826,12 @@ def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():
         with pytest.raises(ValueError, match="ref must be"):
             fn(w, list(items), WHEEL_START)
     assert wheel_state(wheels[0]) == wheel_state(wheels[1]) and len(wheels[0]) == 1
+    wheels = [TimingWheel(start_ms=WHEEL_START), TimingWheel(start_ms=WHEEL_START)]
+    entries = [(1, WHEEL_START + 50), (2, WHEEL_START + 60)]
+    for fn, w in ((native_wheel.add_entries, wheels[0]), (TimingWheel._add_entries_py, wheels[1])):
+        with pytest.raises(ValueError, match="ref must be"):
+            fn(w, list(entries), 1 << 63, WHEEL_START, 0)
+    assert wheel_state(wheels[0]) == wheel_state(wheels[1]) and len(wheels[0]) == 0
 
 
 # --- due messages taken and sent -----------------------------------------------------------------

@@ -14,18 +14,56 @@ cdef extern from "Python.h":
 cdef long long MAX_REF = 0x7FFFFFFFFFFFFFFF
 
 
+cdef inline void _insert(wheel, list slot_entries, long long start, long long tick, Py_ssize_t mask, int shift,
+                         long long due, long long ref) except *:
+    """`TimingWheel.add`'s storing of one entry due after now (the caller checked the ref)."""
+    cdef Py_ssize_t slot, k, i, lo, hi
+    cdef array.array entries
+    cdef long long *data
+    cdef object entry_obj
+    slot = ((due - start) // tick) & mask  # floored, as Python divides (cdivision is off here)
+    entry_obj = slot_entries[slot]
+    if entry_obj is None:
+        slot_entries[slot] = array.array("q", (due, ref))
+        wheel._nonempty += 1
+        wheel._push((<object>due << shift) | slot)
+        return
+    entries = <array.array>entry_obj
+    k = len(entries) >> 1  # (a slot's array is never empty: an emptied slot is None)
+    array.resize_smart(entries, 2 * k + 2)
+    data = entries.data.as_longlongs
+    if due >= data[k - 1]:  # the usual case within one round: at the end
+        data[2 * k + 1] = ref
+        memmove(&data[k + 1], &data[k], k * sizeof(long long))
+        data[k] = due
+    else:  # after the due times equal to it (insertion order), as bisect_right puts it
+        lo, hi = 0, k
+        while lo < hi:
+            i = (lo + hi) >> 1
+            if due < data[i]:
+                hi = i
+            else:
+                lo = i + 1
+        i = lo
+        memmove(&data[k + 2 + i], &data[k + i], (k - i) * sizeof(long long))
+        data[k + 1 + i] = ref
+        memmove(&data[k + 1], &data[k], i * sizeof(long long))
+        memmove(&data[i + 1], &data[i], (k - i) * sizeof(long long))
+        data[i] = due
+        if i == 0:
+            wheel._push((<object>due << shift) | slot)
+
+
 def add_many(wheel, list items, long long now):
     """`TimingWheel.add` of each ``(due_ms, ref)`` of `items` (ints), in order; returns the refs it
     refused, already due at `now`, in order. Raises as `add` does (ValueError for a ref outside
     0..MAX_REF, OverflowError for a due time outside 64 bits), the items before it added."""
     cdef list slot_entries = wheel._slot_entries
-    cdef long long start = wheel.start_ms, tick = wheel.tick_ms, due, ref
-    cdef Py_ssize_t mask = wheel._mask, slot, k, i, lo, hi
+    cdef long long start = wheel.start_ms, tick = wheel.tick_ms
+    cdef Py_ssize_t mask = wheel._mask
     cdef int shift = wheel._shift
     cdef list refused = []
-    cdef array.array entries
-    cdef long long *data
-    cdef object item, entry_obj
+    cdef object item
     cdef Py_ssize_t added = 0
     try:
         for item in items:
@@ -34,43 +72,43 @@ def add_many(wheel, list items, long long now):
                 continue
             if item[1] < 0 or item[1] > MAX_REF:
                 raise ValueError(f"ref must be in 0..2**63-1, got {item[1]}")
-            ref = item[1]
-            due = item[0]
-            slot = ((due - start) // tick) & mask  # floored, as Python divides (cdivision is off here)
-            entry_obj = slot_entries[slot]
-            if entry_obj is None:
-                slot_entries[slot] = array.array("q", (due, ref))
-                wheel._nonempty += 1
-                wheel._push((<object>due << shift) | slot)
-            else:
-                entries = <array.array>entry_obj
-                k = len(entries) >> 1  # (a slot's array is never empty: an emptied slot is None)
-                array.resize_smart(entries, 2 * k + 2)
-                data = entries.data.as_longlongs
-                if due >= data[k - 1]:  # the usual case within one round: at the end
-                    data[2 * k + 1] = ref
-                    memmove(&data[k + 1], &data[k], k * sizeof(long long))
-                    data[k] = due
-                else:  # after the due times equal to it (insertion order), as bisect_right puts it
-                    lo, hi = 0, k
-                    while lo < hi:
-                        i = (lo + hi) >> 1
-                        if due < data[i]:
-                            hi = i
-                        else:
-                            lo = i + 1
-                    i = lo
-                    memmove(&data[k + 2 + i], &data[k + i], (k - i) * sizeof(long long))
-                    data[k + 1 + i] = ref
-                    memmove(&data[k + 1], &data[k], i * sizeof(long long))
-                    memmove(&data[i + 1], &data[i], (k - i) * sizeof(long long))
-                    data[i] = due
-                    if i == 0:
-                        wheel._push((<object>due << shift) | slot)
+            _insert(wheel, slot_entries, start, tick, mask, shift, item[0], item[1])
             added += 1
     finally:
         wheel._len += added
     return refused
+
+
+def add_entries(wheel, list entries, object base, long long now, object min_offset):
+    """`TimingWheel.add_entries`: ``add(schedule_time, base | offset)`` of each ``(offset,
+    schedule_time)`` of `entries` at or past `min_offset`, in order; returns the refs refused,
+    how many entries were at or past `min_offset`, and the earliest due time added (None if none).
+    Raises as `add_many` does, the entries before it added."""
+    cdef list slot_entries = wheel._slot_entries
+    cdef long long start = wheel.start_ms, tick = wheel.tick_ms
+    cdef Py_ssize_t mask = wheel._mask
+    cdef int shift = wheel._shift
+    cdef list refused = []
+    cdef object entry, ref, earliest = None
+    cdef Py_ssize_t added = 0, taken = 0
+    try:
+        for entry in entries:
+            if entry[0] < min_offset:
+                continue
+            taken += 1
+            ref = base | entry[0]
+            if entry[1] <= now:
+                refused.append(ref)
+                continue
+            if ref < 0 or ref > MAX_REF:
+                raise ValueError(f"ref must be in 0..2**63-1, got {ref}")
+            _insert(wheel, slot_entries, start, tick, mask, shift, entry[1], ref)
+            added += 1
+            if earliest is None or entry[1] < earliest:
+                earliest = entry[1]
+    finally:
+        wheel._len += added
+    return refused, taken, earliest
 
 
 cdef object _ONE = 1

@@ -224,17 +224,19 @@ class TickManager:
         loading = self.loading_bucket
         if loading is None or bucket > loading:
             return
-        if bucket == loading:
-            end = self.loading_end
-            entries = [entry for entry in entries if entry[0] >= end]
-            if not entries:
-                return
-        self.outstanding[bucket] += len(entries)
+        # Of the loading bucket, only what the loader has read past (it reads the rest); the
+        # entries are in offset order, so the last tells whether any is.
+        min_offset = self.loading_end if bucket == loading else 0
+        if not entries or entries[-1][0] < min_offset:
+            return
         base = self.ref(bucket, 0)  # the bucket's refs: its id above the offset
-        due = self.wheel.add_many([(schedule_time, base | offset) for offset, schedule_time in entries], now)
+        due, taken, earliest = self.wheel.add_entries(entries, base, now, min_offset)
+        if not taken:
+            return
+        self.outstanding[bucket] += taken
         self.ready += due
         sleeping_until = self.sleeping_until
-        if due or (sleeping_until is not None and any(now < s < sleeping_until for _, s in entries)):
+        if due or (sleeping_until is not None and earliest is not None and earliest < sleeping_until):
             self.changed.set()
 
     def on_cancel(self, bucket: int, offset: int, schedule_time: int, message_id: str) -> None:

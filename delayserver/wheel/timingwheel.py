@@ -34,9 +34,10 @@ from operator import itemgetter
 import attrs
 
 try:  # the compiled adds in bulk (delayserver/native/wheel.pyx), when the install built it
+    from delayserver.native.wheel import add_entries as _native_add_entries
     from delayserver.native.wheel import add_many as _native_add_many
 except ImportError:
-    _native_add_many = None
+    _native_add_many = _native_add_entries = None
 
 MAX_REF = (1 << 63) - 1
 
@@ -100,6 +101,32 @@ class TimingWheel:
         """`add_many` in Python: the compiled kernel's reference."""
         add = self.add
         return [ref for due_ms, ref in items if not add(due_ms, ref, now)]
+
+    def add_entries(self, entries: list[tuple[int, int]], base: int, now: int,
+                    min_offset: int = 0) -> tuple[list[int], int, int | None]:
+        """`add(schedule_time, base | offset, now)` of each ``(offset, schedule_time)`` of
+        `entries` at or past `min_offset`, in order (a bucket's replayed records: `base` its refs'
+        bucket part). Returns the refs refused (already due), how many entries were at or past
+        `min_offset`, and the earliest due time added (None if none). Raises as `add_many` does.
+        The compiled kernel when built, else `_add_entries_py`."""
+        if _native_add_entries is None:
+            return self._add_entries_py(entries, base, now, min_offset)
+        return _native_add_entries(self, entries, base, now, min_offset)
+
+    def _add_entries_py(self, entries: list[tuple[int, int]], base: int, now: int,
+                        min_offset: int = 0) -> tuple[list[int], int, int | None]:
+        """`add_entries` in Python: the compiled kernel's reference."""
+        add = self.add
+        refused, taken, earliest = [], 0, None
+        for offset, due_ms in entries:
+            if offset < min_offset:
+                continue
+            taken += 1
+            if not add(due_ms, base | offset, now):
+                refused.append(base | offset)
+            elif earliest is None or due_ms < earliest:
+                earliest = due_ms
+        return refused, taken, earliest
 
     def add(self, due_ms: int, ref: int, now: int) -> bool:
         """Store the entry and return True, or return False when it is already due at ``now``.
