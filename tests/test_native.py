@@ -783,12 +783,13 @@ def wheel_steps(draw):
 @SETTINGS
 @given(wheel_steps())
 def test_the_wheel_adds_in_bulk_as_the_reference(steps):
-    assert timingwheel._native_add_many is native_wheel.add_many
+    """Every entry taken (`min_offset` 0, the refs the offsets themselves)."""
     wheels = [TimingWheel(start_ms=WHEEL_START, tick_ms=10, slots=64) for _ in range(2)]
     for step in steps:
         if step[0] == "add":
-            refused = [native_wheel.add_many(wheels[0], list(step[1]), step[2]),
-                       wheels[1]._add_many_py(list(step[1]), step[2])]
+            entries = [(ref, due) for due, ref in step[1]]
+            refused = [native_wheel.add_entries(wheels[0], list(entries), 0, step[2], 0),
+                       wheels[1]._add_entries_py(list(entries), 0, step[2], 0)]
             assert refused[0] == refused[1]
         elif step[0] == "advance":
             assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
@@ -821,10 +822,10 @@ def test_the_wheel_adds_a_buckets_replayed_records_as_the_reference(steps, data)
 
 def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():
     wheels = [TimingWheel(start_ms=WHEEL_START), TimingWheel(start_ms=WHEEL_START)]
-    items = [(WHEEL_START + 50, 1), (WHEEL_START + 60, -1), (WHEEL_START + 70, 3)]
-    for fn, w in ((native_wheel.add_many, wheels[0]), (TimingWheel._add_many_py, wheels[1])):
+    entries = [(1, WHEEL_START + 50), (-1, WHEEL_START + 60), (3, WHEEL_START + 70)]
+    for fn, w in ((native_wheel.add_entries, wheels[0]), (TimingWheel._add_entries_py, wheels[1])):
         with pytest.raises(ValueError, match="ref must be"):
-            fn(w, list(items), WHEEL_START)
+            fn(w, list(entries), 0, WHEEL_START, -5)
     assert wheel_state(wheels[0]) == wheel_state(wheels[1]) and len(wheels[0]) == 1
     wheels = [TimingWheel(start_ms=WHEEL_START), TimingWheel(start_ms=WHEEL_START)]
     entries = [(1, WHEEL_START + 50), (2, WHEEL_START + 60)]

@@ -21,8 +21,11 @@ reference, output for output.
 - `idmap.IdMap`: the dedupe table's map of ids to positions, probed from C by `remember_many`
   and `admit` (the dict of `delayserver.dedupe._positions_dict`);
 - `receive.admit`: the receiver's pass over a request's messages (`delayserver.node.receiver._admit`);
-- `wheel.add_many`: the timing wheel's adds of a replayed append
-  (`delayserver.wheel.timingwheel.TimingWheel._add_many_py`).
+- `receive.mark_committing`, `unmark_committing`, `accepted_entries`, `stored_results`: the
+  receiver's passes over a stored request's accepted messages
+  (`delayserver.node.receiver._mark_committing` and the three after it);
+- `wheel.add_entries`: the timing wheel's adds of a bucket's replayed records
+  (`delayserver.wheel.timingwheel.TimingWheel._add_entries_py`).
 
 The crc32c of the records kernels is crc32c.h: SSE4.2 when the processor has it (checked at
 import), else a table; the same values as the crc32c package, which the rest of the code uses.

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""The timing wheel's adds in bulk, compiled (`TimingWheel._add_many_py` in
+"""The timing wheel's adds in bulk, compiled (`TimingWheel._add_entries_py` in
 delayserver/wheel/timingwheel.py is the reference this must equal: tests/test_native.py holds the
 two wheels to the same slots, heap and order of firing)."""
 from cpython cimport array
@@ -54,36 +54,12 @@ cdef inline void _insert(wheel, list slot_entries, long long start, long long ti
             wheel._push((<object>due << shift) | slot)
 
 
-def add_many(wheel, list items, long long now):
-    """`TimingWheel.add` of each ``(due_ms, ref)`` of `items` (ints), in order; returns the refs it
-    refused, already due at `now`, in order. Raises as `add` does (ValueError for a ref outside
-    0..MAX_REF, OverflowError for a due time outside 64 bits), the items before it added."""
-    cdef list slot_entries = wheel._slot_entries
-    cdef long long start = wheel.start_ms, tick = wheel.tick_ms
-    cdef Py_ssize_t mask = wheel._mask
-    cdef int shift = wheel._shift
-    cdef list refused = []
-    cdef object item
-    cdef Py_ssize_t added = 0
-    try:
-        for item in items:
-            if item[0] <= now:  # (compared as Python ints: any due time in the past is refused)
-                refused.append(item[1])
-                continue
-            if item[1] < 0 or item[1] > MAX_REF:
-                raise ValueError(f"ref must be in 0..2**63-1, got {item[1]}")
-            _insert(wheel, slot_entries, start, tick, mask, shift, item[0], item[1])
-            added += 1
-    finally:
-        wheel._len += added
-    return refused
-
-
 def add_entries(wheel, list entries, object base, long long now, object min_offset):
     """`TimingWheel.add_entries`: ``add(schedule_time, base | offset)`` of each ``(offset,
     schedule_time)`` of `entries` at or past `min_offset`, in order; returns the refs refused,
     how many entries were at or past `min_offset`, and the earliest due time added (None if none).
-    Raises as `add_many` does, the entries before it added."""
+    Raises as `add` does (ValueError for a ref outside 0..MAX_REF, OverflowError for a due time
+    outside 64 bits), the entries before it added."""
     cdef list slot_entries = wheel._slot_entries
     cdef long long start = wheel.start_ms, tick = wheel.tick_ms
     cdef Py_ssize_t mask = wheel._mask

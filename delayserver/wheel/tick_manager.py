@@ -231,8 +231,6 @@ class TickManager:
             return
         base = self.ref(bucket, 0)  # the bucket's refs: its id above the offset
         due, taken, earliest = self.wheel.add_entries(entries, base, now, min_offset)
-        if not taken:
-            return
         self.outstanding[bucket] += taken
         self.ready += due
         sleeping_until = self.sleeping_until

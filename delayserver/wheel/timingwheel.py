@@ -35,9 +35,8 @@ import attrs
 
 try:  # the compiled adds in bulk (delayserver/native/wheel.pyx), when the install built it
     from delayserver.native.wheel import add_entries as _native_add_entries
-    from delayserver.native.wheel import add_many as _native_add_many
 except ImportError:
-    _native_add_many = _native_add_entries = None
+    _native_add_entries = None
 
 MAX_REF = (1 << 63) - 1
 
@@ -89,25 +88,13 @@ class TimingWheel:
         self._mask = self.slots - 1
         self._shift = self.slots.bit_length() - 1
 
-    def add_many(self, items: list[tuple[int, int]], now: int) -> list[int]:
-        """`add` of each ``(due_ms, ref)`` of `items`, in order; returns the refs refused (already
-        due at ``now``), in order. Raises as `add` does, with the items before it added. The
-        compiled kernel (delayserver/native/wheel.pyx) when built, else `_add_many_py`."""
-        if _native_add_many is None:
-            return self._add_many_py(items, now)
-        return _native_add_many(self, items, now)
-
-    def _add_many_py(self, items: list[tuple[int, int]], now: int) -> list[int]:
-        """`add_many` in Python: the compiled kernel's reference."""
-        add = self.add
-        return [ref for due_ms, ref in items if not add(due_ms, ref, now)]
-
     def add_entries(self, entries: list[tuple[int, int]], base: int, now: int,
                     min_offset: int = 0) -> tuple[list[int], int, int | None]:
         """`add(schedule_time, base | offset, now)` of each ``(offset, schedule_time)`` of
         `entries` at or past `min_offset`, in order (a bucket's replayed records: `base` its refs'
         bucket part). Returns the refs refused (already due), how many entries were at or past
-        `min_offset`, and the earliest due time added (None if none). Raises as `add_many` does.
+        `min_offset`, and the earliest due time added (None if none). Raises as `add` does, the
+        entries before the one that raised added.
         The compiled kernel when built, else `_add_entries_py`."""
         if _native_add_entries is None:
             return self._add_entries_py(entries, base, now, min_offset)
