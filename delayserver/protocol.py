@@ -457,6 +457,10 @@ def send_item_size(item: SendItem) -> int:
 _SEND_ITEM_SIZE = _SEND_ITEM.size
 _SEND_RESULT_SIZE = _SEND_RESULT.size
 #: The TimeKind of each u8 value (None: not a time kind), indexed faster than an enum is called.
+#: A SEND item's time of this kind is kept in its SendBatch row as the epoch ms itself (an int),
+#: not a TimeSpec: a batch of order timeouts carries a time per message, and the receiver takes
+#: one within its window as it is (`Receiver.send`).
+_AT_KIND = int(TimeKind.AT)
 _TIME_KIND_BY_VALUE = tuple(TimeKind(v) if v in TimeKind._value2member_map_ else None for v in range(256))
 #: The ResultCode of each u16 value that is one, else the int itself (`_result_code`).
 _RESULT_CODE_BY_VALUE = {c.value: c for c in ResultCode}
@@ -542,7 +546,7 @@ class SendBatch(Sequence[SendItem]):
     the message again.
 
     `rows[i]`: ``(message_id, subject, time, headers, id_at, id_len, subject_len, headers_len,
-    body_len)``."""
+    body_len)``; `time` a TimeSpec, or for an epoch time (`TimeKind.AT`) its value, an int."""
 
     __slots__ = ("buf", "rows")
 
@@ -556,6 +560,8 @@ class SendBatch(Sequence[SendItem]):
     def _item(self, row: tuple) -> SendItem:
         message_id, subject, time, headers, id_at, id_len, subject_len, headers_len, body_len = row
         body_at = id_at + id_len + subject_len + headers_len
+        if type(time) is int:
+            time = TimeSpec(TimeKind.AT, time)
         return SendItem(message_id, subject, time, self.buf[body_at : body_at + body_len], headers)
 
     def __getitem__(self, i):
@@ -588,7 +594,7 @@ def _decode_send_request_fast(payload: bytes) -> SendBatch | None:
     buf = payload if type(payload) is bytes else bytes(payload)
     if _native_decode_rows is None:
         return _decode_send_request_py(buf)
-    rows = _native_decode_rows(buf, _time_spec)
+    rows = _native_decode_rows(buf, _time_spec, _AT_KIND)
     return None if rows is None else SendBatch(buf, rows)
 
 
@@ -612,7 +618,7 @@ def _decode_send_request_py(payload: bytes) -> SendBatch | None:
             if pos + size > end:
                 return None
             kind, value, id_len, subject_len, header_count, body_len = unpack(buf, pos)
-            spec = specs.get((kind, value))
+            spec = value if kind == _AT_KIND else specs.get((kind, value))
             if spec is None:
                 time_kind = kinds[kind]
                 if time_kind is None:

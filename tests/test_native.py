@@ -208,16 +208,19 @@ def rows_of(batch):
 @SETTINGS
 @given(send_requests() | st.binary(max_size=64))
 def test_the_send_decoder_is_the_reference(payload):
-    rows = native_send.decode_rows(payload, p._time_spec)
+    rows = native_send.decode_rows(payload, p._time_spec, p._AT_KIND)
     assert rows_of(None if rows is None else p.SendBatch(payload, rows)) == rows_of(p._decode_send_request_py(payload))
 
 
 def test_the_send_decoder_takes_a_producer_s_batch():
-    items = [p.SendItem(f"m{i}", "orders.timeout", TimeSpec.delay(1800_000), b"x" * 100, {"k": "\u00e9"} if i % 2 else {})
+    items = [p.SendItem(f"m{i}", "orders.timeout", TimeSpec.delay(1800_000) if i % 3 else TimeSpec.at(NOW + i),
+                        b"x" * 100, {"k": "\u00e9"} if i % 2 else {})
              for i in range(64)]
     payload = p.encode_send_request(items)
-    rows = native_send.decode_rows(payload, p._time_spec)
+    rows = native_send.decode_rows(payload, p._time_spec, p._AT_KIND)
     assert rows is not None and list(p.SendBatch(payload, rows)) == items
+    # An epoch time is its value in the row, as the reference keeps it: no TimeSpec made per message.
+    assert [row[2] for row in rows[:4]] == [NOW, TimeSpec.delay(1800_000), TimeSpec.delay(1800_000), NOW + 3]
     assert rows == p._decode_send_request_py(payload).rows
     assert p.decode_send_request(payload).rows == rows  # the public decoder takes the kernel's rows
 
@@ -671,7 +674,9 @@ PENDING = object()  # another request's commit, as `committing` names it
 admit_items = st.builds(
     p.SendItem, st.sampled_from(["a", "b", "c", "d", "e", "f", "", "x" * 129, "\u00e9"]),
     st.sampled_from(["orders.timeout"] * 4 + ["orders.x", "bad subject", "s" * 300, ""]),
-    st.builds(TimeSpec, st.sampled_from([TimeKind.DELAY, TimeKind.AT]), st.sampled_from([0, 5, 1000, 1000, -5])),
+    st.builds(TimeSpec, st.just(TimeKind.DELAY), st.sampled_from([0, 5, 1000, 1000, -5]))
+    # epoch times about the window `admitted` gives (NOW to NOW + 1000) and far outside it
+    | st.builds(TimeSpec, st.just(TimeKind.AT), st.sampled_from([NOW - 1, NOW, NOW + 5, NOW + 1000, NOW + 1001, 5, -5])),
     st.binary(max_size=24), st.sampled_from([{}, {}, {}, {"k": "v"}, {"reconsume-times": "2"}, {"": "v"}]))
 
 
@@ -684,7 +689,7 @@ def schedule_time(spec, now):
 def admitted(fn, rows, items, view, refused, table, committing, max_bytes):
     results, accepted, payloads, keys, twins, waits = fn(
         rows, items, view, NOW, refused, None if refused is None else "refused: reasons", table, committing,
-        schedule_time, max_bytes, receiver_module._admit_context())
+        schedule_time, (NOW, NOW + 1000), max_bytes, receiver_module._admit_context())
     return results, accepted, [bytes(x) for x in payloads], keys, twins, waits
 
 

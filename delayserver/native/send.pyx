@@ -21,10 +21,10 @@ cdef inline object text(const uint8_t *buf, Py_ssize_t start, Py_ssize_t stop):
     return PyUnicode_DecodeUTF8(<const char *>buf + start, stop - start, NULL)
 
 
-def decode_rows(bytes payload, make_spec):
+def decode_rows(bytes payload, make_spec, int at_kind=-1):
     """The rows of `protocol.SendBatch` for the SEND request `payload`, or None where the reference
     answers None. `make_spec(kind, value)`: the TimeSpec of a time kind and value, None for a kind
-    that is none; called once per distinct pair."""
+    that is none; called once per distinct pair. A time of kind `at_kind` is its value, an int."""
     cdef const uint8_t *buf = <const uint8_t *>(<char *>payload)
     cdef Py_ssize_t end = len(payload)
     cdef Py_ssize_t pos, id_at, subject_at, headers_at, at, key_at, value_len_at, value_at
@@ -53,7 +53,9 @@ def decode_rows(bytes payload, make_spec):
             subject_len = be16(buf + pos + 11)
             header_count = be16(buf + pos + 13)
             body_len = be32(buf + pos + 15)
-            if kind != last_kind or value != last_value:
+            if kind == at_kind:
+                spec = value  # an epoch time: no TimeSpec (the receiver takes it as it is)
+            elif kind != last_kind or value != last_value:
                 pair = (kind, value)
                 spec = specs.get(pair)
                 if spec is None:
@@ -61,7 +63,7 @@ def decode_rows(bytes payload, make_spec):
                     if spec is None:
                         return None
                     specs[pair] = spec
-                last_kind, last_value = kind, value
+            last_kind, last_value = kind, value
             id_at = pos + ITEM_SIZE
             subject_at = id_at + id_len
             at = headers_at = subject_at + subject_len

@@ -35,7 +35,8 @@ import trio
 from delayserver import failpoints
 from delayserver.dedupe import dedupe_key
 from delayserver.message import (
-    MAX_HEADERS_BYTES, MAX_ID_BYTES, BadScheduleTime, InvalidMessage, ResultCode, TimeKind, check_schedule_time,
+    MAX_HEADERS_BYTES, MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS, BadScheduleTime, InvalidMessage, ResultCode, TimeKind,
+    TimeSpec, check_schedule_time,
 )
 from delayserver.protocol import SendBatch, SendItem, SendResult
 from delayserver.storage.epochs import EpochRegression
@@ -66,7 +67,8 @@ def _duplicate(schedule_time: int, message_id: str) -> SendResult:
                       schedule_time, message_id)
 
 def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text: str | None, table,
-           committing: dict, schedule_time: Callable, max_bytes: int, context: tuple) -> tuple:
+           committing: dict, schedule_time: Callable, at_window: tuple[int, int], max_bytes: int,
+           context: tuple) -> tuple:
     """`Receiver.send`'s pass over a request's messages, in order: the ones refused (`refused`, with
     `refusal_text`), invalid, or duplicates of an id in the dedupe `table`, earlier in the request
     or committing for another request (`committing`: key -> (its _Pending, its schedule time)), and
@@ -77,8 +79,11 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     ones to store), ``(index, schedule time)`` and the payload of each to store, the dedupe key of
     each row (None without a table), ``(index, index of the first row with its id)`` of the twins,
     ``(index, the other request's _Pending, its schedule time)`` of those that wait. Changes
-    nothing. `context`: `_admit_context()` (what the compiled `delayserver.native.receive.admit`
-    needs from this module; it must answer as this does: tests/test_native.py)."""
+    nothing. A row's time that is an int (an epoch time as the protocol decodes it) within
+    `at_window` (first, last) is its schedule time as it is; any other goes through
+    `schedule_time` (an int as ``TimeSpec.at``). `context`: `_admit_context()` (what the compiled
+    `delayserver.native.receive.admit` needs from this module; it must answer as this does:
+    tests/test_native.py)."""
     results: list[SendResult | None] = [None] * len(rows)
     accepted: list[tuple[int, int]] = []
     payloads: list[bytearray] = []
@@ -88,6 +93,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     waits: list[tuple[int, _Pending, int]] = []
     last_spec, last_when = None, 0
     pack_head, checked_subjects = MESSAGE_HEAD.pack, CHECKED_SUBJECTS
+    at_first, at_last = at_window
     only_ids = table.only_ids() if table is not None else None
     for i, row in enumerate(rows):
         message_id, subject, spec, headers, id_at, id_len, subject_len, headers_len, body_len = row
@@ -107,10 +113,13 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
                 waits.append((i, *committing[key]))
                 continue
         try:
-            # Items of a batch usually share one time spec object (protocol.decode_send_request).
-            if spec is not last_spec:
-                last_when, last_spec = schedule_time(spec, now), spec
-            when = last_when  # checked by check_schedule_time in schedule_time
+            if type(spec) is int:  # an epoch time, as decoded
+                when = spec if at_first <= spec <= at_last else schedule_time(TimeSpec.at(spec), now)
+            else:
+                # Items of a batch usually share one time spec object (protocol.decode_send_request).
+                if spec is not last_spec:
+                    last_when, last_spec = schedule_time(spec, now), spec
+                when = last_when  # checked by check_schedule_time in schedule_time
             if (id_at >= 0 and 0 < id_len <= MAX_ID_BYTES and subject in checked_subjects
                     and body_len <= max_bytes
                     and (not headers_len or (headers_len <= MAX_HEADERS_BYTES and "" not in headers))):
@@ -134,7 +143,7 @@ def _admit_context() -> tuple:
     """What the compiled `admit` takes from this module (it imports nothing of the project), as the
     module holds it now (a request's worth of lookups: tests replace some of these)."""
     return (SendResult, _duplicate, InvalidMessage, encode_message_fields, CHECKED_SUBJECTS, dedupe_key,
-            MAX_ID_BYTES, MAX_HEADERS_BYTES)
+            MAX_ID_BYTES, MAX_HEADERS_BYTES, TimeSpec.at)
 
 
 # A stored request's passes over its accepted messages, ``(index, schedule time)`` each: the
@@ -321,6 +330,11 @@ class Receiver:
         check_schedule_time(when)
         return when
 
+    def _at_window(self, now: int) -> tuple[int, int]:
+        """The epoch times `schedule_time` takes as they are at `now`: from now to max_delay ahead,
+        within MIN_TIME_MS..MAX_TIME_MS (before now it answers now; past max_delay it refuses)."""
+        return max(now, MIN_TIME_MS), min(now + self.config.max_delay_ms, MAX_TIME_MS)
+
     def _check_fsync_failures(self) -> None:
         """Turn read-only on any failed fsync (or I/O error) in the data directory."""
         if not self.read_only_reason:
@@ -363,7 +377,8 @@ class Receiver:
         admit = _admit if _native_admit is None else _native_admit
         results, accepted, payloads, keys, twins, waits = admit(
             rows, items, view, now, refused, None if refused is None else self._refusal_text(refused), table,
-            self._committing, self.schedule_time, self.config.max_message_bytes, _admit_context())
+            self._committing, self.schedule_time, self._at_window(now), self.config.max_message_bytes,
+            _admit_context())
         if payloads:
             p = _Pending(RecordType.MESSAGE, payloads)
             if table is not None:

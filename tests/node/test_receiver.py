@@ -10,7 +10,7 @@ import trio
 
 from delayserver.clock import TrioClock
 from delayserver.config import Config
-from delayserver.message import ResultCode, TimeSpec
+from delayserver.message import MAX_TIME_MS, ResultCode, TimeSpec
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
 from delayserver.protocol import SendItem
 from delayserver.storage.record import RecordType, decode_message, iter_records
@@ -261,6 +261,47 @@ async def test_a_decoded_request_stores_what_the_messages_one_by_one_would(tmp_p
     finally:
         one_store.close()
         batch_store.close()
+
+
+@pytest.mark.parametrize("now", [NOW, MAX_TIME_MS - 1000])
+async def test_a_decoded_requests_epoch_times_are_taken_as_schedule_time_takes_them(tmp_path, autojump_clock, now):
+    """A decoded request keeps each epoch time as the int itself and the receiver takes one from
+    now to max_delay ahead as it is: at each edge of that window (a time before now, now, the
+    last time max_delay allows and the first past it, the last epoch time there is) the request
+    is answered as the same messages with their TimeSpecs, one by one, are."""
+    from delayserver.protocol import SendBatch, decode_send_request, encode_send_request
+
+    day = 86_400_000
+    times = [-5, now - 5000, now, now + 1, now + day, now + day + 1, MAX_TIME_MS, MAX_TIME_MS + 1]
+    items = [SendItem(f"m{k}", "orders.q", TimeSpec.at(t), b"x") for k, t in enumerate(times)]
+    batch = decode_send_request(encode_send_request(items))
+    assert type(batch) is SendBatch and [row[2] for row in batch.rows] == times and list(batch) == items
+
+    class Still:
+        def now_ms(self) -> int:
+            return now
+
+    def node(path):
+        store = Store.open(path)
+        return store, Receiver(store, Still(), Config.from_dict({"max_delay": "1d"}), recent=RecentBatches(),
+                               disk=DiskSpace(store, 0), on_durable=Wakeup(), sequence_floor=lambda: 1)
+
+    (one_store, one), (batch_store, whole) = node(tmp_path / "one"), node(tmp_path / "batch")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(one.serve)
+            await nursery.start(whole.serve)
+            got, expected = await whole.send(batch), await one.send(items)
+            nursery.cancel_scope.cancel()
+    finally:
+        one_store.close()
+        batch_store.close()
+    assert got == expected
+    ok, bad = ResultCode.OK, ResultCode.BAD_SCHEDULE_TIME
+    # (before now: now; past max_delay or the last epoch time: refused)
+    assert [(r.code, r.schedule_time) for r in got] == [
+        (ok, max(t, now)) if t <= now + day and max(t, now) <= MAX_TIME_MS else (bad, 0) for t in times]
+    assert sum(r.code == ok for r in got) == 5
 
 
 async def test_an_async_flush_whose_segment_rolls_during_its_fsync_stays_writable(store, autojump_clock, monkeypatch):
