@@ -307,7 +307,11 @@ class AsyncProducer(BackgroundTasks):
                     stream = await trio.open_tcp_stream(self.host, self.port)
                     if self.tls is not None:
                         stream = trio.SSLStream(stream, self.tls, server_hostname=self.host)
-                        await stream.do_handshake()
+                        try:
+                            await stream.do_handshake()
+                        except BaseException:
+                            await trio.aclose_forcefully(stream)  # (its socket with it)
+                            raise
                     break
                 except (OSError, trio.BrokenResourceError) as e:
                     if isinstance(e, ssl.SSLError) or isinstance(e.__cause__, ssl.SSLError):
@@ -359,6 +363,8 @@ class AsyncProducer(BackgroundTasks):
                 box.append(error)
                 event.set()
             self._waiting.clear()
+            # The connection is over: its socket is closed now, not when the collector finds it.
+            await trio.aclose_forcefully(stream)
 
     async def _call(self, command: p.Command, payload: bytes) -> bytes:
         try:

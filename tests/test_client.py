@@ -234,3 +234,34 @@ async def test_an_answer_with_a_result_too_few_or_too_many_fails_its_batch_as_un
     assert [type(r) for r in two] == [ConnectionError, ConnectionError]
     assert [type(r) for r in gap] == [ConnectionError, BadScheduleTime, ConnectionError]
     assert [type(r) for r in after] == [ConnectionError] * 3
+
+
+async def test_a_connection_the_server_ended_is_closed_on_this_side_too(nursery):
+    """When the server ends a connection (an idle timeout, a restart, a refusal), the producer
+    closes its socket there and then, and its next request opens a new one. (It let go of the
+    socket without closing it: one descriptor held per reconnection until the garbage collector
+    came by, and a ResourceWarning then.)"""
+    from delayserver import protocol as p
+
+    async def peer(stream):  # answers one PING, then hangs up
+        decoder = p.FrameDecoder()
+        async for data in stream:
+            decoder.feed(data)
+            frame = decoder.next_frame()
+            if frame is not p.NEED_DATA:
+                await stream.send_all(p.encode(p.Frame(frame.command, frame.request_id, frame.payload,
+                                                       is_response=True)))
+                await stream.aclose()
+                return
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    async with AsyncProducer(f"127.0.0.1:{port}", timeout=10) as producer:
+        first = await producer._connect()
+        assert await producer.ping(b"one") == b"one"
+        deadline = time.monotonic() + 10  # (the clock may be a test's own: wall time bounds this)
+        while producer._stream is first and time.monotonic() < deadline:  # until its reader saw the end
+            await trio.lowlevel.checkpoint()
+        assert first.socket.fileno() == -1, "the ended connection's socket is still open"
+        assert await producer.ping(b"two") == b"two"
+        assert producer._stream is not first
