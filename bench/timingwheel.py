@@ -3,6 +3,7 @@
 The load is the tick manager's worst case with the defaults: ``n`` entries (1,000,000) due at
 random over one and a half hours (a 1 h bucket plus the 30 min load-ahead), 10 ms ticks and the
 server's default slot count (8192, an 82 s revolution), so each slot holds many rounds at once.
+Then a burst: 100,000 entries due within one tick, as a campaign sent for one instant makes.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from delayserver.wheel.timingwheel import TimingWheel
 
 SPREAD_MS = 90 * 60 * 1000
 SLOTS = 1 << 13  # Config.wheel_slots
+#: Entries of the burst: all due within one tick.
+BURST = 100_000
 START_MS = 1_700_000_000_000
 
 
@@ -44,7 +47,9 @@ def bench_wheel(n: int = 1_000_000) -> dict:
     exactly ``next_due()``, the precise schedule); ``jump_per_s`` (entries per second out of one
     advance over the whole spread, a clock jump); ``next_due_per_s`` (calls);
     ``bytes_per_entry_rss`` (resident-set growth while filling, allocator slack included);
-    ``bytes_per_entry_traced`` (tracemalloc: the Python allocations alone).
+    ``bytes_per_entry_traced`` (tracemalloc: the Python allocations alone); ``burst`` and
+    ``burst_adds_per_s``: adds per second of ``burst`` entries (100,000, at most ``n``) due within
+    one tick, in due order, 64 at a time (`_burst`).
     """
     dues, refs = _entries(n, seed=1)
     process = psutil.Process()
@@ -93,6 +98,9 @@ def bench_wheel(n: int = 1_000_000) -> dict:
     wheel = _fill(dues, refs)
     traced = tracemalloc.get_traced_memory()[0] - traced_before
     tracemalloc.stop()
+    del wheel
+    burst = min(n, BURST)
+    burst_s = _burst(burst)
     return {
         "entries": n,
         "adds_per_s": round(n / add_s),
@@ -103,4 +111,20 @@ def bench_wheel(n: int = 1_000_000) -> dict:
         "next_due_per_s": round(100_000 / next_due_s),
         "bytes_per_entry_rss": round((rss_after - rss_before) / n, 1),
         "bytes_per_entry_traced": round(traced / n, 1),
+        "burst": burst,
+        "burst_adds_per_s": round(burst / burst_s),
     }
+
+
+def _burst(n: int) -> float:
+    """Seconds to add `n` entries due within one tick (a campaign sent for one instant: one slot
+    holds them all), in due order, 64 at a time as replayed records come (`add_entries`)."""
+    wheel = TimingWheel(start_ms=START_MS, slots=SLOTS)
+    due = START_MS + 60_000
+    entries = [(ref, due + ref * wheel.tick_ms // n) for ref in range(n)]
+    began = time.perf_counter()
+    for i in range(0, n, 64):
+        wheel.add_entries(entries[i : i + 64], 0, START_MS)
+    took = time.perf_counter() - began
+    assert len(wheel) == n and len(wheel.advance(due + wheel.tick_ms)) == n
+    return took

@@ -6,6 +6,7 @@ build that failed quietly (the extensions are optional) would leave every node o
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -796,6 +797,36 @@ def test_the_wheel_adds_in_bulk_as_the_reference(steps):
             refused = [native_wheel.add_entries(wheels[0], list(entries), 0, step[2], 0),
                        wheels[1]._add_entries_py(list(entries), 0, step[2], 0)]
             assert refused[0] == refused[1]
+        elif step[0] == "advance":
+            assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
+        else:
+            assert wheels[0].cancel(step[1]) == wheels[1].cancel(step[1])
+        assert wheel_state(wheels[0]) == wheel_state(wheels[1])
+
+
+@SETTINGS
+@given(wheel_steps(), st.data())
+def test_the_wheel_adds_one_at_a_time_as_the_reference(steps, data):
+    """`add` (a bucket loading adds its records so), refusals included: a ref outside
+    0..MAX_REF, a due time past 64 bits (the wheel unchanged by either), one already due."""
+    assert timingwheel._native_add is native_wheel.add
+    wheels = [TimingWheel(start_ms=WHEEL_START, tick_ms=10, slots=64) for _ in range(2)]
+    for step in steps:
+        if step[0] == "add":
+            for due, ref in step[1]:
+                bad = data.draw(st.sampled_from([None] * 6 + ["ref", "due"]))
+                if bad == "ref":
+                    ref = data.draw(st.sampled_from([-1, 1 << 63]))
+                elif bad == "due":
+                    due = 1 << 64
+                got = []
+                for add in (functools.partial(native_wheel.add, wheels[0]), wheels[1]._add_py):
+                    try:
+                        got.append(add(due, ref, step[2]))
+                    except (ValueError, OverflowError) as e:
+                        got.append(type(e))
+                assert got[0] == got[1] and (bad is None or due <= step[2] or got[0] in (ValueError, OverflowError))
+                assert wheel_state(wheels[0]) == wheel_state(wheels[1])
         elif step[0] == "advance":
             assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
         else:

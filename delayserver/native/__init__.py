@@ -26,6 +26,8 @@ reference, output for output.
   (`delayserver.node.receiver._mark_committing` and the three after it);
 - `wheel.add_entries`: the timing wheel's adds of a bucket's replayed records
   (`delayserver.wheel.timingwheel.TimingWheel._add_entries_py`).
+- `wheel.add`: the timing wheel's add of one entry, as a bucket loading adds its records
+  (`delayserver.wheel.timingwheel.TimingWheel._add_py`).
 
 The crc32c of the records kernels is crc32c.h: SSE4.2 when the processor has it (checked at
 import), else a table; the same values as the crc32c package, which the rest of the code uses.

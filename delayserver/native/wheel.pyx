@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""The timing wheel's adds in bulk, compiled (`TimingWheel._add_entries_py` in
-delayserver/wheel/timingwheel.py is the reference this must equal: tests/test_native.py holds the
-two wheels to the same slots, heap and order of firing)."""
+"""The timing wheel's adds, one at a time and in bulk, compiled (`TimingWheel._add_py` and
+`_add_entries_py` in delayserver/wheel/timingwheel.py are the references these must equal:
+tests/test_native.py holds the two wheels to the same slots, heap and order of firing)."""
 from cpython cimport array
 from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
@@ -17,7 +17,7 @@ cdef long long MAX_REF = 0x7FFFFFFFFFFFFFFF
 cdef inline void _insert(wheel, list slot_entries, long long start, long long tick, Py_ssize_t mask, int shift,
                          long long due, long long ref) except *:
     """`TimingWheel.add`'s storing of one entry due after now (the caller checked the ref)."""
-    cdef Py_ssize_t slot, k, i, lo, hi
+    cdef Py_ssize_t slot, n, i, lo, hi
     cdef array.array entries
     cdef long long *data
     cdef object entry_obj
@@ -29,29 +29,39 @@ cdef inline void _insert(wheel, list slot_entries, long long start, long long ti
         wheel._push((<object>due << shift) | slot)
         return
     entries = <array.array>entry_obj
-    k = len(entries) >> 1  # (a slot's array is never empty: an emptied slot is None)
-    array.resize_smart(entries, 2 * k + 2)
+    n = len(entries)  # 2k: k pairs (due, ref), sorted by due (a slot's array is never empty)
+    array.resize_smart(entries, n + 2)
     data = entries.data.as_longlongs
-    if due >= data[k - 1]:  # the usual case within one round: at the end
-        data[2 * k + 1] = ref
-        memmove(&data[k + 1], &data[k], k * sizeof(long long))
-        data[k] = due
+    if due >= data[n - 2]:  # the usual case within one round: appended
+        data[n] = due
+        data[n + 1] = ref
     else:  # after the due times equal to it (insertion order), as bisect_right puts it
-        lo, hi = 0, k
+        lo, hi = 0, n >> 1
         while lo < hi:
             i = (lo + hi) >> 1
-            if due < data[i]:
+            if due < data[2 * i]:
                 hi = i
             else:
                 lo = i + 1
         i = lo
-        memmove(&data[k + 2 + i], &data[k + i], (k - i) * sizeof(long long))
-        data[k + 1 + i] = ref
-        memmove(&data[k + 1], &data[k], i * sizeof(long long))
-        memmove(&data[i + 1], &data[i], (k - i) * sizeof(long long))
-        data[i] = due
+        memmove(&data[2 * i + 2], &data[2 * i], (n - 2 * i) * sizeof(long long))
+        data[2 * i] = due
+        data[2 * i + 1] = ref
         if i == 0:
             wheel._push((<object>due << shift) | slot)
+
+
+def add(wheel, object due_ms, object ref, object now):
+    """`TimingWheel.add`: the entry stored and True, or False when it is due at `now`. Raises as
+    the reference does (ValueError for a ref outside 0..MAX_REF, OverflowError for a due time
+    outside 64 bits), the wheel unchanged."""
+    if due_ms <= now:
+        return False
+    if ref < 0 or ref > MAX_REF:
+        raise ValueError(f"ref must be in 0..2**63-1, got {ref}")
+    _insert(wheel, wheel._slot_entries, wheel.start_ms, wheel.tick_ms, wheel._mask, wheel._shift, due_ms, ref)
+    wheel._len += 1
+    return True
 
 
 def add_entries(wheel, list entries, object base, long long now, object min_offset):

@@ -21,8 +21,10 @@ Rules:
   ``next_due()`` exact and cheap and lets ``advance`` visit only the slots that hold something
   due, each at most once per call: no spinning through empty ticks, however far ``now`` jumps.
 
-Memory: a slot is one ``array('q')``, its k due times then their k refs, about 16 bytes per entry
-plus array growth, plus one heap key per non-empty slot. No Python object is kept per entry.
+Memory: a slot is one ``array('q')`` of its k entries' due times and refs in pairs, about 16 bytes
+per entry plus array growth, plus one heap key per non-empty slot. No Python object is kept per
+entry. An add in due order (the usual case: one delay, or times rising within a tick) appends a
+pair; one out of order moves the pairs after its place.
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ from operator import itemgetter
 import attrs
 
 try:  # the compiled adds in bulk (delayserver/native/wheel.pyx), when the install built it
+    from delayserver.native.wheel import add as _native_add
     from delayserver.native.wheel import add_entries as _native_add_entries
 except ImportError:
-    _native_add_entries = None
+    _native_add = _native_add_entries = None
 
 MAX_REF = (1 << 63) - 1
 
@@ -71,9 +74,11 @@ class TimingWheel:
     tick_ms: int = attrs.field(default=10, validator=_positive)
     slots: int = attrs.field(default=65536, validator=_power_of_two)
 
-    # Per slot: None when empty, else one array('q') holding k due times, sorted, ties in
-    # insertion order, then the k refs in step. One object per slot rather than two: half the
-    # headers, and add touches one object and one buffer (it is memory-bound; this doubled it).
+    # Per slot: None when empty, else one array('q') holding k pairs (due time, ref), sorted by
+    # due time, ties in insertion order: [due0, ref0, due1, ref1, ...]. One object per slot rather
+    # than two: half the headers, and add touches one object and one buffer (it is memory-bound;
+    # this doubled it). Pairs rather than the k due times then the k refs: an add at the end
+    # appends, where that layout moved every ref along by one.
     _slot_entries: list[array | None] = attrs.field(init=False)
     # Keys ``due << _shift | slot``: one int orders by due time and names the slot. A key is
     # valid while its slot's first due time equals its due; every non-empty slot has a valid key.
@@ -103,7 +108,7 @@ class TimingWheel:
     def _add_entries_py(self, entries: list[tuple[int, int]], base: int, now: int,
                         min_offset: int = 0) -> tuple[list[int], int, int | None]:
         """`add_entries` in Python: the compiled kernel's reference."""
-        add = self.add
+        add = self._add_py
         refused, taken, earliest = [], 0, None
         for offset, due_ms in entries:
             if offset < min_offset:
@@ -120,7 +125,15 @@ class TimingWheel:
 
         Raises ValueError when ``ref`` is outside ``0..MAX_REF`` and OverflowError when ``due_ms``
         does not fit 64 bits; the wheel is unchanged then.
+        The compiled kernel when built (a bucket loading adds its records one at a time), else
+        `_add_py`.
         """
+        if _native_add is None:
+            return self._add_py(due_ms, ref, now)
+        return _native_add(self, due_ms, ref, now)
+
+    def _add_py(self, due_ms: int, ref: int, now: int) -> bool:
+        """`add` in Python: the compiled kernel's reference."""
         if due_ms <= now:
             return False
         if ref >> 63:  # negative or over 63 bits, in one operation
@@ -131,19 +144,16 @@ class TimingWheel:
             self._slot_entries[slot] = array("q", (due_ms, ref))
             self._nonempty += 1
             self._push((due_ms << self._shift) | slot)
+        elif due_ms >= entries[-2]:
+            # The usual case within one round; bisect_right below would give the same place.
+            entries.append(due_ms)
+            entries.append(ref)
         else:
-            k = len(entries) >> 1
-            if due_ms >= entries[k - 1]:
-                # The usual case within one round; bisect_right below would give the same place.
-                entries.insert(k, due_ms)
-                entries.append(ref)
-            else:
-                # bisect_right: an equal due time goes after those already there (insertion order).
-                i = bisect_right(entries, due_ms, 0, k)
-                entries.insert(i, due_ms)
-                entries.insert(k + 1 + i, ref)
-                if not i:
-                    self._push((due_ms << self._shift) | slot)
+            # bisect_right: an equal due time goes after those already there (insertion order).
+            i = bisect_right(entries[::2], due_ms)
+            entries[2 * i : 2 * i] = array("q", (due_ms, ref))
+            if not i:
+                self._push((due_ms << self._shift) | slot)
         self._len += 1
         return True
 
@@ -174,18 +184,17 @@ class TimingWheel:
             head = key >> shift
             if entries is None or entries[0] != head:
                 continue  # stale key
-            k = len(entries) >> 1
-            if entries[k - 1] <= now:
-                tail = entries[k - 1]
-                extend(zip(entries[:k], entries[k:]))
+            if entries[-2] <= now:
+                tail = entries[-2]
+                extend(zip(entries[::2], entries[1::2]))
                 slot_entries[slot] = None
                 self._nonempty -= 1
             else:
-                j = bisect_right(entries, now, 0, k)
-                tail = entries[j - 1]
-                extend(zip(entries[:j], entries[k : k + j]))
-                del entries[k : k + j]
-                del entries[:j]
+                dues = entries[::2]
+                j = bisect_right(dues, now)
+                tail = dues[j - 1]
+                extend(zip(dues[:j], entries[1 : 2 * j : 2]))
+                del entries[: 2 * j]
                 heappush(heap, (entries[0] << shift) | slot)
             if head < latest:
                 in_order = False
@@ -210,11 +219,11 @@ class TimingWheel:
             entries = slot_entries[tick & mask]
             if entries is None:
                 continue
-            k = len(entries) >> 1
-            i = bisect_left(entries, start_ms, 0, k)
-            j = bisect_left(entries, end_ms, i, k)
+            dues = entries[::2]
+            i = bisect_left(dues, start_ms)
+            j = bisect_left(dues, end_ms, i)
             if i < j:
-                out.extend(entries[k + i : k + j])
+                out.extend(entries[2 * i + 1 : 2 * j : 2])
         return out
 
     def next_due(self) -> int | None:
@@ -246,10 +255,10 @@ class TimingWheel:
             entries = self._slot_entries[slot]
             if entries is None:
                 return False
-            k = len(entries) >> 1
-            lo, hi = bisect_left(entries, due_ms, 0, k), bisect_right(entries, due_ms, 0, k)
+            dues = entries[::2]
+            lo, hi = bisect_left(dues, due_ms), bisect_right(dues, due_ms)
             try:
-                i = entries.index(ref, k + lo, k + hi) - k
+                i = lo + entries[2 * lo + 1 : 2 * hi : 2].index(ref)
             except ValueError:
                 return False
             self._remove(slot, i)
@@ -257,7 +266,7 @@ class TimingWheel:
         for slot, entries in enumerate(self._slot_entries):
             if entries is not None and ref in entries:  # a cheap filter: it may be a due time
                 try:
-                    i = entries.index(ref, len(entries) >> 1) - (len(entries) >> 1)
+                    i = entries[1::2].index(ref)
                 except ValueError:
                     continue
                 self._remove(slot, i)
@@ -268,12 +277,11 @@ class TimingWheel:
         return self._len
 
     def __contains__(self, ref: object) -> bool:
-        return any(ref in entries[len(entries) >> 1 :] for entries in self._slot_entries if entries)
+        return any(ref in entries[1::2] for entries in self._slot_entries if entries)
 
     def _remove(self, slot: int, i: int) -> None:
         entries = self._slot_entries[slot]
-        del entries[(len(entries) >> 1) + i]
-        del entries[i]
+        del entries[2 * i : 2 * i + 2]
         self._len -= 1
         if not entries:
             self._slot_entries[slot] = None

@@ -279,7 +279,8 @@ def test_model_agrees(slots, tick_ms, start_ms, ops):
 def test_bench_wheel_reports_its_figures():
     figures = bench_wheel(n=20_000)
     assert figures["entries"] == 20_000
-    for name in ["adds_per_s", "advance_per_s", "follow_per_s", "jump_per_s", "next_due_per_s"]:
+    assert figures["burst"] == 20_000
+    for name in ["adds_per_s", "advance_per_s", "follow_per_s", "jump_per_s", "next_due_per_s", "burst_adds_per_s"]:
         assert figures[name] > 0
     # Each entry takes its 16 bytes at least; the 120-byte bound is for a full load (1,000,000
     # entries): with a few entries per 65536 slots the per-slot cost dominates.
