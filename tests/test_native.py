@@ -681,10 +681,11 @@ admit_items = st.builds(
     st.binary(max_size=24), st.sampled_from([{}, {}, {}, {"k": "v"}, {"reconsume-times": "2"}, {"": "v"}]))
 
 
-def schedule_time(spec, now):
-    if spec.value < 0:
-        raise BadScheduleTime(f"schedule time {spec.value} is outside the range")
-    return now + spec.value if spec.kind == TimeKind.DELAY else NOW + spec.value
+def schedule_time(spec, now):  # (an int is an epoch time, as Receiver.schedule_time takes one)
+    kind, value = (TimeKind.AT, spec) if type(spec) is int else (spec.kind, spec.value)
+    if value < 0:
+        raise BadScheduleTime(f"schedule time {value} is outside the range")
+    return now + value if kind == TimeKind.DELAY else NOW + value
 
 
 def admitted(fn, rows, items, view, refused, table, committing, max_bytes):

@@ -21,7 +21,7 @@ cdef enum:
 def admit(list rows, items, view, long long now, refused, refusal_text, table, dict committing, schedule_time,
           tuple at_window, long long max_bytes, tuple context):
     """`receiver._admit`: the same arguments, the same answer."""
-    send_result, duplicate, invalid_message, encode_message_fields, checked_subjects, dedupe_key, max_id, max_headers, at_spec = context
+    send_result, duplicate, invalid_message, encode_message_fields, checked_subjects, dedupe_key, max_id, max_headers = context
     cdef object at_first = at_window[0], at_last = at_window[1]
     cdef Py_ssize_t count = len(rows), i, span, id_at, id_len, subject_len, headers_len, body_len
     cdef Py_ssize_t max_id_bytes = max_id, max_headers_bytes = max_headers
@@ -73,7 +73,7 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
                 continue
         try:
             if type(spec) is int:  # an epoch time, as decoded
-                when = spec if at_first <= spec <= at_last else schedule_time(at_spec(spec), now)
+                when = spec if at_first <= spec <= at_last else schedule_time(spec, now)
             else:
                 if spec is not last_spec:
                     last_when, last_spec = schedule_time(spec, now), spec

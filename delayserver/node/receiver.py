@@ -36,7 +36,7 @@ from delayserver import failpoints
 from delayserver.dedupe import dedupe_key
 from delayserver.message import (
     MAX_HEADERS_BYTES, MAX_ID_BYTES, MAX_TIME_MS, MIN_TIME_MS, BadScheduleTime, InvalidMessage, ResultCode, TimeKind,
-    TimeSpec, check_schedule_time,
+    check_schedule_time,
 )
 from delayserver.protocol import SendBatch, SendItem, SendResult
 from delayserver.storage.epochs import EpochRegression
@@ -81,7 +81,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     ``(index, the other request's _Pending, its schedule time)`` of those that wait. Changes
     nothing. A row's time that is an int (an epoch time as the protocol decodes it) within
     `at_window` (first, last) is its schedule time as it is; any other goes through
-    `schedule_time` (an int as ``TimeSpec.at``). `context`: `_admit_context()` (what the compiled
+    `schedule_time`. `context`: `_admit_context()` (what the compiled
     `delayserver.native.receive.admit` needs from this module; it must answer as this does:
     tests/test_native.py)."""
     results: list[SendResult | None] = [None] * len(rows)
@@ -114,7 +114,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
                 continue
         try:
             if type(spec) is int:  # an epoch time, as decoded
-                when = spec if at_first <= spec <= at_last else schedule_time(TimeSpec.at(spec), now)
+                when = spec if at_first <= spec <= at_last else schedule_time(spec, now)
             else:
                 # Items of a batch usually share one time spec object (protocol.decode_send_request).
                 if spec is not last_spec:
@@ -143,7 +143,7 @@ def _admit_context() -> tuple:
     """What the compiled `admit` takes from this module (it imports nothing of the project), as the
     module holds it now (a request's worth of lookups: tests replace some of these)."""
     return (SendResult, _duplicate, InvalidMessage, encode_message_fields, CHECKED_SUBJECTS, dedupe_key,
-            MAX_ID_BYTES, MAX_HEADERS_BYTES, TimeSpec.at)
+            MAX_ID_BYTES, MAX_HEADERS_BYTES)
 
 
 # A stored request's passes over its accepted messages, ``(index, schedule time)`` each: the
@@ -304,11 +304,14 @@ class Receiver:
     # --- validation ---------------------------------------------------------------------------
 
     def schedule_time(self, spec, now: int) -> int:
-        """The absolute delivery time for a time spec; a time at or before now means now.
+        """The absolute delivery time for a time spec, or for an epoch time as an int (as a decoded
+        request keeps one: `_admit`); a time at or before now means now.
 
         Raises BadScheduleTime for a time past max_delay, an unknown level or a negative delay.
         """
-        if spec.kind == TimeKind.AT:
+        if type(spec) is int:
+            when = spec
+        elif spec.kind == TimeKind.AT:
             when = spec.value
         elif spec.kind == TimeKind.DELAY:
             if spec.value < 0:
