@@ -1051,8 +1051,11 @@ def written(tmp_path_factory, body: bytes) -> int:
 
 
 @SETTINGS
-@given(schedule_segments(), st.data(), st.sampled_from([9, 16, 100, 512]), st.sampled_from([9, 100, 600, 65536]))
-def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_read, max_record):
+@given(schedule_segments(), st.data(), st.sampled_from([9, 16, 100, 512]), st.sampled_from([9, 100, 600, 65536]),
+       st.sampled_from([None, 0, 50, 700, 1 << 20]))
+def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_read, max_record, gap):
+    # `gap`: how far apart records may lie to share a read (None: the kernel's own). What is read
+    # is the same whatever it is: only how many reads it takes changes.
     body, starts = segment
     offsets = data.draw(st.lists(st.sampled_from(starts), max_size=16) if starts else st.just([]))
     offsets += data.draw(st.lists(st.integers(0, len(body) + 50), max_size=3))
@@ -1060,8 +1063,10 @@ def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_
     size = data.draw(st.sampled_from([len(body), max(0, len(body) - 30)]))  # a segment shorter than its file
     fd = written(tmp_path_factory, body)
     try:
-        got = native_records.read_ahead(fd, size, offsets, first_read, max_record)
+        got = native_records.read_ahead(fd, size, offsets, first_read, max_record,
+                                        *(() if gap is None else (gap,)))
         expected = read_ahead._read_ahead_py(fd, size, offsets, first_read, max_record)
+        assert native_records.read_ahead(fd, size, offsets, first_read, max_record, -1) is None
     finally:
         os.close(fd)
     assert got == expected

@@ -60,6 +60,7 @@ cdef enum:
 cdef enum:
     SHARED_READ_BYTES = 1 << 16  # bucket_log.SHARED_READ_BYTES: the most one read of neighbours takes
     FIRST_READ_BYTES = 512       # the least a record read on its own reads first
+    READ_AHEAD_GAP_BYTES = 8192  # records read ahead at most this far apart share a read (read_ahead)
 
 #: What the format constants above stand for, for the tests to compare with record.py.
 FORMAT = dict(HEADER_SIZE=HEADER_SIZE, OFFSET_SIZE=OFFSET_SIZE, MESSAGE_HEAD_SIZE=MESSAGE_HEAD_SIZE,
@@ -620,12 +621,13 @@ cdef struct Ahead:
     uint8_t *own     # its own buffer (a record bigger than the first read), or NULL
 
 
-cdef Py_ssize_t run_end(const Ahead *want, Py_ssize_t i, Py_ssize_t n, int64_t first_read) noexcept nogil:
+cdef Py_ssize_t run_end(const Ahead *want, Py_ssize_t i, Py_ssize_t n, int64_t first_read,
+                        int64_t gap) noexcept nogil:
     """The end (exclusive) of the run of neighbours that starts at `want[i]`: records at most
-    `first_read` apart, read together in at most SHARED_READ_BYTES."""
+    `gap` apart, read together in at most SHARED_READ_BYTES."""
     cdef int64_t first = want[i].key.offset, last = first
     cdef Py_ssize_t j = i + 1
-    while j < n and want[j].key.offset - last <= first_read \
+    while j < n and want[j].key.offset - last <= gap \
             and want[j].key.offset + first_read - first <= SHARED_READ_BYTES:
         last = want[j].key.offset
         j += 1
@@ -665,7 +667,8 @@ def ahead_put(dict held, dict records, Py_ssize_t room):
     return kept, added
 
 
-def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record):
+def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record,
+               int64_t gap=READ_AHEAD_GAP_BYTES):
     """{offset: the bytes of the record there} for the offsets of `offsets` (one schedule_log
     segment: `fd`, `size` bytes) that hold one: header included, as the file holds them (not
     checked: `read_scheduled` checks what it decodes). An offset is left out where the length
@@ -674,15 +677,17 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
 
     For a worker thread reading what falls due soon: the reads may wait for the disk, and all of
     them run with the interpreter's lock released (one release per call, not per read: a thread
-    that takes the lock back after each read waits for the event loop each time). Neighbours share
-    a read of at most SHARED_READ_BYTES; each record is read first at `first_read` bytes, then
-    whole when it is bigger. None for the whole call on input that is not offsets."""
+    that takes the lock back after each read waits for the event loop each time). Records at most
+    `gap` bytes apart share a read of at most SHARED_READ_BYTES (the bytes between them are read
+    too, which costs less than a read of their own: READ_AHEAD_GAP_BYTES); each record is read first
+    at `first_read` bytes, then whole when it is bigger. None for the whole call on input that is
+    not offsets, or a negative `gap`."""
     cdef Py_ssize_t n = len(offsets), i, j, k
     cdef Ahead *want = NULL
     cdef uint8_t *slab = NULL
     cdef int64_t slab_size = 0, used, first, end, got, at, rsize, off
     cdef dict out = {}
-    if first_read < HEADER_SIZE or size < 0 or max_record < HEADER_SIZE:
+    if first_read < HEADER_SIZE or size < 0 or max_record < HEADER_SIZE or gap < 0:
         return None
     if n == 0:
         return out
@@ -698,7 +703,7 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
         # The runs of neighbours, and the slab that holds all of their reads.
         i = 0
         while i < n:
-            j = run_end(want, i, n, first_read)
+            j = run_end(want, i, n, first_read, gap)
             slab_size += max(0, min(want[j - 1].key.offset + first_read, size) - want[i].key.offset)
             i = j
         slab = <uint8_t *>malloc(max(slab_size, 1))
@@ -708,7 +713,7 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
             used = 0
             i = 0
             while i < n:
-                j = run_end(want, i, n, first_read)
+                j = run_end(want, i, n, first_read, gap)
                 first = want[i].key.offset
                 end = min(want[j - 1].key.offset + first_read, size)
                 got = read_fully(fd, slab + used, first, end) if end > first else 0

@@ -27,8 +27,10 @@ from delayserver.wheel.tick_manager import READ_GUESS_BYTES, TickManager
 
 log = logging.getLogger("delayserver.wheel")
 
-#: How often to look ahead.
-STEP_MS = 100
+#: How often to look ahead. A round reads what fell into the horizon since the one before: the
+#: longer the step, the closer together a round's records lie in their segment when messages
+#: arrive in random order of their due time, and the more of them share a read (`fetch`).
+STEP_MS = 500
 #: Records closer than this are read ahead as one range.
 GAP_BYTES = 64 << 10
 #: Records read into memory per read_records call: the interpreter's lock is held while their
@@ -85,15 +87,23 @@ def fetch_jobs(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[int
 
 def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
           chunk: int = FETCH_CHUNK) -> list[tuple[int, dict[int, bytes]]]:
-    """A worker thread's part: the records of each job (bucket, segment path, its size, offsets
-    in the order they fall due) read into memory, `chunk` records a read, while they fit in `room`
-    bytes, [(bucket, {offset: bytes})]; what is past it is only advised to the kernel. A segment
-    that cannot be opened is left alone (a bucket cleaned meanwhile: nothing falls due from it)."""
+    """A worker thread's part: the records of each job (bucket, segment path, its size, offsets)
+    read into memory, `chunk` records a read in the order they lie in the segment, while they fit
+    in `room` bytes, [(bucket, {offset: bytes})]; what is past it is only advised to the kernel. A
+    segment that cannot be opened is left alone (a bucket cleaned meanwhile: nothing falls due
+    from it).
+
+    In segment order, so that a chunk's records lie close together and neighbours share a read
+    (`read_records`): in the order they fall due, the records of messages that arrived in random
+    order of their due time lie all over the segment, one read each. (Over the budget, which
+    records are read and which only advised then follows their place, not their due time: both
+    are in memory when they fall due.)"""
     out, rest = [], []
     for bucket, path, size, offsets in jobs:
         if room <= 0:
             rest.append((path, ranges(offsets)))
             continue
+        offsets = sorted(offsets)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:

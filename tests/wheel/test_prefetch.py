@@ -208,3 +208,17 @@ def test_a_burst_is_read_into_memory_a_chunk_at_a_time_up_to_the_budget(tmp_path
                for _, records in got for o, raw in records.items())
     assert advised == [(path, ranges(offsets[15:])), (path, ranges(offsets[:3]))]
     node.crash()
+
+
+def test_a_rounds_records_are_read_in_the_order_they_lie_in_their_segment(tmp_path):
+    # Messages that arrive in random order of their due time lie all over their segment in the
+    # order they fall due: read in that order, each chunk's records would lie far apart, a read
+    # each. In segment order a chunk's records are neighbours, and neighbours share a read.
+    node, due, bucket = loaded_node(tmp_path, 40)
+    path = str(node.store.schedule_log.path(bucket))
+    size = node.store.schedule_log.size(bucket)
+    in_file = sorted(offset for _, offset in due.values())
+    shuffled = in_file[1::2] + in_file[0::2][::-1]  # as a round could meet them
+    got = fetch([(bucket, path, size, shuffled)], 1 << 20, advise=None, chunk=8)
+    assert [list(records) for _, records in got] == [in_file[k:k + 8] for k in range(0, 40, 8)]
+    node.crash()
