@@ -420,11 +420,20 @@ cdef object headers_of(const uint8_t *p, Py_ssize_t end):
     return headers
 
 
+#: The subject of the last due message decoded: the next one's, when its bytes are the same, is
+#: this very string (most due messages share their subject with the one before), so that no
+#: string is made and freed for it, and its hash, taken where it is routed and encoded, is kept.
+cdef object last_subject = None
+
+
 cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,
                         object message_type):
     """`_message_of(bucket, offset, record)` of the whole record at `p` (`length` bytes, header
     included), or False for what the kernel leaves to the reference: a type other than SCHEDULED,
     a crc that does not match, fields that do not add up, text that is not UTF-8."""
+    global last_subject
+    cdef Py_ssize_t known_len
+    cdef const char *known
     cdef uint32_t plen
     cdef const uint8_t *q
     cdef uint64_t mlo, seq
@@ -452,9 +461,16 @@ cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, obje
     if <uint64_t>SCHEDULED_HEAD_SIZE + idlen + slen + hlen + blen != plen:
         return False
     id_at = q + SCHEDULED_HEAD_SIZE
+    subject = None
+    if last_subject is not None:
+        known = PyUnicode_AsUTF8AndSize(last_subject, &known_len)
+        if known_len == slen and memcmp(known, id_at + idlen, slen) == 0:
+            subject = last_subject
     try:
         mid = PyUnicode_DecodeUTF8(<const char *>id_at, idlen, NULL)
-        subject = PyUnicode_DecodeUTF8(<const char *>(id_at + idlen), slen, NULL)
+        if subject is None:
+            subject = PyUnicode_DecodeUTF8(<const char *>(id_at + idlen), slen, NULL)
+            last_subject = subject
     except UnicodeDecodeError:
         return False  # the reference raises what it raises
     headers = headers_of(id_at + idlen + slen, hlen)
