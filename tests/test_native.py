@@ -1159,7 +1159,62 @@ ahead_steps = st.lists(st.one_of(
 
 
 def read_ahead_state(ra) -> tuple:
-    return ({b: list(held.items()) for b, held in ra.records.items()}, ra.held_bytes, ra.hits, ra.epoch)
+    return ({b: sorted(held.items()) for b, held in ra.records.items()}, ra.held_bytes, ra.hits, ra.epoch)
+
+
+held_steps = st.lists(st.one_of(
+    st.tuples(st.just("set"), st.sampled_from([0, 1, 300, 600, 2**40, 2**63 - 1]) | st.integers(0, 5000),
+              st.binary(max_size=8)),
+    st.tuples(st.just("put"), st.dictionaries(st.integers(0, 5000), st.binary(max_size=8), max_size=40),
+              st.integers(0, 200)),
+    st.tuples(st.just("take"), st.lists(st.integers(-3, 5000) | st.sampled_from([2**64, "1"]), max_size=40),
+              st.none()),
+), max_size=60)
+
+
+@SETTINGS
+@given(held_steps)
+def test_held_records_behave_as_the_dict_they_stand_for(steps):
+    """`HeldRecords` (a bucket's records read ahead, in an open-addressing table) against a dict
+    through the same puts and takes: what each answers, and what each then holds, to the slot
+    taken back when a record is taken out (keys that hash near each other included)."""
+    held, reference = native_records.HeldRecords(), {}
+    for op, arg, extra in steps:  # extra: the value set, or the room of a put
+        if op == "set":
+            held[arg] = extra
+            reference[arg] = extra
+        elif op == "put":
+            assert native_records.ahead_put(held, dict(arg), extra) == native_records.ahead_put(reference, dict(arg), extra)
+        else:
+            assert native_records.ahead_take(held, list(arg)) == native_records.ahead_take(reference, list(arg))
+        assert len(held) == len(reference) and sorted(held.items()) == sorted(reference.items())
+        assert all(key in held and held[key] == value and held.get(key) == value for key, value in reference.items())
+    assert sorted(held) == sorted(held.keys()) == sorted(reference)
+    assert sorted(held.values()) == sorted(reference.values())
+    for missing in (-1, 5001, 2**64, "1", None):
+        assert missing not in held and held.get(missing, "none") == "none"
+    with pytest.raises(KeyError):
+        held[5001]
+    with pytest.raises(TypeError):
+        held["1"] = b"x"
+    with pytest.raises(TypeError):
+        held[1] = "not bytes"
+
+
+def test_held_records_grow_and_give_back_every_reference():
+    held, body = native_records.HeldRecords(), bytes(range(40))
+    before = sys.getrefcount(body)
+    for k in range(5000):  # grows from 16 slots, past many doublings
+        held[k * 300] = body
+    assert len(held) == 5000 and sys.getrefcount(body) == before + 5000
+    held[0] = body  # the same key again: replaced, not counted twice
+    got, found, freed = native_records.ahead_take(held, [k * 300 for k in range(0, 5000, 2)] + [7, 301])
+    assert found == 2500 and freed == 2500 * 40 and got[-2:] == [None, None]
+    del got
+    assert len(held) == 2500 and sys.getrefcount(body) == before + 2500
+    assert sorted(held) == [k * 300 for k in range(1, 5000, 2)]
+    del held
+    assert sys.getrefcount(body) == before
 
 
 @SETTINGS

@@ -14,6 +14,8 @@ walk does the pass, raising what it raises.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.errno cimport EAGAIN, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
@@ -650,14 +652,208 @@ cdef Py_ssize_t run_end(const Ahead *want, Py_ssize_t i, Py_ssize_t n, int64_t f
     return j
 
 
-def ahead_take(dict held, list offsets):
-    """`ReadAhead._take_py` on one bucket's `held` records: per offset the bytes held for it (taken
-    out) or None, with how many were found and their bytes, ``(got, found, freed)``."""
+cdef struct HeldSlot:
+    int64_t key       # an offset; EMPTY_KEY: a free slot
+    PyObject *value   # a reference of its own (the record's bytes); NULL in a free slot
+
+
+cdef enum:
+    EMPTY_KEY = -1
+    HELD_MIN_SLOTS = 16
+
+
+cdef inline uint64_t held_home(int64_t key, int shift) noexcept nogil:
+    """A key's first slot (Fibonacci hashing: offsets a record apart spread over the table)."""
+    return (<uint64_t>key * <uint64_t>0x9E3779B97F4A7C15) >> shift
+
+
+cdef class HeldRecords:
+    """One bucket's records read ahead, {offset: bytes} (`ReadAhead.records[bucket]` where this is
+    built; a dict otherwise, which is what it must behave as: tests/test_native.py).
+
+    An open-addressing table of (offset, bytes) pairs, at most half full, probed linearly. The
+    event loop takes tens of thousands of records a second out of it, each put there about a second
+    earlier and cold in the processor's caches by then: a dict's lookup of an int key compares the
+    key object stored there (a read and a count written in another cold line, and a free when it
+    is popped); here the offset is in the slot."""
+
+    cdef HeldSlot *slots
+    cdef Py_ssize_t size, count
+    cdef int shift
+
+    def __cinit__(self):
+        self.slots = NULL
+        self.count = 0
+        self._allocate(HELD_MIN_SLOTS)
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.slots != NULL:
+            for i in range(self.size):
+                if self.slots[i].value != NULL:
+                    Py_DECREF(<object>self.slots[i].value)
+            free(self.slots)
+
+    cdef int _allocate(self, Py_ssize_t size) except -1:
+        cdef HeldSlot *slots = <HeldSlot *>malloc(size * sizeof(HeldSlot))
+        cdef Py_ssize_t i
+        if slots == NULL:
+            raise MemoryError()
+        for i in range(size):
+            slots[i].key = EMPTY_KEY
+            slots[i].value = NULL
+        self.slots = slots
+        self.size = size
+        self.shift = 64
+        while size > 1:
+            self.shift -= 1
+            size >>= 1
+        return 0
+
+    cdef Py_ssize_t _find(self, int64_t key) noexcept:
+        """The slot holding `key`, or -1."""
+        cdef Py_ssize_t mask = self.size - 1
+        cdef Py_ssize_t i = <Py_ssize_t>held_home(key, self.shift)
+        while self.slots[i].key != EMPTY_KEY:
+            if self.slots[i].key == key:
+                return i
+            i = (i + 1) & mask
+        return -1
+
+    cdef int _grow(self) except -1:
+        cdef HeldSlot *old = self.slots
+        cdef Py_ssize_t old_size = self.size, i, j, mask
+        self._allocate(old_size * 2)
+        mask = self.size - 1
+        for i in range(old_size):
+            if old[i].key != EMPTY_KEY:
+                j = <Py_ssize_t>held_home(old[i].key, self.shift)
+                while self.slots[j].key != EMPTY_KEY:
+                    j = (j + 1) & mask
+                self.slots[j] = old[i]
+        free(old)
+        return 0
+
+    cdef int put(self, int64_t key, object value) except -1:
+        """Hold `value` at `key` (replacing what was there)."""
+        cdef Py_ssize_t i, mask
+        if 2 * (self.count + 1) > self.size:
+            self._grow()
+        mask = self.size - 1
+        i = <Py_ssize_t>held_home(key, self.shift)
+        while self.slots[i].key != EMPTY_KEY and self.slots[i].key != key:
+            i = (i + 1) & mask
+        Py_INCREF(value)
+        if self.slots[i].key == key:
+            Py_DECREF(<object>self.slots[i].value)
+        else:
+            self.slots[i].key = key
+            self.count += 1
+        self.slots[i].value = <PyObject *>value
+        return 0
+
+    cdef object take(self, int64_t key):
+        """The value at `key`, taken out, or None (the slots after it moved back: no tombstones)."""
+        cdef Py_ssize_t i = self._find(key), j, mask = self.size - 1, home
+        cdef object value
+        if i < 0:
+            return None
+        value = <object>self.slots[i].value  # (a reference of its own: the slot's is dropped below)
+        Py_DECREF(value)
+        self.count -= 1
+        j = i
+        while True:
+            j = (j + 1) & mask
+            if self.slots[j].key == EMPTY_KEY:
+                break
+            home = <Py_ssize_t>held_home(self.slots[j].key, self.shift)
+            if ((j - home) & mask) >= ((j - i) & mask):  # its probe passes i: it may move there
+                self.slots[i] = self.slots[j]
+                i = j
+        self.slots[i].key = EMPTY_KEY
+        self.slots[i].value = NULL
+        return value
+
+    cdef int64_t key_of(self, object key) except -2:
+        """`key` as an offset; -1 for what cannot be one (held nowhere)."""
+        cdef int64_t k
+        return k if as_offset(key, &k) else -1
+
+    # --- as a dict of them ------------------------------------------------------------------------
+
+    def __len__(self):
+        return self.count
+
+    def __contains__(self, key):
+        cdef int64_t k = self.key_of(key)
+        return k >= 0 and self._find(k) >= 0
+
+    def __getitem__(self, key):
+        cdef int64_t k = self.key_of(key)
+        cdef Py_ssize_t i = self._find(k) if k >= 0 else -1
+        if i < 0:
+            raise KeyError(key)
+        return <object>self.slots[i].value
+
+    def __setitem__(self, key, value):
+        cdef int64_t k = self.key_of(key)
+        if k < 0:
+            raise TypeError(f"a held record's key is a segment offset, not {key!r}")
+        if type(value) is not bytes:
+            raise TypeError(f"a held record is bytes, not {type(value).__name__}")
+        self.put(k, value)
+
+    def get(self, key, default=None):
+        cdef int64_t k = self.key_of(key)
+        cdef Py_ssize_t i = self._find(k) if k >= 0 else -1
+        return <object>self.slots[i].value if i >= 0 else default
+
+    def keys(self):
+        cdef Py_ssize_t i
+        return [self.slots[i].key for i in range(self.size) if self.slots[i].key != EMPTY_KEY]
+
+    def values(self):
+        cdef Py_ssize_t i
+        return [<object>self.slots[i].value for i in range(self.size) if self.slots[i].key != EMPTY_KEY]
+
+    def items(self):
+        cdef Py_ssize_t i
+        return [(self.slots[i].key, <object>self.slots[i].value) for i in range(self.size)
+                if self.slots[i].key != EMPTY_KEY]
+
+    def update(self, records):
+        for key, value in dict(records).items():
+            self[key] = value
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __repr__(self):
+        return f"HeldRecords({dict(self.items())!r})"
+
+
+def ahead_take(held, list offsets):
+    """`ReadAhead._take_py` on one bucket's `held` records (a HeldRecords, or a dict): per offset
+    the bytes held for it (taken out) or None, with how many were found and their bytes,
+    ``(got, found, freed)``."""
     cdef Py_ssize_t k, n = len(offsets), found = 0, freed = 0
     cdef list got = [None] * n
     cdef object data
+    cdef HeldRecords table
+    cdef int64_t key
+    if type(held) is HeldRecords:
+        table = <HeldRecords>held
+        for k in range(n):
+            if not as_offset(offsets[k], &key):
+                continue
+            data = table.take(key)
+            if data is not None:
+                got[k] = data
+                found += 1
+                freed += PyBytes_GET_SIZE(data)
+        return got, found, freed
     for k in range(n):
-        data = held.pop(offsets[k], None)
+        data = (<dict?>held).pop(offsets[k], None)
         if data is not None:
             got[k] = data
             found += 1
@@ -665,19 +861,38 @@ def ahead_take(dict held, list offsets):
     return got, found, freed
 
 
-def ahead_put(dict held, dict records, Py_ssize_t room):
-    """`ReadAhead._put_py`'s keeping of `records` in one bucket's `held`: each offset not held yet,
-    in order, while their bytes fit in `room` (the first that does not fit ends it); returns
-    ``(kept, their bytes)``."""
+def ahead_put(held, dict records, Py_ssize_t room):
+    """`ReadAhead._put_py`'s keeping of `records` in one bucket's `held` (a HeldRecords, or a
+    dict): each offset not held yet, in order, while their bytes fit in `room` (the first that does
+    not fit ends it); returns ``(kept, their bytes)``. Raises TypeError for a key that is not an
+    offset or a record that is not bytes, in a HeldRecords (what was kept before it stays)."""
     cdef Py_ssize_t kept = 0, added = 0, size
     cdef object offset, data
+    cdef HeldRecords table
+    cdef int64_t key
+    if type(held) is HeldRecords:
+        table = <HeldRecords>held
+        for offset, data in records.items():
+            if not as_offset(offset, &key):
+                raise TypeError(f"a held record's key is a segment offset, not {offset!r}")
+            if type(data) is not bytes:
+                raise TypeError(f"a held record is bytes, not {type(data).__name__}")
+            if table._find(key) >= 0:
+                continue
+            size = PyBytes_GET_SIZE(data)
+            if added + size > room:
+                break
+            table.put(key, data)
+            added += size
+            kept += 1
+        return kept, added
     for offset, data in records.items():
-        if offset in held:
+        if offset in <dict?>held:
             continue
         size = len(data)
         if added + size > room:
             break
-        held[offset] = data
+        (<dict>held)[offset] = data
         added += size
         kept += 1
     return kept, added

@@ -29,11 +29,13 @@ import os
 from delayserver.storage.record import HEADER, HEADER_SIZE
 
 try:
+    from delayserver.native.records import HeldRecords
     from delayserver.native.records import ahead_put as _native_put
     from delayserver.native.records import ahead_take as _native_take
     from delayserver.native.records import read_ahead as _native_read_ahead
-except ImportError:  # not built: the references below
+except ImportError:  # not built: the references below, and a dict per bucket
     _native_read_ahead = _native_take = _native_put = None
+    HeldRecords = dict
 
 #: The most the records read ahead may hold at once (bytes of records; `read_ahead_bytes`).
 MAX_BYTES = 64 << 20
@@ -90,6 +92,9 @@ class ReadAhead:
 
     def __init__(self, max_bytes: int = MAX_BYTES):
         self.max_bytes = max_bytes
+        # Per bucket, {offset: bytes}: a compiled `HeldRecords` where the install built it (no key
+        # object per record: the loop's take of a record put there a second earlier touched three
+        # cold places in a dict), a dict otherwise.
         self.records: dict[int, dict[int, bytes]] = {}
         self.held_bytes = 0
         # Bumped whenever what is held may no longer be what the segments hold: a worker's read
@@ -112,7 +117,7 @@ class ReadAhead:
             return self._put_py(bucket, records)
         held = self.records.get(bucket)
         if held is None:
-            held = self.records[bucket] = {}
+            held = self.records[bucket] = HeldRecords()
         kept, added = _native_put(held, records, self.max_bytes - self.held_bytes)
         if not held:
             del self.records[bucket]
