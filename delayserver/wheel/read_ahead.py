@@ -8,7 +8,7 @@ kernel took 2.1 s of the event loop for the 400,000 records, 5.3 us each (1.7 us
 its own, dearer while the other core runs the fsyncs of the spool and dispatch_log), and a fifth
 of the loop's samples (py-spy).
 
-So `prefetch_due` (prefetch.py), which looks ahead every 500 ms at what falls due within the next
+So `prefetch_due` (prefetch.py), which looks ahead every 100 ms at what falls due within the next
 second, has a worker thread read those records (`read_ahead`, all of its reads with the
 interpreter's lock released) and keeps their bytes here, per bucket and offset, up to
 `max_bytes`: the event loop then decodes a due message from memory. What is over the budget is
