@@ -734,8 +734,9 @@ cdef class HeldRecords:
         free(old)
         return 0
 
-    cdef int put(self, int64_t key, object value) except -1:
-        """Hold `value` at `key` (replacing what was there)."""
+    cdef Py_ssize_t _slot_for(self, int64_t key) except -1:
+        """The slot holding `key`, or the free one it would go in (the table grown first if one
+        more would make it over half full)."""
         cdef Py_ssize_t i, mask
         if 2 * (self.count + 1) > self.size:
             self._grow()
@@ -743,6 +744,10 @@ cdef class HeldRecords:
         i = <Py_ssize_t>held_home(key, self.shift)
         while self.slots[i].key != EMPTY_KEY and self.slots[i].key != key:
             i = (i + 1) & mask
+        return i
+
+    cdef void _fill(self, Py_ssize_t i, int64_t key, object value) noexcept:
+        """Hold `value` at `key` in slot `i` (from `_slot_for`), replacing what was there."""
         Py_INCREF(value)
         if self.slots[i].key == key:
             Py_DECREF(<object>self.slots[i].value)
@@ -750,7 +755,6 @@ cdef class HeldRecords:
             self.slots[i].key = key
             self.count += 1
         self.slots[i].value = <PyObject *>value
-        return 0
 
     cdef object take(self, int64_t key):
         """The value at `key`, taken out, or None (the slots after it moved back: no tombstones)."""
@@ -801,7 +805,7 @@ cdef class HeldRecords:
             raise TypeError(f"a held record's key is a segment offset, not {key!r}")
         if type(value) is not bytes:
             raise TypeError(f"a held record is bytes, not {type(value).__name__}")
-        self.put(k, value)
+        self._fill(self._slot_for(k), k, value)
 
     def get(self, key, default=None):
         cdef int64_t k = self.key_of(key)
@@ -821,10 +825,6 @@ cdef class HeldRecords:
         return [(self.slots[i].key, <object>self.slots[i].value) for i in range(self.size)
                 if self.slots[i].key != EMPTY_KEY]
 
-    def update(self, records):
-        for key, value in dict(records).items():
-            self[key] = value
-
     def __iter__(self):
         return iter(self.keys())
 
@@ -832,67 +832,45 @@ cdef class HeldRecords:
         return f"HeldRecords({dict(self.items())!r})"
 
 
-def ahead_take(held, list offsets):
-    """`ReadAhead._take_py` on one bucket's `held` records (a HeldRecords, or a dict): per offset
-    the bytes held for it (taken out) or None, with how many were found and their bytes,
+def ahead_take(HeldRecords held, list offsets):
+    """`_take_py` (delayserver/wheel/read_ahead.py) on one bucket's `held` records: per offset the
+    bytes held for it (taken out) or None, with how many were found and their bytes,
     ``(got, found, freed)``."""
     cdef Py_ssize_t k, n = len(offsets), found = 0, freed = 0
     cdef list got = [None] * n
     cdef object data
-    cdef HeldRecords table
     cdef int64_t key
-    if type(held) is HeldRecords:
-        table = <HeldRecords>held
-        for k in range(n):
-            if not as_offset(offsets[k], &key):
-                continue
-            data = table.take(key)
-            if data is not None:
-                got[k] = data
-                found += 1
-                freed += PyBytes_GET_SIZE(data)
-        return got, found, freed
     for k in range(n):
-        data = (<dict?>held).pop(offsets[k], None)
+        if not as_offset(offsets[k], &key):
+            continue
+        data = held.take(key)
         if data is not None:
             got[k] = data
             found += 1
-            freed += len(data)
+            freed += PyBytes_GET_SIZE(data)
     return got, found, freed
 
 
-def ahead_put(held, dict records, Py_ssize_t room):
-    """`ReadAhead._put_py`'s keeping of `records` in one bucket's `held` (a HeldRecords, or a
-    dict): each offset not held yet, in order, while their bytes fit in `room` (the first that does
-    not fit ends it); returns ``(kept, their bytes)``. Raises TypeError for a key that is not an
-    offset or a record that is not bytes, in a HeldRecords (what was kept before it stays)."""
-    cdef Py_ssize_t kept = 0, added = 0, size
+def ahead_put(HeldRecords held, dict records, Py_ssize_t room):
+    """`_keep_py` (delayserver/wheel/read_ahead.py) into one bucket's `held`: each of `records` not
+    held yet, in order, while their bytes fit in `room` (the first that does not fit ends it);
+    returns ``(kept, their bytes)``. Raises TypeError for a key that is not an offset or a record
+    that is not bytes (what was kept before it stays)."""
+    cdef Py_ssize_t kept = 0, added = 0, size, i
     cdef object offset, data
-    cdef HeldRecords table
     cdef int64_t key
-    if type(held) is HeldRecords:
-        table = <HeldRecords>held
-        for offset, data in records.items():
-            if not as_offset(offset, &key):
-                raise TypeError(f"a held record's key is a segment offset, not {offset!r}")
-            if type(data) is not bytes:
-                raise TypeError(f"a held record is bytes, not {type(data).__name__}")
-            if table._find(key) >= 0:
-                continue
-            size = PyBytes_GET_SIZE(data)
-            if added + size > room:
-                break
-            table.put(key, data)
-            added += size
-            kept += 1
-        return kept, added
     for offset, data in records.items():
-        if offset in <dict?>held:
+        if not as_offset(offset, &key):
+            raise TypeError(f"a held record's key is a segment offset, not {offset!r}")
+        if type(data) is not bytes:
+            raise TypeError(f"a held record is bytes, not {type(data).__name__}")
+        i = held._slot_for(key)
+        if held.slots[i].key == key:
             continue
-        size = len(data)
+        size = PyBytes_GET_SIZE(data)
         if added + size > room:
             break
-        (<dict>held)[offset] = data
+        held._fill(i, key, data)
         added += size
         kept += 1
     return kept, added

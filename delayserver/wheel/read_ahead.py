@@ -79,6 +79,22 @@ def read_records(fd: int, size: int, offsets: list[int], first_read: int = FIRST
     return _read_ahead_py(fd, size, offsets, first_read, max_record)
 
 
+def _keep_py(held: dict[int, bytes], records: dict[int, bytes], room: int) -> tuple[int, int]:
+    """The reference of `records.ahead_put`: each of `records` not in `held` yet put there, in
+    order, while their bytes fit in `room` (the first that does not fit ends it); returns how many
+    were kept and their bytes."""
+    kept = added = 0
+    for offset, data in records.items():
+        if offset in held:
+            continue
+        if added + len(data) > room:
+            break
+        held[offset] = data
+        added += len(data)
+        kept += 1
+    return kept, added
+
+
 def _take_py(held: dict[int, bytes], offsets: list[int]) -> tuple[list, int, int]:
     """The reference of `records.ahead_take`: per offset the bytes `held` has for it (taken out) or
     None, how many were found, and their bytes."""
@@ -107,46 +123,22 @@ class ReadAhead:
         return max(0, self.max_bytes - self.held_bytes)
 
     def put(self, bucket: int, records: dict[int, bytes], epoch: int) -> int:
-        """Keep what a worker read ({offset: bytes}, taken over) if nothing changed since it began
-        (`epoch`), within the budget; returns how many records were kept: those not held already
-        (each is asked for once, mostly), the first ones while they fit. The compiled kernel
-        (`records.ahead_put`) where it is built, `_put_py` otherwise."""
+        """Keep what a worker read ({offset: bytes}) if nothing changed since it began (`epoch`),
+        within the budget; returns how many records were kept: those not held already (each is
+        asked for once, mostly), the first ones while they fit. The compiled kernel
+        (`records.ahead_put`, into a `HeldRecords`) where it is built, `_keep_py` (into a dict)
+        otherwise."""
         if epoch != self.epoch or not records:
             return 0
-        if _native_put is None:
-            return self._put_py(bucket, records)
+        keep, table = (_keep_py, dict) if _native_put is None else (_native_put, HeldRecords)
         held = self.records.get(bucket)
         if held is None:
-            held = self.records[bucket] = HeldRecords()
-        kept, added = _native_put(held, records, self.max_bytes - self.held_bytes)
+            held = self.records[bucket] = table()
+        kept, added = keep(held, records, self.max_bytes - self.held_bytes)
         if not held:
             del self.records[bucket]
         self.held_bytes += added
         return kept
-
-    def _put_py(self, bucket: int, records: dict[int, bytes]) -> int:
-        """`put`'s keeping, in Python: the compiled kernel's reference."""
-        held = self.records.get(bucket)
-        if held is not None:
-            for offset in held.keys() & records.keys():  # held already
-                del records[offset]
-        added = sum(map(len, records.values()))
-        if self.held_bytes + added > self.max_bytes:  # the first ones, while they fit
-            fits, added = {}, 0
-            for offset, data in records.items():
-                if self.held_bytes + added + len(data) > self.max_bytes:
-                    break
-                fits[offset] = data
-                added += len(data)
-            records = fits
-        if not records:
-            return 0
-        if held is None:
-            self.records[bucket] = records
-        else:
-            held.update(records)
-        self.held_bytes += added
-        return len(records)
 
     def take(self, bucket: int, offsets: list[int]) -> list | None:
         """Per offset, the bytes held for it (taken out), or None; None when the bucket has none.
