@@ -74,6 +74,7 @@ _SCHEDULE_TIME = operator.attrgetter("message.schedule_time")
 _SCHEDULE_OFFSET = operator.attrgetter("schedule_offset")
 _MESSAGE_LOG_OFFSET = operator.attrgetter("message_log_offset")
 _BUCKET = operator.attrgetter("bucket")
+_GENERATION = operator.attrgetter("generation")
 _GROUP = operator.attrgetter("group")
 _TRIED = operator.attrgetter("tried")
 _SUBJECT = operator.attrgetter("message.subject")
@@ -96,7 +97,9 @@ class BrokerGroup:
     batches: collections.deque = attrs.field(factory=collections.deque)
     # Messages routed here while the group was full or open, waiting for room.
     backlog: collections.deque = attrs.field(factory=collections.deque)
-    wakeup: Wakeup = attrs.field(factory=Wakeup)
+    wakeup: Wakeup = attrs.field(factory=Wakeup)  # queue or batches gained messages: the group task's
+    # The backlog gained messages or the group room: the backlog task's (not woken per batch routed).
+    backlog_wakeup: Wakeup = attrs.field(factory=Wakeup)
     inflight: int = 0
     sent: int = 0
     failed_batches: int = 0
@@ -192,7 +195,7 @@ class Sender:
         if old is not None:
             old.inflight -= 1
             if old.backlog:
-                old.wakeup.set()
+                old.backlog_wakeup.set()
             self._room.set()
         d.group = group
         if group is not None:
@@ -227,7 +230,7 @@ class Sender:
         self._assign(d, None)
         d.message = None
         waiting_for.backlog.append(d)
-        waiting_for.wakeup.set()
+        waiting_for.backlog_wakeup.set()
 
     def route_taken(self, batch: list[Delivery], now: int) -> None:
         """`route` of each of a batch just taken from the due queue (current, read, in no group,
@@ -389,7 +392,7 @@ class Sender:
                     self.route(group.backlog.popleft(), now)
                 await trio.lowlevel.checkpoint()
                 continue
-            await group.wakeup.wait(self._until_a_breaker_half_opens([group]) if group.backlog else None)
+            await group.backlog_wakeup.wait(self._until_a_breaker_half_opens([group]) if group.backlog else None)
 
     async def _group_task(self, group: BrokerGroup, nursery: trio.Nursery) -> None:
         """Form the group's batches and start each one's send, with up to `batches_in_flight`
@@ -412,9 +415,14 @@ class Sender:
             if group.queue:
                 if len(group.queue) < self.batch_size and self.wait_ms:
                     await trio.sleep(self.wait_ms / 1000)
-                if group.queue:
-                    return [group.queue.popleft() for _ in range(min(self.batch_size, len(group.queue)))]
-                continue
+                queue = group.queue
+                if not queue:  # taken meanwhile (a group replaced)
+                    continue
+                if len(queue) <= self.batch_size:  # all of it (no Python-level step per message)
+                    batch = list(queue)
+                    queue.clear()
+                    return batch
+                return list(map(operator.call, itertools.repeat(queue.popleft, self.batch_size)))
             await group.wakeup.wait()
 
     async def _send_released(self, group: BrokerGroup, batch: list[Delivery], slots: trio.Semaphore) -> None:
@@ -429,8 +437,8 @@ class Sender:
                 slots.release()
 
     async def _send(self, group: BrokerGroup, batch: list[Delivery]) -> None:
-        generation = self.due.generation  # `due.is_current` of each, without a call per message
-        if any(d.generation != generation for d in batch):
+        generation = self.due.generation  # `due.is_current` of each, in one C-level pass
+        if set(map(_GENERATION, batch)) != {generation}:
             for d in batch:
                 if d.generation != generation:
                     self._assign(d, None)
@@ -613,7 +621,7 @@ class Sender:
         if freed:
             group.inflight -= freed
             if group.backlog:
-                group.wakeup.set()
+                group.backlog_wakeup.set()
             self._room.set()
         self.lateness_ms.extend(lateness)
         self.on_delivered(group.name, lateness)

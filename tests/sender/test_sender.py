@@ -263,3 +263,23 @@ async def test_the_lateness_reported_is_each_delivered_messages_own(tmp_path, nu
     assert len(spooled) == 70 and min(spooled) > 0
     assert sorted(ms for _, ms in reported) == sorted(spooled) == sorted(server.sender.lateness_ms)
     assert {group for group, _ in reported} == {"g"}
+
+
+async def test_batches_routed_to_a_group_do_not_wake_its_empty_backlog(tmp_path, nursery):
+    """A group's backlog task wakes for what concerns it (its backlog filled, room freed while one
+    waits, a breaker's cool-down), not for each batch routed to the group's queue: at tens of
+    thousands of messages a second those wake-ups were a task step per batch spent on nothing."""
+    server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}]))
+    steps = collections.Counter()
+
+    class CountSteps(trio.abc.Instrument):
+        def before_task_step(self, task):
+            steps[task.name.rpartition(".")[2]] += 1
+
+    trio.lowlevel.add_instrument(CountSteps())
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+        for k in range(20):  # twenty batches, each routed on its own
+            await producer.send_many([Message("wake.q", b"x", message_id=f"w{k}-{i}") for i in range(10)])
+            await wait_until(lambda: server.sender.delivered == 10 * (k + 1), 10)
+    assert steps["_group_task"] >= 20
+    assert steps["_backlog_task"] <= 2
