@@ -71,6 +71,7 @@ OFFSET_MASK = (1 << OFFSET_BITS) - 1
 #: ref -> its bucket's index, and its offset, as C-level callables for `map`.
 _BUCKET_OF_REF = OFFSET_BITS.__rrshift__
 _OFFSET_OF_REF = OFFSET_MASK.__and__
+_REF_OF_ENTRY = operator.itemgetter(1)  # a wheel entry's (due, ref)
 READ_GUESS_BYTES = 4096
 LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
 MIN_READ_BYTES = 16 << 10  # the least a time-bounded slice reads
@@ -450,7 +451,7 @@ class TickManager:
     def _release_held(self) -> None:
         """The bucket is loaded whole: its due messages come out at once, in schedule-time order."""
         self._held.sort()
-        self.ready.extend(ref for _, ref in self._held)
+        self.ready.extend(map(_REF_OF_ENTRY, self._held))
         self._held = []
 
     # --- firing -------------------------------------------------------------------------------
@@ -472,7 +473,7 @@ class TickManager:
             if held:
                 self._held.extend(held)
                 due = [entry for entry in due if entry[1] >> OFFSET_BITS != loading]
-        self.ready.extend(ref for _, ref in due)
+        self.ready.extend(map(_REF_OF_ENTRY, due))
         return len(due)
 
     def next_load_time(self) -> int:
