@@ -921,6 +921,35 @@ def test_dues_are_made_from_reads_as_the_reference_makes_them(reads, generation)
         native_wheel.dues_of(refs + [1], reads, generation)
 
 
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 10**6)), max_size=40),
+       st.integers(0, 2), st.integers(-10**6, 10**13))
+def test_a_settled_batch_is_passed_over_as_the_sender_s_reference_does(dues, generation, now):
+    """`settled` (the sender's one pass over a batch whose dispatch records are durable): the
+    lateness of each, the refs of the current generation, the dues of the sending group freed and
+    counted, those of another group left to the caller, as `_settled_py` does them."""
+    from delayserver.sender import sender as sender_module
+
+    assert sender_module._native_settled is native_wheel.settled
+    sending, other = object(), object()
+    groups = (sending, other, None)
+
+    def batch():
+        return [native_wheel.Due(k, 1, k, r.Message(f"id-{k}", "s", b"", at, {}, 0, 0, 0), gen, group=groups[g])
+                for k, (gen, g, at) in enumerate(dues)]
+
+    native, reference = batch(), batch()
+    got = native_wheel.settled(native, now, sending, generation)
+    expected = sender_module._settled_py(reference, now, sending, generation)
+    assert got[:3] == expected[:3]
+    assert [d.ref for d in got[3]] == [d.ref for d in expected[3]] and all(d.group is other for d in got[3])
+    assert [d.group for d in native] == [d.group for d in reference]
+    assert got[2] == sum(g == 0 for _, g, _ in dues) and got[1] == [k for k, (gen, _, _) in enumerate(dues) if gen == generation]
+    # What it leaves to the reference, touching nothing: a due of another class, one without its message.
+    for odd in ([*batch(), object()], [*batch(), native_wheel.Due(0, 1, 0, None, generation, group=sending)]):
+        assert native_wheel.settled(odd, now, sending, generation) is None
+        assert [d.group for d in odd[:-1]] == [groups[g] for _, g, _ in dues]
+
+
 def test_outbound_messages_are_made_as_the_sender_s_reference_makes_them():
     messages = [r.Message(f"id-{k}", f"s{k % 3}", bytes([k]) * k, 1_000 + k, {"h": str(k)} if k % 2 else {}, 900, k, 0)
                 for k in range(20)]

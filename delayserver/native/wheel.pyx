@@ -199,3 +199,34 @@ def outbound_of(list batch, object now, object outbound_type, object message_typ
 cdef inline void _set(PyObject *t, Py_ssize_t i, object value):
     Py_INCREF(value)
     PyTuple_SET_ITEM(<object>t, i, value)
+
+
+def settled(list batch, object now, object group, object generation):
+    """`Sender._settle`'s one pass over a batch whose dispatch records are durable, as
+    `sender._settled_py` (the reference) makes it: (per due, in order, `now` minus its message's
+    schedule time; the refs of the dues of `generation`; how many were counted against `group`,
+    their group now None; the dues counted against another group, left to the caller). None
+    when one is not a compiled Due holding a message (the caller's reference does it then)."""
+    cdef Py_ssize_t k, n = len(batch), freed = 0
+    cdef list lateness = [None] * n
+    cdef list refs = []
+    cdef list others = []
+    cdef object item, m
+    cdef Due d
+    for k in range(n):
+        item = batch[k]
+        if type(item) is not Due or (<Due>item).message is None:
+            return None
+    for k in range(n):
+        d = <Due>batch[k]
+        m = d.message
+        lateness[k] = now - m.schedule_time
+        if d.generation is generation or d.generation == generation:
+            refs.append(d.ref)
+        if d.group is group:
+            d.group = None
+            freed += 1
+        elif d.group is not None:
+            others.append(d)
+    return lateness, refs, freed, others
+

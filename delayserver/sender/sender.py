@@ -55,9 +55,9 @@ from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
 
 try:
-    from delayserver.native.wheel import outbound_of as _native_outbound_of
-except ImportError:  # not built: the list comprehension of `_send`
-    _native_outbound_of = None
+    from delayserver.native.wheel import outbound_of as _native_outbound_of, settled as _native_settled
+except ImportError:  # not built: the list comprehension of `_send`, `_settled_py`
+    _native_outbound_of = _native_settled = None
 
 log = logging.getLogger("delayserver.sender")
 
@@ -70,7 +70,6 @@ DISPATCH_SYNC_LINGER_S = 0.005
 Delivery = Due
 
 # C-level field reads over a batch (`map`), without a Python-level step per message.
-_SCHEDULE_TIME = operator.attrgetter("message.schedule_time")
 _SCHEDULE_OFFSET = operator.attrgetter("schedule_offset")
 _MESSAGE_LOG_OFFSET = operator.attrgetter("message_log_offset")
 _BUCKET = operator.attrgetter("bucket")
@@ -78,6 +77,24 @@ _GENERATION = operator.attrgetter("generation")
 _GROUP = operator.attrgetter("group")
 _TRIED = operator.attrgetter("tried")
 _SUBJECT = operator.attrgetter("message.subject")
+
+
+def _settled_py(batch: list[Delivery], now: int, group, generation: int) -> tuple[list[int], list[int], int, list[Delivery]]:
+    """`Sender._settle`'s pass over a batch whose dispatch records are durable: (per due, in order,
+    `now` minus its message's schedule time; the refs of the dues of `generation`; how many were
+    counted against `group`, their group now None; the dues counted against another group, left
+    to the caller). The reference of the compiled `settled`, and what runs where it is not built."""
+    lateness, refs, freed, others = [], [], 0, []
+    for d in batch:
+        lateness.append(now - d.message.schedule_time)
+        if d.generation == generation:
+            refs.append(d.ref)
+        if d.group is group:
+            d.group = None
+            freed += 1
+        elif d.group is not None:
+            others.append(d)
+    return lateness, refs, freed, others
 
 
 def _set_each(deliveries: list[Delivery], name: str, value) -> None:
@@ -604,20 +621,14 @@ class Sender:
             self._settle(acked, group, now)
 
     def _settle(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
-        lateness = list(map(now.__sub__, map(_SCHEDULE_TIME, acked)))
-        self.due.settle_many(acked)
-        # `_assign(d, None)` of each, the room they free announced once.
-        if set(map(_GROUP, acked)) == {group}:  # most batches: all counted against the group that sent them
-            freed = len(acked)
-            _set_each(acked, "group", None)
-        else:
-            freed = 0
-            for d in acked:
-                if d.group is group:
-                    d.group = None
-                    freed += 1
-                else:
-                    self._assign(d, None)
+        # One pass over the batch (compiled where built): the dues are cold by now, and each pass
+        # over them was a cache miss per message.
+        got = None if _native_settled is None else _native_settled(acked, now, group, self.due.generation)
+        lateness, refs, freed, others = got or _settled_py(acked, now, group, self.due.generation)
+        self.due.settle_refs(refs)
+        for d in others:  # counted against another group
+            self._assign(d, None)
+        # `_assign(d, None)` of those counted against `group`, the room they free announced once.
         if freed:
             group.inflight -= freed
             if group.backlog:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import operator
 
 import attrs
 import trio
@@ -54,8 +53,6 @@ try:
 except ImportError:  # not built: the reference
     Due, _native_dues_of = DueReference, None
 
-_REF = operator.attrgetter("ref")
-_GENERATION = operator.attrgetter("generation")
 
 
 class DueQueue:
@@ -185,13 +182,10 @@ class DueQueue:
         if self.is_current(due):
             self._ticks.on_dispatched(due.ref)
 
-    def settle_many(self, dues: list[Due]) -> None:
-        """`settle` of each of `dues`."""
-        generation = self._ticks.generation
-        if set(map(_GENERATION, dues)) == {generation}:  # most: a batch taken since the last reset
-            self._ticks.on_dispatched_many(list(map(_REF, dues)))
-        else:
-            self._ticks.on_dispatched_many([due.ref for due in dues if due.generation == generation])
+    def settle_refs(self, refs: list[int]) -> None:
+        """`settle` of the dues of these refs, all of the current generation (the sender picks
+        them out of a batch in its one pass over it)."""
+        self._ticks.on_dispatched_many(refs)
 
     def drop(self, due: Due) -> None:
         """Not delivered and not owed any more (found cancelled)."""
