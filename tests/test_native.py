@@ -799,7 +799,7 @@ def test_the_wheel_adds_in_bulk_as_the_reference(steps):
                        wheels[1]._add_entries_py(list(entries), 0, step[2], 0)]
             assert refused[0] == refused[1]
         elif step[0] == "advance":
-            assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
+            assert native_wheel.advance(wheels[0], step[1]) == wheels[1]._advance_py(step[1])
         else:
             assert wheels[0].cancel(step[1]) == wheels[1].cancel(step[1])
         assert wheel_state(wheels[0]) == wheel_state(wheels[1])
@@ -829,7 +829,7 @@ def test_the_wheel_adds_one_at_a_time_as_the_reference(steps, data):
                 assert got[0] == got[1] and (bad is None or due <= step[2] or got[0] in (ValueError, OverflowError))
                 assert wheel_state(wheels[0]) == wheel_state(wheels[1])
         elif step[0] == "advance":
-            assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
+            assert native_wheel.advance(wheels[0], step[1]) == wheels[1]._advance_py(step[1])
         else:
             assert wheels[0].cancel(step[1]) == wheels[1].cancel(step[1])
         assert wheel_state(wheels[0]) == wheel_state(wheels[1])
@@ -851,10 +851,22 @@ def test_the_wheel_adds_a_buckets_replayed_records_as_the_reference(steps, data)
                    wheels[1]._add_entries_py(list(entries), base, step[2], min_offset)]
             assert got[0] == got[1]
         elif step[0] == "advance":
-            assert wheels[0].advance(step[1]) == wheels[1].advance(step[1])
+            assert native_wheel.advance(wheels[0], step[1]) == wheels[1]._advance_py(step[1])
         else:
             assert wheels[0].cancel(base | step[1]) == wheels[1].cancel(base | step[1])
         assert wheel_state(wheels[0]) == wheel_state(wheels[1])
+
+
+def test_the_wheel_advances_to_a_time_past_64_bits_as_the_reference():
+    """A `now` outside 64 bits (a due time cannot be): nothing (far back) or everything (far ahead)."""
+    assert timingwheel._native_advance is native_wheel.advance
+    wheels = [TimingWheel(start_ms=WHEEL_START, tick_ms=10, slots=64) for _ in range(2)]
+    for w in wheels:
+        w.add_entries([(ref, WHEEL_START + 7 * ref) for ref in range(1, 200)], 0, WHEEL_START)
+    for now in (-(1 << 70), WHEEL_START + 333, 1 << 70):
+        assert native_wheel.advance(wheels[0], now) == wheels[1]._advance_py(now)
+        assert wheel_state(wheels[0]) == wheel_state(wheels[1])
+    assert len(wheels[0]) == 0
 
 
 def test_the_wheel_refuses_a_bad_ref_in_bulk_as_add_does():

@@ -1,12 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""The timing wheel's adds, one at a time and in bulk, compiled (`TimingWheel._add_py` and
-`_add_entries_py` in delayserver/wheel/timingwheel.py are the references these must equal:
-tests/test_native.py holds the two wheels to the same slots, heap and order of firing)."""
+"""The timing wheel's adds (one at a time and in bulk) and its advance, compiled, and the sender's
+passes over a batch of due messages. `TimingWheel._add_py`, `_add_entries_py` and `_advance_py` in
+delayserver/wheel/timingwheel.py are the references these must equal (tests/test_native.py holds
+the two wheels to the same slots, heap and order of firing); the sender's, beside each below."""
 from cpython cimport array
 from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_SET_ITEM
 from libc.string cimport memmove
+
+from heapq import heappop, heappush
+from operator import itemgetter
 
 cdef extern from "Python.h":
     PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
@@ -230,3 +234,72 @@ def settled(list batch, object now, object group, object generation):
             others.append(d)
     return lateness, refs, freed, others
 
+
+
+cdef object _DUE_OF = itemgetter(0)
+
+
+def advance(wheel, object now):
+    """`TimingWheel.advance`: the entries due by `now` removed and returned as (due, ref) pairs,
+    by due time, ties in insertion order, as `TimingWheel._advance_py` (the reference) does, without
+    its copies of a slot's due times: a slot drained in part is searched in place."""
+    cdef list heap = wheel._heap
+    cdef list slot_entries = wheel._slot_entries
+    cdef Py_ssize_t mask = wheel._mask
+    cdef int shift = wheel._shift
+    cdef list fired = []
+    cdef object key, entries_obj, limit
+    cdef array.array entries
+    cdef long long *data
+    cdef long long head, tail, latest, at
+    cdef Py_ssize_t slot, n, i, j, lo, hi
+    cdef bint in_order = True
+    limit = (now << shift) | mask  # a key is at or under it exactly when its due is at or before now
+    if not heap or heap[0] > limit:
+        return fired
+    try:
+        at = now
+    except OverflowError:  # past 64 bits: every due time (64 bits) is before it, or none is
+        at = MAX_REF if now > 0 else -MAX_REF - 1
+    latest = heap[0] >> shift
+    while heap and heap[0] <= limit:
+        key = heappop(heap)
+        slot = key & mask
+        entries_obj = slot_entries[slot]
+        head = key >> shift
+        if entries_obj is None:
+            continue  # stale key
+        entries = <array.array>entries_obj
+        data = entries.data.as_longlongs
+        n = len(entries)
+        if data[0] != head:
+            continue  # stale key
+        if data[n - 2] <= at:
+            tail = data[n - 2]
+            for i in range(0, n, 2):
+                fired.append((data[i], data[i + 1]))
+            slot_entries[slot] = None
+            wheel._nonempty -= 1
+        else:
+            lo, hi = 0, n >> 1  # the first pair due after now (bisect_right; the first is not)
+            while lo < hi:
+                i = (lo + hi) >> 1
+                if at < data[2 * i]:
+                    hi = i
+                else:
+                    lo = i + 1
+            j = lo
+            tail = data[2 * j - 2]
+            for i in range(j):
+                fired.append((data[2 * i], data[2 * i + 1]))
+            del entries[:2 * j]
+            heappush(heap, (<object>entries.data.as_longlongs[0] << shift) | slot)
+        if head < latest:
+            in_order = False
+        if tail > latest:
+            latest = tail
+    if not in_order:
+        # Stable: equal due times share a tick, hence a slot, whose order is insertion order.
+        fired.sort(key=_DUE_OF)
+    wheel._len -= len(fired)
+    return fired

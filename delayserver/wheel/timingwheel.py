@@ -35,11 +35,12 @@ from operator import itemgetter
 
 import attrs
 
-try:  # the compiled adds in bulk (delayserver/native/wheel.pyx), when the install built it
+try:  # the compiled adds and advance (delayserver/native/wheel.pyx), when the install built it
     from delayserver.native.wheel import add as _native_add
     from delayserver.native.wheel import add_entries as _native_add_entries
+    from delayserver.native.wheel import advance as _native_advance
 except ImportError:
-    _native_add = _native_add_entries = None
+    _native_add = _native_add_entries = _native_advance = None
 
 MAX_REF = (1 << 63) - 1
 
@@ -162,8 +163,15 @@ class TimingWheel:
 
         An entry is due when ``due_ms <= now``. ``now`` may be far ahead (each slot is visited at
         most once) or behind an earlier call (only entries due by this ``now`` come out, usually
-        none).
+        none). The compiled kernel when built (it searches a slot drained in part in place, where
+        this copies its due times), else `_advance_py`.
         """
+        if _native_advance is None:
+            return self._advance_py(now)
+        return _native_advance(self, now)
+
+    def _advance_py(self, now: int) -> list[tuple[int, int]]:
+        """`advance` in Python: the compiled kernel's reference."""
         heap = self._heap
         limit = (now << self._shift) | self._mask  # key <= limit exactly when its due <= now
         if not heap or heap[0] > limit:
