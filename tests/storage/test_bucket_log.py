@@ -130,6 +130,19 @@ def dispatch(offset: int) -> bytes:
     return encode_record(RecordType.DISPATCH, encode_dispatch(Dispatch(offset, B0 + 5, "group-a")))
 
 
+def test_a_segment_path_is_made_once_per_bucket_held_and_forgotten_with_it(tmp_path):
+    """Appends, fsync rounds and reads ask for a segment's path each batch: the buckets the log
+    holds have theirs made once; a bucket it does not hold (any bucket may be asked about) gets
+    its path without being remembered, and a removed bucket's is forgotten."""
+    log = BucketLog.open(tmp_path / "schedule_log")
+    log.append(B0, encode_record(RecordType.SCHEDULED, encode_scheduled(0, b"x" * 40)))
+    assert log.path(B0) is log.path(B0) == tmp_path / "schedule_log" / (bucket_name(B0) + ".log")
+    assert log.path(B1) == tmp_path / "schedule_log" / (bucket_name(B1) + ".log") and log.path(B1) is not log.path(B1)
+    assert set(log._paths) == {B0}
+    log.remove(B0)
+    assert log._paths == {} and not log.path(B0).exists()
+
+
 def test_bucket_stats_count_scheduled_dispatched_cancelled_and_pending(tmp_path):
     store = Store.open(tmp_path)
     t = B0 + 1000
