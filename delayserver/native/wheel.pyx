@@ -18,10 +18,22 @@ cdef extern from "Python.h":
 cdef long long MAX_REF = 0x7FFFFFFFFFFFFFFF
 
 
+cdef inline Py_ssize_t _after(const long long *data, Py_ssize_t pairs, long long due) noexcept:
+    """The first of a slot's `pairs` (due, ref), sorted by due, due after `due` (bisect_right)."""
+    cdef Py_ssize_t lo = 0, hi = pairs, i
+    while lo < hi:
+        i = (lo + hi) >> 1
+        if due < data[2 * i]:
+            hi = i
+        else:
+            lo = i + 1
+    return lo
+
+
 cdef inline void _insert(wheel, list slot_entries, long long start, long long tick, Py_ssize_t mask, int shift,
                          long long due, long long ref) except *:
     """`TimingWheel.add`'s storing of one entry due after now (the caller checked the ref)."""
-    cdef Py_ssize_t slot, n, i, lo, hi
+    cdef Py_ssize_t slot, n, i
     cdef array.array entries
     cdef long long *data
     cdef object entry_obj
@@ -40,14 +52,7 @@ cdef inline void _insert(wheel, list slot_entries, long long start, long long ti
         data[n] = due
         data[n + 1] = ref
     else:  # after the due times equal to it (insertion order), as bisect_right puts it
-        lo, hi = 0, n >> 1
-        while lo < hi:
-            i = (lo + hi) >> 1
-            if due < data[2 * i]:
-                hi = i
-            else:
-                lo = i + 1
-        i = lo
+        i = _after(data, n >> 1, due)
         memmove(&data[2 * i + 2], &data[2 * i], (n - 2 * i) * sizeof(long long))
         data[2 * i] = due
         data[2 * i + 1] = ref
@@ -252,7 +257,7 @@ def advance(wheel, object now):
     cdef array.array entries
     cdef long long *data
     cdef long long head, tail, latest, at
-    cdef Py_ssize_t slot, n, i, j, lo, hi
+    cdef Py_ssize_t slot, n, i, j
     cdef bint in_order = True
     limit = (now << shift) | mask  # a key is at or under it exactly when its due is at or before now
     if not heap or heap[0] > limit:
@@ -281,14 +286,7 @@ def advance(wheel, object now):
             slot_entries[slot] = None
             wheel._nonempty -= 1
         else:
-            lo, hi = 0, n >> 1  # the first pair due after now (bisect_right; the first is not)
-            while lo < hi:
-                i = (lo + hi) >> 1
-                if at < data[2 * i]:
-                    hi = i
-                else:
-                    lo = i + 1
-            j = lo
+            j = _after(data, n >> 1, at)  # the first pair due after now (not the first: it is due)
             tail = data[2 * j - 2]
             for i in range(j):
                 fired.append((data[2 * i], data[2 * i + 1]))
