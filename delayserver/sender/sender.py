@@ -418,7 +418,10 @@ class Sender:
         delays its acknowledgements, not the hand-over of the messages falling due meanwhile."""
         slots = trio.Semaphore(self.batches_in_flight)
         while True:
-            await slots.acquire()
+            try:  # a free slot without a trip through the scheduler (a task step less per batch)
+                slots.acquire_nowait()
+            except trio.WouldBlock:
+                await slots.acquire()
             batch = await self._next_batch(group)
             group.sending += len(batch)
             nursery.start_soon(self._send_released, group, batch, slots)
