@@ -240,7 +240,6 @@ def settled(list batch, object now, object group, object generation):
     return lateness, refs, freed, others
 
 
-
 cdef object _DUE_OF = itemgetter(0)
 
 

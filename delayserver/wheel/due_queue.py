@@ -54,7 +54,6 @@ except ImportError:  # not built: the reference
     Due, _native_dues_of = DueReference, None
 
 
-
 class DueQueue:
     def __init__(self, ticks, on_corrupt=None):
         self._ticks = ticks
