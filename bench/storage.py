@@ -14,7 +14,7 @@
 - take: messages falling due taken from the due queue as the sender's dispatch task takes them
   (`DueQueue.take` of 256 at a time: the records read ahead into memory beforehand, as
   `prefetch_due` does, decoded into messages), routed to their broker group
-  (`Sender.route_taken`) and settled (`DueQueue.settle_many`): the event loop's work per delivered
+  (`Sender.route_taken`) and settled (`Sender._settle`): the event loop's work per delivered
   message that waits for no I/O, without the sending itself.
 - read: a whole schedule_log segment read as the tick manager loads it (`BucketLog.read` in 4 MiB
   chunks) and walked with `iter_records` (crc checked), each record decoded two ways:
@@ -196,8 +196,7 @@ def bench_take(directory: Path, records: int) -> Figures:
             batch = await sender.due.take(BATCH)
             sender.route_taken(batch, 0)
             group.queue.clear()
-            sender.due.settle_many(batch)
-            group.inflight -= len(batch)
+            sender._settle(batch, group, 0)  # its budget freed, its refs settled in the wheel
             count += len(batch)
         return count
 
