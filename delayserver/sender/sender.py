@@ -418,9 +418,9 @@ class Sender:
         delays its acknowledgements, not the hand-over of the messages falling due meanwhile."""
         slots = trio.Semaphore(self.batches_in_flight)
         while True:
-            try:  # a free slot without a trip through the scheduler (a task step less per batch)
-                slots.acquire_nowait()
-            except trio.WouldBlock:
+            if slots.value:
+                slots.acquire_nowait()  # no trip through the scheduler while there is room (as the pump)
+            else:
                 await slots.acquire()
             batch = await self._next_batch(group)
             group.sending += len(batch)

@@ -276,10 +276,14 @@ async def test_batches_routed_to_a_group_do_not_wake_its_empty_backlog(tmp_path,
         def before_task_step(self, task):
             steps[task.name.rpartition(".")[2]] += 1
 
-    trio.lowlevel.add_instrument(CountSteps())
-    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
-        for k in range(20):  # twenty batches, each routed on its own
-            await producer.send_many([Message("wake.q", b"x", message_id=f"w{k}-{i}") for i in range(10)])
-            await wait_until(lambda: server.sender.delivered == 10 * (k + 1), 10)
+    counting = CountSteps()
+    trio.lowlevel.add_instrument(counting)
+    try:
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+            for k in range(20):  # twenty batches, each routed on its own
+                await producer.send_many([Message("wake.q", b"x", message_id=f"w{k}-{i}") for i in range(10)])
+                await wait_until(lambda: server.sender.delivered == 10 * (k + 1), 10)
+    finally:
+        trio.lowlevel.remove_instrument(counting)
     assert steps["_group_task"] >= 20
     assert steps["_backlog_task"] <= 2
