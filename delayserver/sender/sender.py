@@ -37,6 +37,7 @@ import itertools
 import logging
 import operator
 import random
+from typing import Callable
 
 import attrs
 import trio
@@ -95,6 +96,14 @@ def _settled_py(batch: list[Delivery], now: int, group, generation: int) -> tupl
         elif d.group is not None:
             others.append(d)
     return lateness, refs, freed, others
+
+
+@attrs.frozen
+class FellDue:
+    """The tick task's signal that messages fell due, as a `Wakeup` is set: `set()` calls the
+    sender's `dispatch_now` in the caller's task step."""
+
+    set: Callable[[], None]
 
 
 def _set_each(deliveries: list[Delivery], name: str, value) -> None:
@@ -167,6 +176,8 @@ class Sender:
         self.no_route = 0
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
+        self._fell_due = FellDue(self.dispatch_now)
+        self._taking = False  # the dispatch task is in a `take` (reading records from disk)
         # Batches whose dispatch records are appended and await the fsync that settles them:
         # (acknowledged deliveries, their group, dispatch time).
         self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
@@ -176,9 +187,25 @@ class Sender:
         self.on_delivered = lambda group, lateness_ms: None
 
     @property
-    def ready(self) -> Wakeup:
-        """Set when messages fall due (the tick task sets it)."""
-        return self.due.ready
+    def ready(self) -> FellDue:
+        """What the tick task sets when messages fall due (see `FellDue`)."""
+        return self._fell_due
+
+    def dispatch_now(self) -> None:
+        """Messages fell due: take and route a batch of them in the caller's task step (the tick
+        task's, which has just advanced the wheel) when their records are in memory and a healthy
+        group has room; what is left (more than a batch, no room, records to read from disk, a
+        fenced node) wakes the dispatch task. At tens of thousands of messages a second that saves
+        the dispatch task's wake-up, a task step, per tick."""
+        due = self.due
+        if due.waiting and not self._taking and self.may_deliver():
+            room = self._room_now()
+            if room > 0:
+                dues = due.take_now(min(room, self.batch_size))
+                if dues:
+                    self.route_taken(dues, monotonic_ms())
+        if due.waiting:
+            due.ready.set()
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -370,7 +397,12 @@ class Sender:
                     timeout = self._until_a_breaker_half_opens(self.groups.values())
                 await (self._room if due.waiting else due.ready).wait(timeout)
                 continue
-            self.route_taken(await due.take(min(room, self.batch_size)), monotonic_ms())
+            self._taking = True  # (`dispatch_now` leaves the messages behind these to this task meanwhile)
+            try:
+                taken = await due.take(min(room, self.batch_size))
+            finally:
+                self._taking = False
+            self.route_taken(taken, monotonic_ms())
             if due.waiting:  # more to take: let the others run first (else the wait above does)
                 await trio.lowlevel.checkpoint()
 

@@ -64,6 +64,8 @@ class DueQueue:
         self._seq = itertools.count()
         self.cancelled = 0
         self.disk_reads = 0  # due records read in a worker thread: not in the page cache
+        # What `take_now` took and could not read from memory: (refs, reads, generation), for `take`.
+        self._unread: tuple[list[int], list, int] | None = None
 
     @property
     def generation(self) -> int:
@@ -71,7 +73,9 @@ class DueQueue:
 
     @property
     def waiting(self) -> int:
-        """Due messages not taken yet."""
+        """Due messages not taken yet (those `take_now` left unread among them)."""
+        if self._unread is not None:
+            return len(self._ticks.ready) + len(self._unread[0])
         return len(self._ticks.ready)
 
     @property
@@ -89,15 +93,42 @@ class DueQueue:
         The records in the page cache are read here, on the event loop; the others (a segment
         evicted since it was written) in a worker thread, so that the loop never waits for the
         disk: a read that waits would hold every delivery, acknowledgement and answer.
-        A record that cannot be read goes to `on_corrupt` and is skipped (raised without it)."""
-        ticks = self._ticks
-        generation = ticks.generation
-        refs = ticks.take(limit)
-        reads = ticks.read_messages(refs, cached_only=True)
+        A record that cannot be read goes to `on_corrupt` and is skipped (raised without it).
+        What `take_now` left unread is finished first."""
+        if self._unread is not None:
+            refs, reads, generation = self._unread
+            self._unread = None
+            if generation != self._ticks.generation:
+                return []  # reset since (a change of role): the reload owns them now
+        else:
+            generation = self._ticks.generation
+            refs = self._ticks.take(limit)
+            reads = self._ticks.read_messages(refs, cached_only=True)
         if set(map(type, reads)) - {tuple}:  # not all read from memory: a miss (None) or damage
             reads = await self._read_the_rest(refs, reads, generation)
             if reads is None:
                 return []  # reset meanwhile (a change of role): the reload owns them now
+        return self._dues(refs, reads, generation)
+
+    def take_now(self, limit: int) -> list[Due] | None:
+        """`take` without waiting, for a caller in the middle of its own task step (the tick task,
+        as messages fall due): the dues when every record taken is in memory (the read-ahead's or
+        the page cache's, most batches); else None, the refs taken and what was read of them left
+        for the next `take`, which reads the rest in a worker thread (`waiting` counts them)."""
+        if self._unread is not None:
+            return None  # (the next `take` finishes those first)
+        ticks = self._ticks
+        generation = ticks.generation
+        refs = ticks.take(limit)
+        reads = ticks.read_messages(refs, cached_only=True)
+        if set(map(type, reads)) - {tuple}:
+            self._unread = (refs, reads, generation)
+            return None
+        return self._dues(refs, reads, generation)
+
+    def _dues(self, refs: list[int], reads: list, generation: int) -> list[Due]:
+        """The dues of `refs`, whose messages are `reads` (None for one skipped)."""
+        ticks = self._ticks
         # Cancels and moves asked about only in buckets with cancels and while a move is under way
         # (most batches: neither).
         cancels = ticks.cancels

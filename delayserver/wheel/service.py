@@ -1,7 +1,8 @@
 """The trio task around the tick manager: load ahead, advance the wheel, wake the sender.
 
 Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
-sender is woken. While deliveries are under way (something ready or in flight, or due within a
+sender is told (`ready.set()`: a `Wakeup`, or the node's sender, which takes and routes what fell
+due in this task's step, `Sender.dispatch_now`). While deliveries are under way (something ready or in flight, or due within a
 second) and the bucket does not start soon, the loader is paced to its deadline, in slices of half
 a millisecond: it pauses between slices so that it takes only the share of the event loop
 it needs to finish in three quarters of the time left before the load turns urgent (a quarter of

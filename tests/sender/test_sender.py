@@ -265,6 +265,31 @@ async def test_the_lateness_reported_is_each_delivered_messages_own(tmp_path, nu
     assert {group for group, _ in reported} == {"g"}
 
 
+async def test_messages_falling_due_are_taken_and_routed_in_the_tick_task_s_step(tmp_path, nursery):
+    """The tick task that advanced the wheel takes and routes what fell due itself, when it is in
+    memory and a group has room: the dispatch task does not wake for each tick (at tens of
+    thousands of messages a second, a task step per tick spent on a hand-over)."""
+    server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}]))
+    steps = collections.Counter()
+
+    class CountSteps(trio.abc.Instrument):
+        def before_task_step(self, task):
+            steps[".".join(task.name.split(".")[-2:])] += 1  # "Sender.serve": the dispatch task's
+
+    counting = CountSteps()
+    trio.lowlevel.add_instrument(counting)
+    try:
+        async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+            for k in range(20):  # twenty batches falling due, each on its own tick
+                await producer.send_many([Message("tick.q", b"x", message_id=f"t{k}-{i}") for i in range(10)])
+                await wait_until(lambda: server.sender.delivered == 10 * (k + 1), 10)
+    finally:
+        trio.lowlevel.remove_instrument(counting)
+    assert steps["service.serve_ticks"] >= 20 and steps["Sender._group_task"] >= 20
+    assert steps["Sender.serve"] <= 2  # (its wait's timeout: once a second)
+    assert server.sender.due.waiting == 0 and server.sender.delivered == 200
+
+
 async def test_batches_routed_to_a_group_do_not_wake_its_empty_backlog(tmp_path, nursery):
     """A group's backlog task wakes for what concerns it (its backlog filled, room freed while one
     waits, a breaker's cool-down), not for each batch routed to the group's queue: at tens of

@@ -121,3 +121,38 @@ async def test_without_on_corrupt_the_error_is_raised(tmp_path):
     _damage(node, bucket)
     with pytest.raises(CorruptSegment):
         await DueQueue(node.ticks).take(100)
+
+
+async def test_take_now_hands_out_what_is_in_memory_without_waiting(tmp_path):
+    node, _ = _node(tmp_path)
+    spy = ThreadSpy(node.ticks)
+    due = DueQueue(node.ticks)
+    taken = due.take_now(100)
+    assert sorted(d.message.message_id for d in taken) == [f"m-{i}" for i in range(5)]
+    assert due.waiting == 0 and spy.threads == [] and len(node.ticks.inflight) == 5
+
+
+async def test_what_take_now_cannot_read_from_memory_waits_for_the_next_take(tmp_path):
+    node, _ = _node(tmp_path)
+    _evict(node)
+    spy = ThreadSpy(node.ticks)
+    due = DueQueue(node.ticks)
+    assert due.take_now(100) is None
+    # Taken off the ready queue, not read yet: still waiting, and nothing read in a thread yet.
+    assert not node.ticks.ready and due.waiting == 5 and spy.threads == []
+    assert due.take_now(100) is None  # (the next `take` finishes those first)
+    taken = await due.take(2)  # the whole of what was left, whatever the limit
+    assert sorted(d.message.message_id for d in taken) == [f"m-{i}" for i in range(5)]
+    assert due.waiting == 0 and due.disk_reads == 5 and threading.main_thread() not in spy.threads
+
+
+async def test_what_take_now_left_is_handed_out_by_no_take_after_a_reset(tmp_path):
+    node, bucket = _node(tmp_path)
+    _damage(node, bucket)
+    _evict(node)
+    quarantined = []
+    due = DueQueue(node.ticks, on_corrupt=lambda b, e: quarantined.append((b, e)))
+    assert due.take_now(100) is None
+    node.ticks.reset(node.now)  # a change of role before the dispatch task took them
+    assert await due.take(100) == []
+    assert quarantined == [] and due.waiting == 0  # nothing of the old generation acted on
