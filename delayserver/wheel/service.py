@@ -2,13 +2,13 @@
 
 Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
 sender is told (`ready.set()`: a `Wakeup`, or the node's sender, which takes and routes what fell
-due in this task's step, `Sender.dispatch_now`). While deliveries are under way (something ready or in flight, or due within a
-second) and the bucket does not start soon, the loader is paced to its deadline, in slices of half
-a millisecond: it pauses between slices so that it takes only the share of the event loop
-it needs to finish in three quarters of the time left before the load turns urgent (a quarter of
-`load_ahead` before the bucket starts), and delivery keeps the rest. The wheel goes on advancing
-through a pause, as entries fall due. A big bucket loading during a
-busy delivery window would otherwise take half the loop and let delivery fall behind.
+due in this task's step, `Sender.dispatch_now`). While deliveries are under way (something ready or
+in flight, or due within a second) and the bucket does not start soon, the loader is paced to its
+deadline, in slices of half a millisecond: it pauses between slices so that it takes only the share
+of the event loop it needs to finish in three quarters of the time left before the load turns urgent
+(a quarter of `load_ahead` before the bucket starts), and delivery keeps the rest. The wheel goes on
+advancing through a pause, as entries fall due. A big bucket loading during a busy delivery window
+would otherwise take half the loop and let delivery fall behind.
 
 A slice reads its part of the segment on the loop only when it is in the page cache (a read that
 cannot wait); otherwise the tick task reads it in a worker thread and advances the wheel meanwhile,
