@@ -177,7 +177,6 @@ class Sender:
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
         self._fell_due = FellDue(self.dispatch_now)
-        self._taking = False  # the dispatch task is in a `take` (reading records from disk)
         # Batches whose dispatch records are appended and await the fsync that settles them:
         # (acknowledged deliveries, their group, dispatch time).
         self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
@@ -198,7 +197,7 @@ class Sender:
         fenced node) wakes the dispatch task. At tens of thousands of messages a second that saves
         the dispatch task's wake-up, a task step, per tick."""
         due = self.due
-        if due.waiting and not self._taking and self.may_deliver():
+        if due.waiting and self.may_deliver():
             room = self._room_now()
             if room > 0:
                 dues = due.take_now(min(room, self.batch_size))
@@ -397,12 +396,7 @@ class Sender:
                     timeout = self._until_a_breaker_half_opens(self.groups.values())
                 await (self._room if due.waiting else due.ready).wait(timeout)
                 continue
-            self._taking = True  # (`dispatch_now` leaves the messages behind these to this task meanwhile)
-            try:
-                taken = await due.take(min(room, self.batch_size))
-            finally:
-                self._taking = False
-            self.route_taken(taken, monotonic_ms())
+            self.route_taken(await due.take(min(room, self.batch_size)), monotonic_ms())
             if due.waiting:  # more to take: let the others run first (else the wait above does)
                 await trio.lowlevel.checkpoint()
 

@@ -66,6 +66,7 @@ class DueQueue:
         self.disk_reads = 0  # due records read in a worker thread: not in the page cache
         # What `take_now` took and could not read from memory: (refs, reads, generation), for `take`.
         self._unread: tuple[list[int], list, int] | None = None
+        self._reading = False  # a `take` is reading records from disk
 
     @property
     def generation(self) -> int:
@@ -95,33 +96,37 @@ class DueQueue:
         disk: a read that waits would hold every delivery, acknowledgement and answer.
         A record that cannot be read goes to `on_corrupt` and is skipped (raised without it).
         What `take_now` left unread is finished first."""
-        if self._unread is not None:
-            refs, reads, generation = self._unread
-            self._unread = None
-            if generation != self._ticks.generation:
-                return []  # reset since (a change of role): the reload owns them now
-        else:
-            generation = self._ticks.generation
-            refs = self._ticks.take(limit)
-            reads = self._ticks.read_messages(refs, cached_only=True)
-        if set(map(type, reads)) - {tuple}:  # not all read from memory: a miss (None) or damage
+        if self._unread is None:
+            dues = self.take_now(limit)
+            if dues is not None or self._unread is None:
+                return dues or []  # (nothing, if another take is reading from disk)
+        refs, reads, generation = self._unread
+        self._unread = None
+        if generation != self._ticks.generation:
+            return []  # reset since (a change of role): the reload owns them now
+        self._reading = True
+        try:
             reads = await self._read_the_rest(refs, reads, generation)
-            if reads is None:
-                return []  # reset meanwhile (a change of role): the reload owns them now
+        finally:
+            self._reading = False
+        if reads is None:
+            return []  # reset meanwhile (a change of role): the reload owns them now
         return self._dues(refs, reads, generation)
 
     def take_now(self, limit: int) -> list[Due] | None:
         """`take` without waiting, for a caller in the middle of its own task step (the tick task,
         as messages fall due): the dues when every record taken is in memory (the read-ahead's or
         the page cache's, most batches); else None, the refs taken and what was read of them left
-        for the next `take`, which reads the rest in a worker thread (`waiting` counts them)."""
-        if self._unread is not None:
-            return None  # (the next `take` finishes those first)
+        for the next `take`, which reads the rest in a worker thread (`waiting` counts them).
+        None, taking nothing, while a `take` reads from disk or has that to do: the messages behind
+        those go after them."""
+        if self._unread is not None or self._reading:
+            return None
         ticks = self._ticks
         generation = ticks.generation
         refs = ticks.take(limit)
         reads = ticks.read_messages(refs, cached_only=True)
-        if set(map(type, reads)) - {tuple}:
+        if set(map(type, reads)) - {tuple}:  # not all read from memory: a miss (None) or damage
             self._unread = (refs, reads, generation)
             return None
         return self._dues(refs, reads, generation)

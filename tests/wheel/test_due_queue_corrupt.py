@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import trio
 
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import iter_records
@@ -156,3 +157,33 @@ async def test_what_take_now_left_is_handed_out_by_no_take_after_a_reset(tmp_pat
     node.ticks.reset(node.now)  # a change of role before the dispatch task took them
     assert await due.take(100) == []
     assert quarantined == [] and due.waiting == 0  # nothing of the old generation acted on
+
+
+async def test_take_now_takes_nothing_while_a_take_reads_from_disk(tmp_path):
+    """The messages behind those a take is reading in a worker thread go after them."""
+    node, _ = _node(tmp_path)
+    _evict(node)
+    release, started = threading.Event(), threading.Event()
+    disk_reader = node.ticks.disk_reader
+
+    def slow_reader(refs):
+        read = disk_reader(refs)
+
+        def run():
+            started.set()
+            release.wait(10)
+            return read()
+        return run
+    node.ticks.disk_reader = slow_reader
+    due = DueQueue(node.ticks)
+    taken = []
+    async with trio.open_nursery() as nursery:
+        async def take() -> None:
+            taken.extend(await due.take(2))
+        nursery.start_soon(take)
+        while not started.is_set():
+            await trio.sleep(0.001)
+        assert due.take_now(100) is None
+        assert len(node.ticks.ready) == 3  # nothing taken past the two being read
+        release.set()
+    assert len(taken) == 2 and len(node.ticks.ready) == 3
