@@ -216,7 +216,7 @@ def recover_busy(root: Path) -> dict:
             nursery.start_soon(sleep_late, waits, done.is_set)
             await trio.sleep(0.01)
             began = time.perf_counter()
-            await nursery.start(serve_ticks, ticks, Clock(), Wakeup())
+            await nursery.start(serve_ticks, ticks, Clock(), Wakeup().set)
             out["recover_s"] = time.perf_counter() - began
             done.set()
             await trio.sleep(0.01)

@@ -56,7 +56,7 @@ async def _follow(config, sender: Sender, agent: MetaAgent) -> None:
             role = agent.role
             log.warning("role is now %s at epoch %d", role.value if role else "none", agent.epoch)
         await apply_broker_groups(config, sender, agent)
-        sender.ready.set()
+        sender.dispatch_now()
 
 
 async def apply_broker_groups(config, sender: Sender, agent: MetaAgent) -> None:

@@ -197,7 +197,7 @@ class DelayServer:
                 await nursery.start(functools.partial(self.replayer.serve, self.clock,
                                                       lambda: self.receiver.durable_offset, self.durable,
                                                       checkpoint_interval_ms=c.checkpoint_interval_ms))
-                await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.ready,
+                await nursery.start(functools.partial(serve_ticks, self.ticks, self.clock, self.sender.dispatch_now,
                                                       active=self.role.is_master))
                 await nursery.start(functools.partial(prefetch_due, horizon_ms=c.read_ahead_ms), self.ticks, self.clock)
                 await nursery.start(self.sender.serve)

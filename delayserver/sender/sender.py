@@ -37,7 +37,6 @@ import itertools
 import logging
 import operator
 import random
-from typing import Callable
 
 import attrs
 import trio
@@ -96,14 +95,6 @@ def _settled_py(batch: list[Delivery], now: int, group, generation: int) -> tupl
         elif d.group is not None:
             others.append(d)
     return lateness, refs, freed, others
-
-
-@attrs.frozen
-class FellDue:
-    """The tick task's signal that messages fell due, as a `Wakeup` is set: `set()` calls the
-    sender's `dispatch_now` in the caller's task step."""
-
-    set: Callable[[], None]
 
 
 def _set_each(deliveries: list[Delivery], name: str, value) -> None:
@@ -176,7 +167,6 @@ class Sender:
         self.no_route = 0
         self.lateness_ms: collections.deque[int] = collections.deque(maxlen=100_000)
         self._room = Wakeup()
-        self._fell_due = FellDue(self.dispatch_now)
         # Batches whose dispatch records are appended and await the fsync that settles them:
         # (acknowledged deliveries, their group, dispatch time).
         self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
@@ -185,17 +175,13 @@ class Sender:
         # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
         self.on_delivered = lambda group, lateness_ms: None
 
-    @property
-    def ready(self) -> FellDue:
-        """What the tick task sets when messages fall due (see `FellDue`)."""
-        return self._fell_due
-
     def dispatch_now(self) -> None:
-        """Messages fell due: take and route a batch of them in the caller's task step (the tick
-        task's, which has just advanced the wheel) when their records are in memory and a healthy
-        group has room; what is left (more than a batch, no room, records to read from disk, a
-        fenced node) wakes the dispatch task. At tens of thousands of messages a second that saves
-        the dispatch task's wake-up, a task step, per tick."""
+        """Messages fell due (the tick task's `fell_due`), or the node's role changed: take and
+        route a batch of them in the caller's task step (the tick task's, which has just advanced
+        the wheel) when their records are in memory and a healthy group has room; what is left (more
+        than a batch, no room, records to read from disk, a fenced node) wakes the dispatch task. At
+        tens of thousands of messages a second that saves the dispatch task's wake-up, a task step,
+        per tick."""
         due = self.due
         if due.waiting and self.may_deliver():
             room = self._room_now()

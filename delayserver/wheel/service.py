@@ -1,14 +1,15 @@
 """The trio task around the tick manager: load ahead, advance the wheel, wake the sender.
 
-Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and the
-sender is told (`ready.set()`: a `Wakeup`, or the node's sender, which takes and routes what fell
-due in this task's step, `Sender.dispatch_now`). While deliveries are under way (something ready or
-in flight, or due within a second) and the bucket does not start soon, the loader is paced to its
-deadline, in slices of half a millisecond: it pauses between slices so that it takes only the share
-of the event loop it needs to finish in three quarters of the time left before the load turns urgent
-(a quarter of `load_ahead` before the bucket starts), and delivery keeps the rest. The wheel goes on
-advancing through a pause, as entries fall due. A big bucket loading during a busy delivery window
-would otherwise take half the loop and let delivery fall behind.
+Loading a bucket goes in slices of about a millisecond; between two, the wheel advances and
+`fell_due()` tells the sender (the node's is `Sender.dispatch_now`, which takes and routes what fell
+due in this task's step; a test's may be a `Wakeup`'s `set`). While deliveries are under way
+(something ready or in flight, or due within a second) and the bucket does not start soon, the
+loader is paced to its deadline, in slices of half a millisecond: it pauses between slices so that
+it takes only the share of the event loop it needs to finish in three quarters of the time left
+before the load turns urgent (a quarter of `load_ahead` before the bucket starts), and delivery
+keeps the rest. The wheel goes on advancing through a pause, as entries fall due. A big bucket
+loading during a busy delivery window would otherwise take half the loop and let delivery fall
+behind.
 
 A slice reads its part of the segment on the loop only when it is in the page cache (a read that
 cannot wait); otherwise the tick task reads it in a worker thread and advances the wheel meanwhile,
@@ -24,11 +25,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import trio
 
 from delayserver.storage.threads import run_disk
-from delayserver.wakeup import Wakeup
 from delayserver.wheel.tick_manager import LOAD_SLICE_S, TickManager
 
 log = logging.getLogger("delayserver.wheel")
@@ -82,7 +83,7 @@ async def _sleep_until(ticks: TickManager, now: int, limit_ms: int) -> None:
     ticks.sleeping_until = None
 
 
-async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float | None) -> None:
+async def _pause(ticks: TickManager, clock, fell_due: Callable[[], None], pause_s: float | None) -> None:
     """No loading for `pause_s` (None: until cancelled), but the wheel advances as entries fall
     due: a paced load's pause between two slices, or the wait for a slice's read in a worker
     thread. (At 10,000 msg/s one falls due every 0.1 ms: ending a paced pause for it would end
@@ -91,14 +92,15 @@ async def _pause(ticks: TickManager, clock, ready: Wakeup, pause_s: float | None
     while True:
         now = clock.now_ms()
         if ticks.advance(now) or ticks.ready:
-            ready.set()
+            fell_due()
         left = 1.0 if end is None else end - trio.current_time()
         if left <= 0:
             return
         await _sleep_until(ticks, now, now + int(left * 1000))
 
 
-async def _read_off_loop_unless_cached(ticks: TickManager, clock, ready: Wakeup, max_s: float) -> bytes | None:
+async def _read_off_loop_unless_cached(ticks: TickManager, clock, fell_due: Callable[[], None],
+                                       max_s: float) -> bytes | None:
     """What the next load slice reads: from the page cache here, or, when some of it is not
     there, in a worker thread, so that the loop does not wait for the disk; the wheel goes on
     advancing meanwhile, as entries fall due. None when the slice reads nothing, or when the load
@@ -111,13 +113,13 @@ async def _read_off_loop_unless_cached(ticks: TickManager, clock, ready: Wakeup,
     if data is not None:
         return data
     ticks.load_disk_reads += 1
-    data = await _in_thread_advancing(ticks, clock, ready, log_.range_reader(*pending))
+    data = await _in_thread_advancing(ticks, clock, fell_due, log_.range_reader(*pending))
     if ticks.pending_read(max_s=max_s) != pending:
         return None
     return data
 
 
-async def _in_thread_advancing(ticks: TickManager, clock, ready: Wakeup, fn):
+async def _in_thread_advancing(ticks: TickManager, clock, fell_due: Callable[[], None], fn):
     """`fn()` in a disk worker thread, the wheel advancing meanwhile as entries fall due."""
     got = []
     async with trio.open_nursery() as nursery:
@@ -126,11 +128,11 @@ async def _in_thread_advancing(ticks: TickManager, clock, ready: Wakeup, fn):
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(run)
-        await _pause(ticks, clock, ready, None)
+        await _pause(ticks, clock, fell_due, None)
     return got[0]
 
 
-async def _prepare_begin(ticks: TickManager, clock, ready: Wakeup, now: int) -> None:
+async def _prepare_begin(ticks: TickManager, clock, fell_due: Callable[[], None], now: int) -> None:
     """When the next load step begins a bucket, read what its load must skip (its dispatch_log,
     the parked records) in a worker thread first: after a restart in a busy bucket that is
     millions of records, which would hold the loop for seconds."""
@@ -138,7 +140,7 @@ async def _prepare_begin(ticks: TickManager, clock, ready: Wakeup, now: int) -> 
     if bucket is None:
         return
     generation = ticks.generation
-    settled = await _in_thread_advancing(ticks, clock, ready, ticks.settled_reader(bucket))
+    settled = await _in_thread_advancing(ticks, clock, fell_due, ticks.settled_reader(bucket))
     ticks.prepare_begin(bucket, generation, settled)
 
 
@@ -147,7 +149,7 @@ def _load_is_urgent(ticks: TickManager, now: int) -> bool:
     return ticks.loading_bucket is None or now >= _urgent_at(ticks)
 
 
-async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms: int = 1000,
+async def serve_ticks(ticks: TickManager, clock, fell_due: Callable[[], None], *, max_sleep_ms: int = 1000,
                       active=lambda: True, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Recover (load every bucket up to the load target) before reporting started, then tick.
 
@@ -159,12 +161,12 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
         # As the tick loop below loads, unpaced: what is not in the page cache is read in worker
         # threads, so that producers served meanwhile do not wait for the disk.
         now = clock.now_ms()
-        await _prepare_begin(ticks, clock, ready, now)
-        data = await _read_off_loop_unless_cached(ticks, clock, ready, LOAD_SLICE_S)
+        await _prepare_begin(ticks, clock, fell_due, now)
+        data = await _read_off_loop_unless_cached(ticks, clock, fell_due, LOAD_SLICE_S)
         if not ticks.load_step(now, data=data):
             break
         if ticks.ready:
-            ready.set()
+            fell_due()
         await trio.lowlevel.checkpoint()
     log.info("recovered: %d messages in memory, %d overdue", ticks.loaded, len(ticks.ready))
     task_status.started()
@@ -182,8 +184,8 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
         paced = False
         while True:
             max_s = PACED_SLICE_S if paced else LOAD_SLICE_S
-            await _prepare_begin(ticks, clock, ready, now)
-            data = await _read_off_loop_unless_cached(ticks, clock, ready, max_s)
+            await _prepare_begin(ticks, clock, fell_due, now)
+            data = await _read_off_loop_unless_cached(ticks, clock, fell_due, max_s)
             began, offset_before = time.perf_counter(), ticks.loaded_offset
             if not ticks.load_step(now, max_s=max_s, data=data):
                 break
@@ -200,13 +202,13 @@ async def serve_ticks(ticks: TickManager, clock, ready: Wakeup, *, max_sleep_ms:
                 pause = load_pause_s(slice_s, bytes_per_s, ticks.loading_end - ticks.loaded_offset,
                                      (_urgent_at(ticks) - now) / 1000)
             if pause:
-                await _pause(ticks, clock, ready, pause)
+                await _pause(ticks, clock, fell_due, pause)
             else:
                 await trio.lowlevel.checkpoint()
             now = clock.now_ms()
             if ticks.advance(now) or ticks.ready:
-                ready.set()
+                fell_due()
         ticks.advance(now)
         if ticks.ready:
-            ready.set()
+            fell_due()
         await _sleep_until(ticks, now, min(now + max_sleep_ms, ticks.next_load_time()))

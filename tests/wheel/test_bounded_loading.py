@@ -71,7 +71,7 @@ async def test_a_message_due_while_the_next_bucket_loads_goes_out_before_the_loa
 
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_ticks, node.ticks, clock, ready)
+            await nursery.start(serve_ticks, node.ticks, clock, ready.set)
             await consume()
             nursery.cancel_scope.cancel()
     at, bucket, loaded, end = seen[0]
@@ -109,7 +109,7 @@ async def test_a_slice_whose_segment_is_not_in_the_page_cache_is_read_in_a_worke
     ticks = node.ticks
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_ticks, ticks, clock, Wakeup())
+            await nursery.start(serve_ticks, ticks, clock, Wakeup().set)
             while not (ticks.loading_bucket == B1 and ticks.loaded_offset == ticks.loading_end):
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
@@ -136,7 +136,7 @@ async def test_the_wheel_advances_while_a_slice_waits_for_the_disk(tmp_path, thr
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
             try:
-                await nursery.start(serve_ticks, ticks, clock, Wakeup())  # the current bucket loaded
+                await nursery.start(serve_ticks, ticks, clock, Wakeup().set)  # the current bucket loaded
                 evict_every_segment(node, a_slow_disk)
                 await trio.to_thread.run_sync(entered.wait, 60)
                 assert ticks.loading_bucket == B1 and ticks.loaded_offset == 0

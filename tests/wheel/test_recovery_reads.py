@@ -81,7 +81,7 @@ async def test_recovery_walks_a_big_dispatch_log_off_the_loop(tmp_path, monkeypa
 
         nursery.start_soon(serve_producers)
         with trio.fail_after(30):
-            await nursery.start(serve_ticks, node.ticks, clock, Wakeup())
+            await nursery.start(serve_ticks, node.ticks, clock, Wakeup().set)
         nursery.cancel_scope.cancel()
     assert verdicts == [True], "the dispatch_log was read on the event loop, holding every other task"
     # And the load skipped exactly what was delivered.
@@ -104,7 +104,7 @@ async def test_a_torn_tail_of_a_big_dispatch_log_is_cut_after_a_read_in_a_thread
     clock = FixedClock(now)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(30):
-            await nursery.start(serve_ticks, node.ticks, clock, Wakeup())
+            await nursery.start(serve_ticks, node.ticks, clock, Wakeup().set)
         nursery.cancel_scope.cancel()
     assert path.stat().st_size == whole and node.store.dispatch_log.size(B0) == whole
     assert node.ticks.loaded == MESSAGES - dispatched

@@ -50,7 +50,7 @@ async def test_hundreds_of_messages_with_delays_up_to_hours_fire_within_a_tick(t
 
     with trio.fail_after(12 * HOUR_MS / 1000):
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_ticks, node.ticks, clock, ready)
+            await nursery.start(serve_ticks, node.ticks, clock, ready.set)
             overdue = sum(1 for _, t in early if t <= START_MS)
             assert len(node.ticks.ready) == overdue, "recovery ran before the task reported started"
             nursery.start_soon(produce)
@@ -74,7 +74,7 @@ async def test_a_clock_step_under_serve_ticks_fires_nothing_early_and_what_becam
     ready = Wakeup()
     fired: list = []
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve_ticks, node.ticks, clock, ready)
+        await nursery.start(serve_ticks, node.ticks, clock, ready.set)
         nursery.start_soon(consume, node, clock, ready, len(times), fired)
         await trio.sleep(30 * 60 + 1)
         assert len(fired) == 30
@@ -150,7 +150,7 @@ async def test_deliveries_due_while_a_paced_load_pauses_fire_on_time(tmp_path, a
     fired: list = []
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_ticks, node.ticks, clock, ready)
+            await nursery.start(serve_ticks, node.ticks, clock, ready.set)
             await consume(node, clock, ready, len(due), fired)
             loading = (node.ticks.loading_bucket, node.ticks.loaded_offset < node.ticks.loading_end)
             nursery.cancel_scope.cancel()
