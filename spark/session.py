@@ -14,8 +14,10 @@ pandas, crc32c, attrs, pyspark) import the data sources and the record layouts f
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -127,11 +129,15 @@ def stop(spark: SparkSession) -> None:
 
 
 def ship(spark: SparkSession) -> str:
-    """Add a zip of SHIPPED_PACKAGES to the session's Python path (once per context); returns it."""
+    """Add a zip of SHIPPED_PACKAGES to the session's Python path (once per context); returns it.
+    The zip's temporary directory is removed when the process exits (a context may hand the zip
+    to an executor at any time while it runs)."""
     context = spark.sparkContext
     if id(context) in _shipped:
         return _shipped[id(context)]
-    path = pack(Path(tempfile.mkdtemp(prefix="delayserver-reconcile-")) / "delayserver-reconcile.zip")
+    directory = tempfile.mkdtemp(prefix="delayserver-reconcile-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = pack(Path(directory) / "delayserver-reconcile.zip")
     context.addPyFile(str(path))
     _shipped[id(context)] = str(path)
     return str(path)

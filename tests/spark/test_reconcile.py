@@ -367,18 +367,24 @@ class Script:
     stdout: Path
     stderr: Path
     out: Path
+    tmp: Path  # its TMPDIR
 
     @classmethod
     def start(cls, directory: Path, command: list[str], *args: str) -> "Script":
-        env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+        tmp = directory / "tmp"
+        tmp.mkdir()
+        env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "TMPDIR": str(tmp)}
         stdout, stderr = directory / "stdout", directory / "stderr"
         with open(stdout, "w") as out, open(stderr, "w") as err:
             process = subprocess.Popen([*command, str(REPO / "spark" / "reconcile.py"), *args], env=env, cwd=REPO,
                                        stdout=out, stderr=err, text=True)
-        return cls(process, stdout, stderr, directory / "out")
+        return cls(process, stdout, stderr, directory / "out", tmp)
 
     def finish(self) -> tuple[int, str, str]:
+        """Its exit status, output and the end of its error output, once it exited; it left no
+        temporary directory of its own behind (the zip of the code it ships)."""
         status = self.process.wait(timeout=300)
+        assert not list(self.tmp.glob("delayserver-reconcile-*"))
         return status, self.stdout.read_text(), self.stderr.read_text()[-5000:]
 
 
