@@ -181,8 +181,7 @@ async def test_take_now_takes_nothing_while_a_take_reads_from_disk(tmp_path):
         async def take() -> None:
             taken.extend(await due.take(2))
         nursery.start_soon(take)
-        while not started.is_set():
-            await trio.sleep(0.001)
+        assert await trio.to_thread.run_sync(started.wait, 10)
         assert due.take_now(100) is None
         assert len(node.ticks.ready) == 3  # nothing taken past the two being read
         release.set()
