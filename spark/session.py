@@ -121,6 +121,7 @@ def stop(spark: SparkSession) -> None:
     JVM and wait for it to write the archive (about 12 s here, once per machine), so that the
     archive is complete when it is put in place; the next session then launches a JVM of its own."""
     archive = _archives.pop(id(spark.sparkContext), None)
+    _shipped.pop(id(spark.sparkContext), None)  # (a context started later may get the same id)
     spark.stop()
     if archive is not None and archive.pending is not None:
         jvm.finish(archive, SparkContext._gateway)
