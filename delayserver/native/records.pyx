@@ -874,6 +874,7 @@ def ahead_take(HeldRecords held, list offsets):
                 obj = <const char *>held.slots[i].value
                 for line in range(PREFETCH_LINES):
                     DS_PREFETCH(obj + 64 * line)
+    # (Each take finds its slot again: a take moves the slots after the one it empties back.)
     for k in range(n):
         if not as_offset(offsets[k], &key):
             continue
