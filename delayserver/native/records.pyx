@@ -12,6 +12,8 @@ bytearray per bucket, without an object per piece. Anything unusual (a record ty
 know, a head too short, a cancel whose id is not UTF-8) makes it hand back None, and the Python
 walk does the pass, raising what it raises.
 """
+from cpython cimport array
+import array
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject
@@ -283,6 +285,10 @@ def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequenc
     return size
 
 
+#: An empty array "Q" (64-bit keys) that `array.clone` copies the type of.
+cdef array.array KEYS_TEMPLATE = array.array("Q")
+assert KEYS_TEMPLATE.itemsize == 8
+
 cdef enum:
     OFFSET_BITS = 40  # id_index.OFFSET_BITS: a key is a hash or a time above a segment offset
     HASH_MASK = 0xFFFFFF  # id_index.HASH_MASK
@@ -308,9 +314,12 @@ cdef bint key_fields(object item, Py_ssize_t pos, Py_ssize_t *at, int64_t *sched
 
 def id_keys(list ids, Py_ssize_t pos):
     """The id index keys of the records an append at `pos` added, from their `ids` (as the walk
-    gives them): `IdIndex._add_ids`'s list, or None for ids it leaves to it (a message id that
-    is not bytes, a field out of range, an offset past the key's)."""
-    cdef list out = []
+    gives them): `IdIndex._add_ids`'s keys, in an array "Q" (no int object per key: the index's
+    arrays take them with one copy), or None for ids it leaves to it (a message id that is not
+    bytes, a field out of range, an offset past the key's)."""
+    cdef Py_ssize_t count = len(ids), n = 0
+    cdef array.array out = array.clone(KEYS_TEMPLATE, count, zero=False)
+    cdef uint64_t *keys = <uint64_t *>out.data.as_voidptr
     cdef object mid
     cdef int64_t sched
     cdef Py_ssize_t at
@@ -324,18 +333,23 @@ def id_keys(list ids, Py_ssize_t pos):
             return None
         crc = crc32c_update(<uint32_t>(<uint64_t>sched & 0xFFFFFFFF), <const uint8_t *><char *>mid, len(<bytes>mid))
         h = (<uint64_t>(<int64_t>crc ^ (sched >> 32))) & HASH_MASK
-        out.append((h << OFFSET_BITS) | <uint64_t>(pos + at))
+        keys[n] = (h << OFFSET_BITS) | <uint64_t>(pos + at)
+        n += 1
     return out
 
 
 def time_keys(list ids, Py_ssize_t pos, int64_t scale):
     """The time index keys of the SCHEDULED records an append at `pos` added, from their `ids`:
-    `TimeIndex._add_ids`'s list, or None for what it leaves to it."""
-    cdef list out = []
+    `TimeIndex._add_ids`'s keys, in an array "Q", or None for what it leaves to it."""
+    cdef Py_ssize_t count = len(ids), n = 0
+    cdef array.array out
+    cdef uint64_t *keys
     cdef int64_t sched, m
     cdef Py_ssize_t at
     if scale <= 0:
         return None
+    out = array.clone(KEYS_TEMPLATE, count, zero=False)
+    keys = <uint64_t *>out.data.as_voidptr
     for item in ids:
         if not key_fields(item, pos, &at, &sched):
             return None
@@ -344,7 +358,10 @@ def time_keys(list ids, Py_ssize_t pos, int64_t scale):
         m = sched % scale
         if m < 0:
             m += scale
-        out.append((<uint64_t>m << OFFSET_BITS) | <uint64_t>(pos + at))
+        keys[n] = (<uint64_t>m << OFFSET_BITS) | <uint64_t>(pos + at)
+        n += 1
+    if n < count:
+        array.resize(out, n)
     return out
 
 

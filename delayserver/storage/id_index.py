@@ -222,8 +222,8 @@ class SortedRuns:
         if len(self._tail_keys) >= TAIL_KEYS:
             self.seal()
 
-    def extend(self, keys: list[int]) -> None:
-        """`add` of each key (an index without values)."""
+    def extend(self, keys) -> None:
+        """`add` of each of `keys`, a list or an array "Q" (an index without values)."""
         self._tail_keys.extend(keys)
         if len(self._tail_keys) >= TAIL_KEYS:
             self.seal()
@@ -664,8 +664,8 @@ class IdIndex(_LogIndex):
             b.unsaved.append(key)
 
     @staticmethod
-    def _keep_all(b: _Bucket, keys: list[int]) -> None:
-        """`_keep` of each key, in one call."""
+    def _keep_all(b: _Bucket, keys) -> None:
+        """`_keep` of each of `keys` (a list, or the compiled kernels' array "Q"), in one call."""
         b.runs.extend(keys)
         if b.collecting:
             b.unsaved.extend(keys)
