@@ -2,13 +2,16 @@
 """The receiver's pass over a request's messages, compiled (`_admit` in delayserver/node/receiver.py
 is the reference this must equal, row for row: tests/test_native.py holds them side by side).
 
-A message that passes the checks at a glance gets its payload here: a MESSAGE head written in
-front of a copy of its span of the request, into one new bytearray. Everything else (a refusal,
-a duplicate, a message whose fields need `encode_message_fields`'s checks) is answered as the
-reference answers it, through the same Python objects (`context`).
+The messages to store are framed here, one after the other, into one bytearray per request: each
+a record header (its length and type; its checksum, like its sequence, is set when the commit task
+gives it its sequence: `record.sequence_framed`) and its payload. A message that passes the checks
+at a glance gets a MESSAGE head written in front of a copy of its span of the request. Everything
+else (a refusal, a duplicate, a message whose fields need `encode_message_fields`'s checks) is
+answered as the reference answers it, through the same Python objects (`context`).
 """
 cimport cython
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64
@@ -16,6 +19,23 @@ from delayserver.native.idmap cimport IdMap
 
 cdef enum:
     MESSAGE_HEAD_SIZE = 36  # store q, schedule q, sequence Q, flags H, id B, subject B, headers I, body I
+    HEADER_SIZE = 9  # a record's header: crc I, length I, type B (record.HEADER)
+    T_MESSAGE = 1
+
+
+cdef uint8_t *reserve(bytearray framed, Py_ssize_t used, Py_ssize_t need) except NULL:
+    """The bytes of `framed` from `used` on, grown first when it holds fewer than `need` more."""
+    cdef Py_ssize_t size = PyByteArray_GET_SIZE(framed)
+    if used + need > size:
+        PyByteArray_Resize(framed, max(used + need, 2 * size))
+    return <uint8_t *>PyByteArray_AS_STRING(framed) + used
+
+
+cdef inline void put_record_header(uint8_t *out, Py_ssize_t length) noexcept:
+    """A MESSAGE record's header, its checksum left for when it is sequenced."""
+    put32(out, 0)
+    put32(out + 4, <uint32_t>length)
+    out[8] = T_MESSAGE
 
 
 def admit(list rows, items, view, long long now, refused, refusal_text, table, dict committing, schedule_time,
@@ -29,13 +49,14 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     cdef IdMap only_map = only_ids if type(only_ids) is IdMap else None  # probed without a Python call
     cdef list results = [None] * count
     cdef list accepted = []
-    cdef list payloads = []
+    cdef bytearray framed = bytearray()
+    cdef Py_ssize_t used = 0, cap = 0
     cdef dict in_batch = {}
     cdef list keys = [None] * count
     cdef list twins = []
     cdef list waits = []
     cdef object last_spec = None, last_when = 0, when, spec, message_id, subject, headers, key = None, known
-    cdef object payload, item
+    cdef object encoded, item
     cdef tuple row
     cdef const uint8_t[::1] buf
     cdef Py_ssize_t buf_n = 0
@@ -44,6 +65,13 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     if view is not None:
         buf = view
         buf_n = buf.shape[0]
+        for i in range(count):  # room for every message stored from its span: one allocation
+            row = <tuple>rows[i]
+            if row[4] >= 0:
+                cap += HEADER_SIZE + MESSAGE_HEAD_SIZE + <Py_ssize_t>row[5] + <Py_ssize_t>row[6] \
+                    + <Py_ssize_t>row[7] + <Py_ssize_t>row[8]
+        if cap > 0 and refused is None:
+            PyByteArray_Resize(framed, cap)
     if only_map is not None and refused is None:  # the probes' cache misses, overlapped
         for i in range(count):
             row = <tuple>rows[i]
@@ -85,8 +113,9 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
                     and (not headers_len or (headers_len <= max_headers_bytes and "" not in headers))
                     and id_at + span <= buf_n and type(when) is int):
                 when_c = when
-                payload = PyByteArray_FromStringAndSize(NULL, MESSAGE_HEAD_SIZE + span)
-                out = <uint8_t *>PyByteArray_AS_STRING(payload)
+                out = reserve(framed, used, HEADER_SIZE + MESSAGE_HEAD_SIZE + span)
+                put_record_header(out, MESSAGE_HEAD_SIZE + span)
+                out += HEADER_SIZE
                 put64(out, <uint64_t>now)
                 put64(out + 8, <uint64_t>when_c)
                 put64(out + 16, 0)
@@ -97,18 +126,27 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
                 put32(out + 28, <uint32_t>headers_len)
                 put32(out + 32, <uint32_t>body_len)
                 memcpy(out + MESSAGE_HEAD_SIZE, &buf[id_at], span)
+                used += HEADER_SIZE + MESSAGE_HEAD_SIZE + span
             else:
                 item = items[i]
-                payload = bytearray(encode_message_fields(item.message_id, item.subject, item.body, when,
-                                                          item.headers, now, max_body_bytes=max_bytes))
+                encoded = encode_message_fields(item.message_id, item.subject, item.body, when,
+                                                item.headers, now, max_body_bytes=max_bytes)
+                if type(encoded) is not bytes:
+                    encoded = bytes(encoded)
+                span = PyBytes_GET_SIZE(encoded)
+                out = reserve(framed, used, HEADER_SIZE + span)
+                put_record_header(out, span)
+                memcpy(out + HEADER_SIZE, PyBytes_AS_STRING(encoded), span)
+                used += HEADER_SIZE + span
         except invalid_message as e:
             results[i] = send_result(e.code, str(e), 0, message_id)
             continue
         accepted.append((i, when))
-        payloads.append(payload)
         if table is not None:
             in_batch[key] = i
-    return results, accepted, payloads, keys, twins, waits
+    if PyByteArray_GET_SIZE(framed) != used:
+        PyByteArray_Resize(framed, used)
+    return results, accepted, framed, keys, twins, waits
 
 
 # --- a stored request's bookkeeping: `Receiver.send`'s passes over its accepted messages ----------

@@ -285,6 +285,43 @@ def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequenc
     return size
 
 
+def sequence_framed(framed, Py_ssize_t count, uint64_t sequence):
+    """`record.sequence_framed`: the `count` records of `framed` given their sequences from
+    `sequence` on and their checksums, in place; returns their bytes. None, with nothing changed,
+    for what it leaves to the reference (which raises for it): not a bytearray of `count` whole
+    records of types message_log holds, each with room for its sequence; sequences past 2**64."""
+    cdef Py_ssize_t n, pos = 0, i
+    cdef uint8_t *p
+    cdef uint32_t length
+    cdef uint8_t rtype
+    if type(framed) is not bytearray or count < 0:
+        return None
+    if count and sequence > 0xFFFFFFFFFFFFFFFF - <uint64_t>(count - 1):
+        return None
+    n = PyByteArray_GET_SIZE(framed)
+    p = <uint8_t *>PyByteArray_AS_STRING(framed)
+    for i in range(count):  # first the whole layout checked, so that a bad one changes nothing
+        if n - pos < HEADER_SIZE:
+            return None
+        length = be32(p + pos + 4)
+        rtype = p[pos + 8]
+        if not (rtype == T_MESSAGE or rtype == T_CANCEL or rtype == T_SCHEDULE or is_transactional(rtype)) \
+                or length < TXN_PREFIX_SIZE or <Py_ssize_t>length > n - pos - HEADER_SIZE:
+            return None
+        pos += HEADER_SIZE + length
+    if pos != n:
+        return None
+    pos = 0
+    for i in range(count):
+        length = be32(p + pos + 4)
+        rtype = p[pos + 8]
+        put64(p + pos + HEADER_SIZE + 16, sequence)
+        sequence += 1
+        put_header(p + pos, rtype, type_seed(rtype), p + pos + HEADER_SIZE, length)
+        pos += HEADER_SIZE + length
+    return n
+
+
 #: An empty array "Q" (64-bit keys) that `array.clone` copies the type of.
 cdef array.array KEYS_TEMPLATE = array.array("Q")
 assert KEYS_TEMPLATE.itemsize == 8

@@ -26,6 +26,7 @@ Failure rules:
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from typing import Callable, Sequence
 
@@ -42,8 +43,8 @@ from delayserver.protocol import SendBatch, SendItem, SendResult
 from delayserver.storage.epochs import EpochRegression
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
-    CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, add_sequenced_records,
-    encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change,
+    CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, add_sequenced_records,
+    encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change, sequence_framed,
 )
 from delayserver.storage.segment import storage_failures
 from delayserver.storage.threads import run_disk
@@ -72,12 +73,14 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     """`Receiver.send`'s pass over a request's messages, in order: the ones refused (`refused`, with
     `refusal_text`), invalid, or duplicates of an id in the dedupe `table`, earlier in the request
     or committing for another request (`committing`: key -> (its _Pending, its schedule time)), and
-    the payloads of the others, each a new MESSAGE head in front of its span of the request (`view`
+    the records of the others, framed: each a record header (its checksum left for
+    `sequence_framed`) and a payload, a new MESSAGE head in front of its span of the request (`view`
     over it; a row without a span, or whose fields need checks, goes through `encode_message_fields`).
 
-    Returns ``(results, accepted, payloads, keys, twins, waits)``: a result per row (None for the
-    ones to store), ``(index, schedule time)`` and the payload of each to store, the dedupe key of
-    each row (None without a table), ``(index, index of the first row with its id)`` of the twins,
+    Returns ``(results, accepted, framed, keys, twins, waits)``: a result per row (None for the
+    ones to store), ``(index, schedule time)`` of each to store and their records in one bytearray,
+    the dedupe key of each row (None without a table), ``(index, index of the first row with its
+    id)`` of the twins,
     ``(index, the other request's _Pending, its schedule time)`` of those that wait. Changes
     nothing. A row's time that is an int (an epoch time as the protocol decodes it) within
     `at_window` (first, last) is its schedule time as it is; any other goes through
@@ -86,7 +89,8 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     tests/test_native.py)."""
     results: list[SendResult | None] = [None] * len(rows)
     accepted: list[tuple[int, int]] = []
-    payloads: list[bytearray] = []
+    framed = bytearray()
+    message_header = functools.partial(HEADER.pack, 0)  # (its checksum: set when it is sequenced)
     in_batch: dict[str, int] = {}
     keys: list[str | None] = [None] * len(rows)
     twins: list[tuple[int, int]] = []
@@ -123,20 +127,23 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
             if (id_at >= 0 and 0 < id_len <= MAX_ID_BYTES and subject in checked_subjects
                     and body_len <= max_bytes
                     and (not headers_len or (headers_len <= MAX_HEADERS_BYTES and "" not in headers))):
-                payload = bytearray(pack_head(now, when, 0, 0, id_len, subject_len, headers_len, body_len))
-                payload += view[id_at : id_at + id_len + subject_len + headers_len + body_len]
+                span = id_len + subject_len + headers_len + body_len
+                framed += message_header(MESSAGE_HEAD.size + span, RecordType.MESSAGE)
+                framed += pack_head(now, when, 0, 0, id_len, subject_len, headers_len, body_len)
+                framed += view[id_at : id_at + span]
             else:
                 item = items[i]
-                payload = bytearray(encode_message_fields(item.message_id, item.subject, item.body, when,
-                                                          item.headers, now, max_body_bytes=max_bytes))
+                payload = encode_message_fields(item.message_id, item.subject, item.body, when,
+                                                item.headers, now, max_body_bytes=max_bytes)
+                framed += message_header(len(payload), RecordType.MESSAGE)
+                framed += payload
         except InvalidMessage as e:
             results[i] = SendResult(e.code, str(e), 0, message_id)
             continue
         accepted.append((i, when))
-        payloads.append(payload)
         if table is not None:
             in_batch[key] = i
-    return results, accepted, payloads, keys, twins, waits
+    return results, accepted, framed, keys, twins, waits
 
 
 def _admit_context() -> tuple:
@@ -185,10 +192,14 @@ RECENT_BATCHES = 64
 
 @attrs.define(eq=False)
 class _Pending:
-    """The records of one request, committed together: one event per request, not per message."""
+    """The records of one request, committed together: one event per request, not per message.
+    Their payloads (`payloads`), or for a send the records `admit` framed (`framed`, `records` of
+    them)."""
 
     rtype: int
     payloads: list[bytearray]
+    framed: bytearray | None = None
+    records: int = -1  # how many (of `payloads`, unless `framed`)
     done: trio.Event = attrs.field(factory=trio.Event)
     rtypes: tuple[int, ...] = ()  # one type per payload, for a request of mixed records
     code: ResultCode = ResultCode.OK
@@ -201,7 +212,11 @@ class _Pending:
     nbytes: int = attrs.field(init=False)  # the payloads' bytes
 
     def __attrs_post_init__(self) -> None:
-        self.nbytes = sum(map(len, self.payloads))
+        if self.framed is None:
+            self.records = len(self.payloads)
+            self.nbytes = sum(map(len, self.payloads))
+        else:
+            self.nbytes = len(self.framed) - HEADER_SIZE * self.records
 
 
 class RecentBatches:
@@ -378,12 +393,12 @@ class Receiver:
         refused = self._refuse_writes()
         table = self.dedupe if self.dedupe is not None and self.dedupe.enabled else None
         admit = _admit if _native_admit is None else _native_admit
-        results, accepted, payloads, keys, twins, waits = admit(
+        results, accepted, framed, keys, twins, waits = admit(
             rows, items, view, now, refused, None if refused is None else self._refusal_text(refused), table,
             self._committing, self.schedule_time, self._at_window(now), self.config.max_message_bytes,
             _admit_context())
-        if payloads:
-            p = _Pending(RecordType.MESSAGE, payloads)
+        if accepted:
+            p = _Pending(RecordType.MESSAGE, [], framed=framed, records=len(accepted))
             if table is not None:
                 mark_committing(self._committing, keys, accepted, p)
                 p.on_durable = lambda: table.remember_many(accepted_entries(keys, accepted), now)
@@ -476,7 +491,7 @@ class Receiver:
 
     async def _commit(self, pending: _Pending) -> None:
         self._queue.append(pending)
-        self._queued += len(pending.payloads)
+        self._queued += pending.records
         self._queued_bytes += pending.nbytes
         self._wakeup.set()
         await pending.done.wait()
@@ -513,19 +528,19 @@ class Receiver:
         batch, total, taken = [], 0, 0
         for p in self._queue:
             payload_bytes = p.nbytes
-            size = payload_bytes + HEADER_SIZE * len(p.payloads)
+            size = payload_bytes + HEADER_SIZE * p.records
             if batch and total + size > limit:
                 break
             taken += 1
             if size > limit:
                 self._finish([p], ResultCode.MESSAGE_TOO_LARGE,
                              f"request of {size} bytes is over the {limit}-byte write window of message_log")
-                self._queued -= len(p.payloads)
+                self._queued -= p.records
                 self._queued_bytes -= payload_bytes
                 continue
             batch.append(p)
             total += size
-            self._queued -= len(p.payloads)
+            self._queued -= p.records
             self._queued_bytes -= payload_bytes
         del self._queue[:taken]
         return batch, total
@@ -549,12 +564,15 @@ class Receiver:
         parts, seq = [encode_epoch_record(epoch)], max(self.next_sequence, self.sequence_floor())
         sizes = []
         for p in batch:
-            if p.rtypes:  # records of mixed types (a move: MESSAGE then CANCEL), one at a time
+            if p.framed is not None:  # a send's records, framed by `admit`: sequenced in place
+                sizes.append(sequence_framed(p.framed, p.records, seq))
+                parts.append(p.framed)
+            elif p.rtypes:  # records of mixed types (a move: MESSAGE then CANCEL), one at a time
                 sizes.append(sum(add_sequenced_records(parts, rtype, [payload], seq + k)
                                  for k, (rtype, payload) in enumerate(zip(p.rtypes, p.payloads))))
             else:  # records of one type (a send): framed in one call
                 sizes.append(add_sequenced_records(parts, p.rtype, p.payloads, seq))
-            seq += len(p.payloads)
+            seq += p.records
         data = b"".join(parts)
         try:
             start = self.store.message_log.append(data, epoch)
@@ -621,7 +639,7 @@ class Receiver:
             # Durable here, but the master's lease lapsed meanwhile: a newer master may be taking
             # writes, so no acknowledgement goes out (the producer retries with the new master).
             return self._finish(batch, ResultCode.FENCED, ResultCode.FENCED.description)
-        self.appended += sum(len(p.payloads) for p in batch)
+        self.appended += sum(p.records for p in batch)
         self.batches += 1
         self._finish(batch, ResultCode.OK, "")
         # Acks released, replay not begun: the replayer cannot have read this batch (no await since

@@ -65,8 +65,9 @@ from delayserver.message import (
 
 try:  # the compiled framing (delayserver/native/records.pyx), when the install built it
     from delayserver.native.records import add_sequenced_records as _native_add_sequenced_records
+    from delayserver.native.records import sequence_framed as _native_sequence_framed
 except ImportError:
-    _native_add_sequenced_records = None
+    _native_add_sequenced_records = _native_sequence_framed = None
 try:
     from delayserver.native.records import dispatch_records as _native_dispatch_records
 except ImportError:  # pragma: no cover - a build without a C compiler
@@ -477,6 +478,53 @@ def _add_sequenced_records_py(parts: list, rtype: int, payloads: list[bytearray]
         parts += (header(crc(payload, value=seed), n, rtype), payload)
         size += n
     return size
+
+
+def sequence_framed(framed: bytearray, count: int, sequence: int) -> int:
+    """Give each of the `count` records of `framed` (whole records of types message_log holds, one
+    after the other, each payload starting with its store time, schedule time and sequence, as
+    the receiver's `admit` frames a request's messages) its sequence from `sequence` on and its
+    checksum, in place: the same records `add_sequenced_records` makes of their payloads. Returns
+    the bytes they take. Raises ValueError when `framed` is not `count` such records. The compiled
+    kernel (delayserver/native/records.pyx) when built, else `_sequence_framed_py`."""
+    if _native_sequence_framed is not None:
+        size = _native_sequence_framed(framed, count, sequence)
+        if size is not None:
+            return size
+    return _sequence_framed_py(framed, count, sequence)
+
+
+def _sequence_framed_py(framed: bytearray, count: int, sequence: int) -> int:
+    """`sequence_framed` in Python: the compiled kernel's reference."""
+    if type(framed) is not bytearray:
+        raise ValueError(f"framed records must be in a bytearray, not a {type(framed).__name__}")
+    if count < 0:
+        raise ValueError(f"a count of framed records must not be negative, got {count}")
+    spans, pos = [], 0
+    for _ in range(count):
+        if pos + HEADER_SIZE > len(framed):
+            raise ValueError(f"framed records end inside a header at {pos}")
+        _, length, rtype = HEADER.unpack_from(framed, pos)
+        if rtype not in _SEQUENCED_TYPES or length < _SEQUENCE_AT + _SEQUENCE.size \
+                or pos + HEADER_SIZE + length > len(framed):
+            raise ValueError(f"framed record at {pos} is no sequenced record (type {rtype}, {length} bytes)")
+        spans.append((pos, rtype, length))
+        pos += HEADER_SIZE + length
+    if pos != len(framed):
+        raise ValueError(f"framed records end at {pos}, before the {len(framed)} bytes framed")
+    put, header = _SEQUENCE.pack_into, HEADER.pack_into
+    with memoryview(framed) as view:
+        for at, rtype, length in spans:
+            payload = at + HEADER_SIZE
+            put(framed, payload + _SEQUENCE_AT, sequence)
+            sequence += 1
+            header(framed, at, _crc32c.crc32c(view[payload : payload + length], value=_TYPE_CRC[rtype]), length, rtype)
+    return pos
+
+
+#: The record types whose payloads start with store time, schedule time and sequence, as message_log holds them.
+_SEQUENCED_TYPES = frozenset({RecordType.MESSAGE, RecordType.CANCEL, RecordType.SCHEDULE, RecordType.PREPARE,
+                              RecordType.COMMIT, RecordType.ROLLBACK, RecordType.TXN_CHECK, RecordType.TXN_PARK})
 
 
 def scheduled_time(buf, start: int) -> int:
