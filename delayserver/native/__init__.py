@@ -8,14 +8,16 @@ reference, output for output.
 - `records.walk`: the replayer's pass over message_log records (`delayserver.replayer.walk`);
 - `records.add_sequenced_records`: the receiver's framing of a request's records
   (`delayserver.storage.record._add_sequenced_records_py`);
+- `records.sequence_framed`: the sequences and checksums of a send's records, framed by `admit`
+  (`delayserver.storage.record._sequence_framed_py`);
 - `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`);
 - `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`);
 - `send.encode_items`, `send.decode_results`: a producer's SEND request and its response
   (`delayserver.protocol._encode_send_request_py`, `_decode_send_response_py`);
 - `resp.xadd_commands`: the Redis transport's XADD commands of a batch
   (`delayserver.sender.redis_streams._xadd_commands_py`);
-- `records.id_keys`, `records.time_keys`: the id and time index keys of a replayed append
-  (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
+- `records.id_keys`, `records.time_keys`: the id and time index keys of a replayed append, in an
+  array "Q" (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
 - `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids
   (`delayserver.dedupe.DedupeTable._remember_many_py`);
 - `idmap.IdMap`: the dedupe table's map of ids to positions, probed from C by `remember_many`

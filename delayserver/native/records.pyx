@@ -4,7 +4,9 @@ holds them side by side):
 
 - `walk`: the replayer's pass over message_log records (`walk` in delayserver/replayer.py);
 - `add_sequenced_records`: the receiver's framing of a request's payloads
-  (`add_sequenced_records` in delayserver/storage/record.py).
+  (`add_sequenced_records` in delayserver/storage/record.py);
+- `sequence_framed`: the sequencing in place of a send's records that the receiver's pass framed
+  (`sequence_framed` in delayserver/storage/record.py).
 
 The walk reads record headers and heads by hand and writes each bucket's schedule_log records (header,
 message_log offset, the message_log payload as it is, a crc over both) straight into one

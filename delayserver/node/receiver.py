@@ -80,10 +80,9 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     Returns ``(results, accepted, framed, keys, twins, waits)``: a result per row (None for the
     ones to store), ``(index, schedule time)`` of each to store and their records in one bytearray,
     the dedupe key of each row (None without a table), ``(index, index of the first row with its
-    id)`` of the twins,
-    ``(index, the other request's _Pending, its schedule time)`` of those that wait. Changes
-    nothing. A row's time that is an int (an epoch time as the protocol decodes it) within
-    `at_window` (first, last) is its schedule time as it is; any other goes through
+    id)`` of the twins, ``(index, the other request's _Pending, its schedule time)`` of those that
+    wait. Changes nothing. A row's time that is an int (an epoch time as the protocol decodes it)
+    within `at_window` (first, last) is its schedule time as it is; any other goes through
     `schedule_time`. `context`: `_admit_context()` (what the compiled
     `delayserver.native.receive.admit` needs from this module; it must answer as this does:
     tests/test_native.py)."""
