@@ -1398,6 +1398,59 @@ def test_the_dispatch_records_are_the_reference(when, group, offsets):
         assert (d.schedule_offset, d.dispatch_time, d.broker_group, d.message_log_offset) == (so, when, group, max(mlo, -1))
 
 
+@SETTINGS
+@given(st.integers(-(2**63), 2**63 - 1), st.sampled_from(["g", "group-\u00e9", "x" * 255]),
+       st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**63 - 1) | st.integers(-3, -1)), max_size=6),
+       st.integers(-1, 1), st.booleans())
+def test_the_dispatch_data_is_the_reference(when, group, offsets, count_off, as_arrays):
+    """The records of a batch in one piece: the reference's, which are the records
+    `encode_dispatch_records` makes, joined."""
+    schedule_offsets = [so for so, _ in offsets]
+    message_log_offsets = [mlo for _, mlo in offsets][:max(0, len(offsets) + count_off)]
+    if as_arrays:  # as the sender hands them over
+        schedule_offsets, message_log_offsets = array.array("Q", schedule_offsets), array.array("q", message_log_offsets)
+    mine = native_records.dispatch_data(when, r._group_bytes(group), schedule_offsets, message_log_offsets)
+    try:
+        theirs = r._encode_dispatch_data_py(when, group, schedule_offsets, message_log_offsets)
+    except ValueError:  # not an offset of each kind per record
+        assert mine is None and len(message_log_offsets) != len(schedule_offsets)
+        return
+    assert theirs == b"".join(r.encode_dispatch_records(when, group, offsets))
+    if mine is None:
+        assert not as_arrays or any(mlo < 0 for _, mlo in offsets), "an ordinary batch was left to the reference"
+    else:
+        assert mine == theirs
+    assert r.encode_dispatch_data(when, group, schedule_offsets, message_log_offsets) == theirs
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from([3_600_000, 7_200_000]), st.integers(0, 2**63 - 1) | st.just(2**64),
+                          st.integers(0, 2**63 - 1) | st.integers(-2, -1)), max_size=5),
+       st.booleans())
+def test_the_dispatch_fields_are_the_reference(fields, compiled):
+    """The sender's pass over an acknowledged batch: its bucket and both offsets of each, in
+    arrays, for a batch of one bucket whose dues all have both; None otherwise."""
+    from delayserver.sender import sender as sender_module
+    from delayserver.wheel import due_queue
+    cls = native_wheel.Due if compiled else due_queue.DueReference
+    batch = [cls(k, bucket, so, None, message_log_offset=mlo) for k, (bucket, so, mlo) in enumerate(fields)]
+    theirs = sender_module._dispatch_fields_py(batch)
+    ordinary = bool(fields) and len({b for b, _, _ in fields}) == 1 and all(
+        0 <= so < 2**63 and mlo >= 0 for _, so, mlo in fields)
+    assert (theirs is not None) == ordinary
+    if theirs is not None:
+        bucket, schedule_offsets, message_log_offsets = theirs
+        assert bucket == fields[0][0] and list(schedule_offsets) == [so for _, so, _ in fields]
+        assert list(message_log_offsets) == [mlo for _, _, mlo in fields]
+        assert (schedule_offsets.typecode, message_log_offsets.typecode) == ("Q", "q")
+    mine = native_wheel.dispatch_fields(batch)
+    if compiled:
+        assert mine == theirs
+    else:
+        assert mine is None  # (the compiled pass takes only its own dues)
+    assert sender_module._dispatch_fields is native_wheel.dispatch_fields
+
+
 def test_the_source_distribution_holds_every_source_of_the_kernels(tmp_path):
     """A build from the sdist compiles the kernels only if their headers and .pxd files are in it;
     without them the optional extensions fail quietly and every node runs the references. Built

@@ -1184,6 +1184,45 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
 # --- dispatch_log records ---------------------------------------------------------------------------
 
 
+def dispatch_data(int64_t dispatch_time, bytes group, schedule_offsets, message_log_offsets):
+    """`record.encode_dispatch_data(dispatch_time, group.decode(), schedule_offsets,
+    message_log_offsets)` for `group` (the broker group's name as `_group_bytes` gives it) and the
+    offsets in arrays "Q" and "q": the DISPATCH records, one after the other in one bytes; or None
+    for what it leaves to it: offsets of other counts or types, a message_log offset below zero (a
+    record without one)."""
+    cdef Py_ssize_t n, k, glen = len(group), plen = DISPATCH_HEAD_SIZE + glen + OFFSET_SIZE
+    cdef Py_ssize_t size = HEADER_SIZE + plen
+    cdef uint32_t seed = type_seed(T_DISPATCH)
+    cdef const uint64_t *so
+    cdef const int64_t *mlo
+    cdef bytes data
+    cdef uint8_t *p
+    if type(schedule_offsets) is not array.array or type(message_log_offsets) is not array.array:
+        return None
+    if (<array.array>schedule_offsets).ob_descr.typecode != b"Q"[0] \
+            or (<array.array>message_log_offsets).ob_descr.typecode != b"q"[0]:
+        return None
+    n = len(schedule_offsets)
+    if not 1 <= glen <= 255 or len(message_log_offsets) != n:
+        return None
+    so = <const uint64_t *>(<array.array>schedule_offsets).data.as_voidptr
+    mlo = <const int64_t *>(<array.array>message_log_offsets).data.as_voidptr
+    for k in range(n):
+        if mlo[k] < 0:
+            return None  # a record without one
+    data = PyBytes_FromStringAndSize(NULL, size * n)
+    p = <uint8_t *><char *>data
+    for k in range(n):
+        put64(p + HEADER_SIZE, so[k])
+        put64(p + HEADER_SIZE + 8, <uint64_t>dispatch_time)
+        p[HEADER_SIZE + 16] = <uint8_t>glen
+        memcpy(p + HEADER_SIZE + DISPATCH_HEAD_SIZE, <const char *>group, glen)
+        put64(p + HEADER_SIZE + DISPATCH_HEAD_SIZE + glen, <uint64_t>mlo[k])
+        put_header(p, T_DISPATCH, seed, p + HEADER_SIZE, <uint32_t>plen)
+        p += size
+    return data
+
+
 def dispatch_records(int64_t dispatch_time, bytes group, list offsets):
     """`record.encode_dispatch_records(dispatch_time, group.decode(), offsets)` for `group` (the
     broker group's name as `_group_bytes` gives it), or None for what it leaves to it: a

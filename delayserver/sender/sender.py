@@ -32,6 +32,7 @@ generation.
 """
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import logging
@@ -49,15 +50,16 @@ from delayserver.sender.groups import (
 from delayserver.sender.parked import ParkedLog
 from delayserver.sender.transport import ACKED, DeliveryResult, OutboundMessage, Outcome, Transport
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
-from delayserver.storage.record import Message, encode_dispatch_records
+from delayserver.storage.record import Message, encode_dispatch_data, encode_dispatch_records
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 from delayserver.wheel.due_queue import Due, DueQueue
 
 try:
+    from delayserver.native.wheel import dispatch_fields as _native_dispatch_fields
     from delayserver.native.wheel import outbound_of as _native_outbound_of, settled as _native_settled
-except ImportError:  # not built: the list comprehension of `_send`, `_settled_py`
-    _native_outbound_of = _native_settled = None
+except ImportError:  # not built: the list comprehension of `_send`, `_settled_py`, `_dispatch_fields_py`
+    _native_dispatch_fields = _native_outbound_of = _native_settled = None
 
 log = logging.getLogger("delayserver.sender")
 
@@ -95,6 +97,22 @@ def _settled_py(batch: list[Delivery], now: int, group, generation: int) -> tupl
         elif d.group is not None:
             others.append(d)
     return lateness, refs, freed, others
+
+
+def _dispatch_fields_py(batch: list[Delivery]) -> tuple[int, array.array, array.array] | None:
+    """`Sender._record_dispatch`'s pass over an acknowledged batch: (the bucket of its dues, their
+    schedule offsets in an array "Q", their message_log offsets in an array "q"), in order, when
+    they are all of one bucket, each with both offsets (none below zero); else None. The reference
+    of the compiled `dispatch_fields` (which also takes only its own compiled dues)."""
+    if not batch or len(set(map(_BUCKET, batch))) != 1:
+        return None
+    schedule_offsets, message_log_offsets = list(map(_SCHEDULE_OFFSET, batch)), list(map(_MESSAGE_LOG_OFFSET, batch))
+    if not all(type(x) is int and 0 <= x < 2**63 for x in schedule_offsets + message_log_offsets):
+        return None
+    return batch[0].bucket, array.array("Q", schedule_offsets), array.array("q", message_log_offsets)
+
+
+_dispatch_fields = _native_dispatch_fields or _dispatch_fields_py
 
 
 def _set_each(deliveries: list[Delivery], name: str, value) -> None:
@@ -569,25 +587,29 @@ class Sender:
 
     async def _record_dispatch(self, acked: list[Delivery], group: BrokerGroup, now: int) -> None:
         """Append the dispatch records of `acked` and hand them to the fsync task, which settles them."""
-        offsets = list(map(_SCHEDULE_OFFSET, acked))
-        records = encode_dispatch_records(now, group.name, list(zip(offsets, map(_MESSAGE_LOG_OFFSET, acked))))
-        # Per bucket: its records and their schedule offsets (for the dispatch index).
-        buckets = set(map(_BUCKET, acked))
-        if len(buckets) == 1:  # most batches: one bucket's
-            per_bucket = {buckets.pop(): (records, offsets)}
+        # Per bucket: its records and their schedule offsets (for the dispatch index, when the
+        # records are all of one length: then it need not parse them).
+        fields = _dispatch_fields(acked)
+        if fields is not None:  # most batches: one bucket's, its records made in one piece
+            bucket, offsets, message_log_offsets = fields
+            per_bucket = {bucket: (encode_dispatch_data(now, group.name, offsets, message_log_offsets), offsets)}
         else:
-            per_bucket: dict[int, tuple[list[bytes], list[int]]] = {}
+            offsets = list(map(_SCHEDULE_OFFSET, acked))
+            records = encode_dispatch_records(now, group.name, list(zip(offsets, map(_MESSAGE_LOG_OFFSET, acked))))
+            one_length = len(set(map(len, records))) == 1
+            pieces: dict[int, tuple[list[bytes], list[int]]] = {}
             for d, rec in zip(acked, records):
-                recs, offs = per_bucket.setdefault(d.bucket, ([], []))
+                recs, offs = pieces.setdefault(d.bucket, ([], []))
                 recs.append(rec)
                 offs.append(d.schedule_offset)
-        one_length = len(set(map(len, records))) == 1  # (then the index need not parse them)
+            per_bucket = {bucket: (b"".join(recs), offs if one_length else None)
+                          for bucket, (recs, offs) in pieces.items()}
         dispatch_log = self.store.dispatch_log
         while per_bucket:
             bucket = next(iter(per_bucket))
-            recs, offs = per_bucket[bucket]
+            data, offs = per_bucket[bucket]
             try:
-                dispatch_log.append(bucket, b"".join(recs), offs if one_length else None)
+                dispatch_log.append(bucket, data, offs)
             except StorageError as e:
                 # The broker has them: a lost dispatch record only means a redelivery after a
                 # restart, so keep trying rather than give up or deliver again now. A failed

@@ -228,8 +228,8 @@ class SortedRuns:
         if len(self._tail_keys) >= TAIL_KEYS:
             self.seal()
 
-    def extend_pairs(self, keys: list[int], values) -> None:
-        """`add` of each key with its value (an index with values)."""
+    def extend_pairs(self, keys, values) -> None:
+        """`add` of each of `keys` (a list or an array "Q") with its value (an index with values)."""
         self._tail_keys.extend(keys)
         self._tail_vals.extend(values)
         if len(self._tail_keys) >= TAIL_KEYS:
@@ -693,7 +693,8 @@ class DispatchIndex(_LogIndex):
 
     def _add_ids(self, b: _Bucket, pos: int, ids: list, data) -> bool:
         """The dispatch records of an append as the sender names them (`BucketLog.append`: their
-        schedule offsets, the records all of one length): indexed without parsing them again."""
+        schedule offsets, a list or an array "Q", the records all of one length): indexed without
+        parsing them again."""
         n = len(ids)
         size = len(data) // n if n else 0
         if not n or size * n != len(data) or size < RECORD_HEADER_SIZE:

@@ -69,9 +69,10 @@ try:  # the compiled framing (delayserver/native/records.pyx), when the install 
 except ImportError:
     _native_add_sequenced_records = _native_sequence_framed = None
 try:
+    from delayserver.native.records import dispatch_data as _native_dispatch_data
     from delayserver.native.records import dispatch_records as _native_dispatch_records
 except ImportError:  # pragma: no cover - a build without a C compiler
-    _native_dispatch_records = None
+    _native_dispatch_data = _native_dispatch_records = None
 
 HEADER = struct.Struct(">IIB")
 HEADER_SIZE = HEADER.size
@@ -638,6 +639,27 @@ def _encode_dispatch_records_py(dispatch_time: int, broker_group: str, group: by
         payload = pack(schedule_offset, dispatch_time, len(group), group, message_log_offset)
         records.append(header(crc(payload, value=seed), len(payload), RecordType.DISPATCH) + payload)
     return records
+
+
+def encode_dispatch_data(dispatch_time: int, broker_group: str, schedule_offsets, message_log_offsets) -> bytes:
+    """The DISPATCH records of deliveries to `broker_group` at `dispatch_time`, one per schedule
+    offset and message_log offset of the two sequences (arrays "Q" and "q" on the sender's path),
+    one after the other in one bytes: what `encode_dispatch_records` makes of them, joined, with no
+    object per record. The compiled kernel (delayserver/native/records.pyx `dispatch_data`) when
+    built, else `_encode_dispatch_data_py`."""
+    if _native_dispatch_data is not None and type(dispatch_time) is int and -(2**63) <= dispatch_time < 2**63:
+        data = _native_dispatch_data(dispatch_time, _group_bytes(broker_group), schedule_offsets, message_log_offsets)
+        if data is not None:
+            return data
+    return _encode_dispatch_data_py(dispatch_time, broker_group, schedule_offsets, message_log_offsets)
+
+
+def _encode_dispatch_data_py(dispatch_time: int, broker_group: str, schedule_offsets, message_log_offsets) -> bytes:
+    """`encode_dispatch_data` in Python: the compiled kernel's reference."""
+    if len(schedule_offsets) != len(message_log_offsets):
+        raise ValueError(f"{len(schedule_offsets)} schedule offsets and {len(message_log_offsets)} message_log offsets")
+    return b"".join(encode_dispatch_records(dispatch_time, broker_group,
+                                            list(zip(schedule_offsets, message_log_offsets))))
 
 
 @_decoding

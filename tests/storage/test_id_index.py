@@ -1,6 +1,7 @@
 """The per-bucket indexes behind status and cancel: right answers, O(log n) reads, restarts."""
 from __future__ import annotations
 
+import array
 import random
 import threading
 
@@ -900,7 +901,7 @@ def test_the_dispatch_index_takes_the_sender_s_offsets_as_a_build_parses_them(tm
     length: one group's): the dispatch index following the log must hold what one built from the
     segment holds. An append of records of several lengths, or whose offsets do not match its
     records, is parsed."""
-    from delayserver.storage.record import encode_dispatch_records
+    from delayserver.storage.record import encode_dispatch_data, encode_dispatch_records
     node = Node(tmp_path, START_MS)
     bucket = START_MS - START_MS % SCALE_MS
     log_ = node.store.dispatch_log
@@ -919,6 +920,11 @@ def test_the_dispatch_index_takes_the_sender_s_offsets_as_a_build_parses_them(tm
             offsets.append(5)
         elif batch % 7 == 6:  # offsets that do not match the records: parsed instead
             log_.append(bucket, b"".join(records), offsets + [1])
+        elif batch % 2:  # as the sender makes a batch of one bucket: one piece, the offsets in an array
+            keys = array.array("Q", offsets)
+            data = encode_dispatch_data(START_MS + batch, group, keys, array.array("q", [o + 7 for o in offsets]))
+            assert data == b"".join(records)
+            log_.append(bucket, data, keys)
         else:
             log_.append(bucket, b"".join(records), offsets)
     built = id_index.DispatchIndex(log_)
