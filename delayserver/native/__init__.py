@@ -26,6 +26,9 @@ reference, output for output.
 - `receive.mark_committing`, `unmark_committing`, `accepted_entries`, `stored_results`: the
   receiver's passes over a stored request's accepted messages
   (`delayserver.node.receiver._mark_committing` and the three after it);
+- `wheel.dispatch_fields`, `records.dispatch_data`: the sender's pass over an acknowledged batch
+  and its DISPATCH records in one piece (`delayserver.sender.sender._dispatch_fields_py`,
+  `delayserver.storage.record._encode_dispatch_data_py`);
 - `wheel.add_entries`: the timing wheel's adds of a bucket's replayed records
   (`delayserver.wheel.timingwheel.TimingWheel._add_entries_py`).
 - `wheel.add`: the timing wheel's add of one entry, as a bucket loading adds its records

@@ -255,6 +255,7 @@ def dispatch_fields(list batch):
     cdef unsigned long long *so = <unsigned long long *>schedule_offsets.data.as_voidptr
     cdef long long *mlo = <long long *>message_log_offsets.data.as_voidptr
     cdef object item, bucket = None
+    cdef long long schedule_offset, message_log_offset
     cdef Due d
     if not n:
         return None
@@ -267,14 +268,16 @@ def dispatch_fields(list batch):
             bucket = d.bucket
         elif d.bucket is not bucket and not (type(d.bucket) is int and type(bucket) is int and d.bucket == bucket):
             return None
-        if type(d.schedule_offset) is not int or type(d.message_log_offset) is not int \
-                or d.schedule_offset < 0 or d.message_log_offset < 0:
+        if type(d.schedule_offset) is not int or type(d.message_log_offset) is not int:
             return None
         try:
-            so[k] = d.schedule_offset
-            mlo[k] = d.message_log_offset
-        except OverflowError:
+            schedule_offset, message_log_offset = d.schedule_offset, d.message_log_offset
+        except OverflowError:  # (2**63 and over)
             return None
+        if schedule_offset < 0 or message_log_offset < 0:
+            return None
+        so[k] = <unsigned long long>schedule_offset
+        mlo[k] = message_log_offset
     return bucket, schedule_offsets, message_log_offsets
 
 
