@@ -1184,6 +1184,18 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
 # --- dispatch_log records ---------------------------------------------------------------------------
 
 
+cdef inline void put_dispatch(uint8_t *p, uint32_t seed, uint64_t schedule_offset, int64_t dispatch_time,
+                              bytes group, Py_ssize_t glen, uint64_t message_log_offset) noexcept:
+    """The whole DISPATCH record at `p` (header, head, the group's `glen` bytes, message_log offset)."""
+    cdef uint32_t plen = DISPATCH_HEAD_SIZE + glen + OFFSET_SIZE
+    put64(p + HEADER_SIZE, schedule_offset)
+    put64(p + HEADER_SIZE + 8, <uint64_t>dispatch_time)
+    p[HEADER_SIZE + 16] = <uint8_t>glen
+    memcpy(p + HEADER_SIZE + DISPATCH_HEAD_SIZE, <const char *>group, glen)
+    put64(p + HEADER_SIZE + DISPATCH_HEAD_SIZE + glen, message_log_offset)
+    put_header(p, T_DISPATCH, seed, p + HEADER_SIZE, plen)
+
+
 def dispatch_data(int64_t dispatch_time, bytes group, schedule_offsets, message_log_offsets):
     """`record.encode_dispatch_data(dispatch_time, group.decode(), schedule_offsets,
     message_log_offsets)` for `group` (the broker group's name as `_group_bytes` gives it) and the
@@ -1213,12 +1225,7 @@ def dispatch_data(int64_t dispatch_time, bytes group, schedule_offsets, message_
     data = PyBytes_FromStringAndSize(NULL, size * n)
     p = <uint8_t *><char *>data
     for k in range(n):
-        put64(p + HEADER_SIZE, so[k])
-        put64(p + HEADER_SIZE + 8, <uint64_t>dispatch_time)
-        p[HEADER_SIZE + 16] = <uint8_t>glen
-        memcpy(p + HEADER_SIZE + DISPATCH_HEAD_SIZE, <const char *>group, glen)
-        put64(p + HEADER_SIZE + DISPATCH_HEAD_SIZE + glen, <uint64_t>mlo[k])
-        put_header(p, T_DISPATCH, seed, p + HEADER_SIZE, <uint32_t>plen)
+        put_dispatch(p, seed, so[k], dispatch_time, group, glen, <uint64_t>mlo[k])
         p += size
     return data
 
@@ -1247,12 +1254,6 @@ def dispatch_records(int64_t dispatch_time, bytes group, list offsets):
         except OverflowError:
             return None  # a negative message_log offset among them
         rec = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + plen)
-        p = <uint8_t *><char *>rec
-        put64(p + HEADER_SIZE, schedule_offset)
-        put64(p + HEADER_SIZE + 8, <uint64_t>dispatch_time)
-        p[HEADER_SIZE + 16] = <uint8_t>glen
-        memcpy(p + HEADER_SIZE + DISPATCH_HEAD_SIZE, <const char *>group, glen)
-        put64(p + HEADER_SIZE + DISPATCH_HEAD_SIZE + glen, message_log_offset)
-        put_header(p, T_DISPATCH, seed, p + HEADER_SIZE, <uint32_t>plen)
+        put_dispatch(<uint8_t *><char *>rec, seed, schedule_offset, dispatch_time, group, glen, message_log_offset)
         out.append(rec)
     return out

@@ -569,7 +569,7 @@ class Receiver:
             elif p.rtypes:  # records of mixed types (a move: MESSAGE then CANCEL), one at a time
                 sizes.append(sum(add_sequenced_records(parts, rtype, [payload], seq + k)
                                  for k, (rtype, payload) in enumerate(zip(p.rtypes, p.payloads))))
-            else:  # records of one type (a send): framed in one call
+            else:  # records of one type (a cancel, a schedule change, a transactional record)
                 sizes.append(add_sequenced_records(parts, p.rtype, p.payloads, seq))
             seq += p.records
         data = b"".join(parts)

@@ -523,10 +523,6 @@ def _sequence_framed_py(framed: bytearray, count: int, sequence: int) -> int:
     return pos
 
 
-#: The record types whose payloads start with store time, schedule time and sequence, as message_log holds them.
-_SEQUENCED_TYPES = frozenset({RecordType.MESSAGE, RecordType.CANCEL, RecordType.SCHEDULE, RecordType.PREPARE,
-                              RecordType.COMMIT, RecordType.ROLLBACK, RecordType.TXN_CHECK, RecordType.TXN_PARK})
-
 
 def scheduled_time(buf, start: int) -> int:
     """The schedule time of the SCHEDULED payload at `start`."""
@@ -816,6 +812,8 @@ TRANSACTION_TYPES = frozenset({RecordType.PREPARE, RecordType.COMMIT, RecordType
 _TXN_PREFIX = struct.Struct(">qqQ")
 #: Set in the flags of a MESSAGE that a COMMIT made (a committed half message).
 FLAG_TRANSACTIONAL = 0x0001
+#: The record types whose payloads start with store time, schedule time and sequence, as message_log holds them.
+_SEQUENCED_TYPES = frozenset({RecordType.MESSAGE, RecordType.CANCEL, RecordType.SCHEDULE}) | TRANSACTION_TYPES
 _MAX_GROUP_BYTES = 255
 
 
