@@ -162,9 +162,7 @@ def test_the_replay_walk_is_the_reference(data, base, limit_at, start, as_bytear
 def test_the_replay_walk_takes_a_node_s_batch():
     """A batch as the receiver writes one: the kernel takes it (no None) and equals the reference."""
     payloads = [r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, SCALE * (i % 3) + i, {}, 1, 0) for i in range(64)]
-    parts = [r.encode_epoch_record(3)]
-    r.add_sequenced_records(parts, T.MESSAGE, [bytearray(p) for p in payloads], 100)
-    data = b"".join(parts)
+    data = r.encode_epoch_record(3) + sequenced_frames([(T.MESSAGE, x) for x in payloads], 100)
     args = (data, 4096, 4096 + len(data), 4096, SCALE, lambda b: 10 * b // SCALE, r.schedule_change_sequence, 0)
     native = native_records.walk(*args)
     assert native is not None
@@ -230,41 +228,33 @@ def test_the_send_decoder_takes_a_producer_s_batch():
 
 # --- the receiver's framing ---------------------------------------------------------------------
 
-def framed(fn, rtype, payloads, sequence):
-    """What `fn` (a framing) makes of copies of `payloads`: the parts as bytes and the size, or
-    what it raises."""
-    copies = [bytearray(x) if type(x) is bytearray else x for x in payloads]
-    parts = [b"epoch"]
-    try:
-        size = fn(parts, rtype, copies, sequence)
-    except Exception as e:  # noqa: BLE001 (the kind is compared)
-        return type(e)
-    return None if size is None else ([bytes(x) for x in parts], size)
-
-
-@SETTINGS
-@given(st.sampled_from([T.MESSAGE, T.CANCEL, T.PREPARE, T.COMMIT, 0, 255]),
-       st.lists(st.binary(min_size=24, max_size=80).map(bytearray) | st.binary(max_size=30).map(bytearray)
-                | st.binary(min_size=24, max_size=30), max_size=5),
-       st.integers(0, 2**64 - 1) | st.integers(2**64 - 6, 2**64 - 1))
-def test_the_framing_is_the_reference(rtype, payloads, sequence):
-    native = framed(native_records.add_sequenced_records, rtype, payloads, sequence)
-    reference_ = framed(r._add_sequenced_records_py, rtype, payloads, sequence)
-    if native is None:  # left to the reference: only what it refuses (or a payload not a bytearray)
-        assert reference_ is not None and (not isinstance(reference_, tuple)
-                                           or any(type(x) is not bytearray for x in payloads))
-    else:
-        assert native == reference_
-    assert framed(r.add_sequenced_records, rtype, payloads, sequence) == reference_
+def sequenced_frames(records, sequence: int) -> bytearray:
+    """`records` (type, payload) framed and sequenced from `sequence` on, as the receiver writes them."""
+    framed_ = r.frame_records(records)
+    assert r.sequence_framed(framed_, len(records), sequence) == len(framed_)
+    return framed_
 
 
 def test_the_framing_writes_records_that_check():
-    payloads = [bytearray(r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, 5, {}, 1)) for i in range(64)]
-    parts = []
-    size = native_records.add_sequenced_records(parts, T.MESSAGE, payloads, 41)
-    data = b"".join(parts)
-    assert size == len(data)
+    payloads = [r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, 5, {}, 1) for i in range(64)]
+    framed_ = r.frame_records((T.MESSAGE, x) for x in payloads)
+    assert native_records.sequence_framed(framed_, 64, 41) == len(framed_)
+    data = bytes(framed_)
     assert [r.decode_message(data, s, e).sequence for _, _, s, e in r.iter_records(data)] == list(range(41, 105))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from([T.MESSAGE, T.CANCEL, T.SCHEDULE, T.PREPARE, T.COMMIT, T.DISPATCH, 0, 255]),
+                          st.binary(min_size=24, max_size=60) | st.binary(max_size=30)), max_size=5))
+def test_framing_takes_only_sequenced_records_and_leaves_the_checksum_to_the_append(records):
+    """`frame_records` refuses, before anything is queued, what the append could not sequence, and
+    frames the rest as headers with no checksum yet."""
+    fit = all(rtype in r._SEQUENCED_TYPES and len(x) >= 24 for rtype, x in records)
+    if not fit:
+        with pytest.raises(ValueError):
+            r.frame_records(records)
+        return
+    assert r.frame_records(records) == b"".join(r.HEADER.pack(0, len(x), rtype) + x for rtype, x in records)
 
 
 def sequenced(fn, framed_: bytearray, count: int, sequence: int):
@@ -299,16 +289,14 @@ def test_sequencing_framed_records_is_the_reference(records, count_off, sequence
 @SETTINGS
 @given(st.lists(st.tuples(st.sampled_from([T.MESSAGE, T.CANCEL, T.PREPARE]), st.binary(min_size=24, max_size=60)),
                 max_size=5), st.integers(0, 2**63))
-def test_framed_records_once_sequenced_are_the_framing_s(records, sequence):
-    """What the receiver writes of a send (`admit`'s framed records, then `sequence_framed`) is
-    what `add_sequenced_records` makes of the same payloads."""
-    framed_ = bytearray(b"".join(r.HEADER.pack(0, len(x), rtype) + x for rtype, x in records))
-    expected, seq = [], sequence
-    for rtype, x in records:
-        r.add_sequenced_records(expected, rtype, [bytearray(x)], seq)
-        seq += 1
+def test_framed_records_once_sequenced_are_the_records_of_their_payloads(records, sequence):
+    """What the receiver writes of a request (its records framed, then `sequence_framed`) is each
+    payload given its sequence (after store time and schedule time) behind its checked header."""
+    framed_ = r.frame_records(records)
     assert r.sequence_framed(framed_, len(records), sequence) == len(framed_)
-    assert bytes(framed_) == b"".join(expected)
+    assert bytes(framed_) == b"".join(
+        r.encode_record(rtype, x[:16] + struct.pack(">Q", sequence + k) + x[24:])
+        for k, (rtype, x) in enumerate(records))
 
 
 # --- the SEND response encoder ------------------------------------------------------------------
@@ -429,9 +417,7 @@ def test_the_index_keys_are_the_reference(ids, pos, scale):
 def test_the_indexes_take_the_walk_s_keys():
     """A replayed batch: the id and time indexes find each message by the keys the kernels made."""
     payloads = [r.encode_message_fields(f"m{i}", "s.x", b"x", SCALE + i * 7, {}, 1, 0) for i in range(50)]
-    parts = [r.encode_epoch_record(1)]
-    r.add_sequenced_records(parts, T.MESSAGE, [bytearray(x) for x in payloads], 1)
-    data = b"".join(parts)
+    data = r.encode_epoch_record(1) + sequenced_frames([(T.MESSAGE, x) for x in payloads], 1)
     per_bucket, ids = native_records.walk(data, 0, len(data), 0, SCALE, lambda b: 512, r.schedule_change_sequence, 0)[:2]
     keys = native_records.id_keys(ids[SCALE], 512)
     assert list(keys) == [id_index.key_hash(SCALE + i * 7, f"m{i}".encode()) << id_index.OFFSET_BITS | (512 + at)

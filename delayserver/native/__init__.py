@@ -6,9 +6,8 @@ back None for input it leaves to the reference. tests/test_native.py holds each 
 reference, output for output.
 
 - `records.walk`: the replayer's pass over message_log records (`delayserver.replayer.walk`);
-- `records.add_sequenced_records`: the receiver's framing of a request's records
-  (`delayserver.storage.record._add_sequenced_records_py`);
-- `records.sequence_framed`: the sequences and checksums of a send's records, framed by `admit`
+- `records.sequence_framed`: the sequences and checksums of a request's records at append, framed
+  by `admit` for a send, by `record.frame_records` for any other request
   (`delayserver.storage.record._sequence_framed_py`);
 - `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`);
 - `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`);

@@ -3,10 +3,9 @@
 holds them side by side):
 
 - `walk`: the replayer's pass over message_log records (`walk` in delayserver/replayer.py);
-- `add_sequenced_records`: the receiver's framing of a request's payloads
-  (`add_sequenced_records` in delayserver/storage/record.py);
-- `sequence_framed`: the sequencing in place of a send's records that the receiver's pass framed
-  (`sequence_framed` in delayserver/storage/record.py).
+- `sequence_framed`: the sequencing in place of a request's framed records (the receiver's pass
+  frames a send's, `record.frame_records` any other request's), at append (`sequence_framed` in
+  delayserver/storage/record.py).
 
 The walk reads record headers and heads by hand and writes each bucket's schedule_log records (header,
 message_log offset, the message_log payload as it is, a crc over both) straight into one
@@ -250,41 +249,6 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
         end = base + e
         pos = e
     return per_bucket, ids, runs, txn_notes, followed, end, max_sequence, changes
-
-
-def add_sequenced_records(list parts, int rtype, list payloads, uint64_t sequence):
-    """`record.add_sequenced_records`: each of `payloads` (bytearrays of message_log records of
-    type `rtype`) given its sequence from `sequence` on, in place, and added to `parts` behind its
-    header; returns the bytes added. None, with nothing changed, for what it leaves to the
-    reference: a type message_log does not hold, a payload that is not a bytearray of a whole
-    head, sequences past 2**64."""
-    cdef Py_ssize_t count = len(payloads), n, size
-    cdef uint32_t seed
-    cdef uint8_t *p
-    cdef uint8_t *h
-    cdef bytes header
-    cdef object payload
-    if not (rtype == T_MESSAGE or rtype == T_CANCEL or rtype == T_SCHEDULE or is_transactional(rtype)):
-        return None  # not a type message_log holds
-    if count and sequence > 0xFFFFFFFFFFFFFFFF - <uint64_t>(count - 1):
-        return None
-    for payload in payloads:
-        if type(payload) is not bytearray or not TXN_PREFIX_SIZE <= PyByteArray_GET_SIZE(payload) <= 0xFFFFFFFF:
-            return None
-    seed = type_seed(<uint8_t>rtype)
-    size = HEADER_SIZE * count
-    for payload in payloads:
-        p = <uint8_t *>PyByteArray_AS_STRING(payload)
-        n = PyByteArray_GET_SIZE(payload)
-        put64(p + 16, sequence)
-        sequence += 1
-        header = PyBytes_FromStringAndSize(NULL, HEADER_SIZE)
-        h = <uint8_t *><char *>header
-        put_header(h, <uint8_t>rtype, seed, p, <uint32_t>n)
-        parts.append(header)
-        parts.append(payload)
-        size += n
-    return size
 
 
 def sequence_framed(framed, Py_ssize_t count, uint64_t sequence):

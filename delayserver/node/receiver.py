@@ -43,7 +43,7 @@ from delayserver.protocol import SendBatch, SendItem, SendResult
 from delayserver.storage.epochs import EpochRegression
 from delayserver.storage.errors import DiskFull, FsyncFailed, StorageError
 from delayserver.storage.record import (
-    CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, add_sequenced_records,
+    CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, frame_records,
     encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change, sequence_framed,
 )
 from delayserver.storage.segment import storage_failures
@@ -192,15 +192,13 @@ RECENT_BATCHES = 64
 @attrs.define(eq=False)
 class _Pending:
     """The records of one request, committed together: one event per request, not per message.
-    Their payloads (`payloads`), or for a send the records `admit` framed (`framed`, `records` of
-    them)."""
+    `records` of them framed one after the other in `framed`, each a header (its checksum set with
+    its sequence at append: `sequence_framed`) and a payload, as `admit` frames a send's and
+    `frame_records` any other request's (`_Pending.of`)."""
 
-    rtype: int
-    payloads: list[bytearray]
-    framed: bytearray | None = None
-    records: int = -1  # how many (of `payloads`, unless `framed`)
+    framed: bytearray
+    records: int
     done: trio.Event = attrs.field(factory=trio.Event)
-    rtypes: tuple[int, ...] = ()  # one type per payload, for a request of mixed records
     code: ResultCode = ResultCode.OK
     error: str = ""
     offset: int = -1
@@ -211,11 +209,13 @@ class _Pending:
     nbytes: int = attrs.field(init=False)  # the payloads' bytes
 
     def __attrs_post_init__(self) -> None:
-        if self.framed is None:
-            self.records = len(self.payloads)
-            self.nbytes = sum(map(len, self.payloads))
-        else:
-            self.nbytes = len(self.framed) - HEADER_SIZE * self.records
+        self.nbytes = len(self.framed) - HEADER_SIZE * self.records
+
+    @classmethod
+    def of(cls, *records: tuple[int, bytes]) -> _Pending:
+        """The request of `records`, ``(type, payload)`` each (ValueError for one message_log
+        does not hold, raised here and not in the commit task)."""
+        return cls(frame_records(records), len(records))
 
 
 class RecentBatches:
@@ -397,7 +397,7 @@ class Receiver:
             self._committing, self.schedule_time, self._at_window(now), self.config.max_message_bytes,
             _admit_context())
         if accepted:
-            p = _Pending(RecordType.MESSAGE, [], framed=framed, records=len(accepted))
+            p = _Pending(framed, len(accepted))
             if table is not None:
                 mark_committing(self._committing, keys, accepted, p)
                 p.on_durable = lambda: table.remember_many(accepted_entries(keys, accepted), now)
@@ -433,7 +433,7 @@ class Receiver:
             payload = encode_cancel(Cancel(message_id, schedule_time, self.clock.now_ms()))
         except InvalidMessage as e:
             return e.code, str(e), -1
-        p = _Pending(RecordType.CANCEL, [bytearray(payload)])
+        p = _Pending.of((RecordType.CANCEL, payload))
         await self._commit(p)
         return p.code, p.error or "stored", p.offset
 
@@ -454,15 +454,13 @@ class Receiver:
             cancel = encode_cancel(Cancel(message.message_id, message.schedule_time, now))
         except InvalidMessage as e:
             return e.code, str(e), -1
-        p = _Pending(RecordType.MESSAGE, [bytearray(moved), bytearray(cancel)],
-                     rtypes=(RecordType.MESSAGE, RecordType.CANCEL))
+        p = _Pending.of((RecordType.MESSAGE, moved), (RecordType.CANCEL, cancel))
         table = self.dedupe
         if table is not None and table.enabled:
             key = dedupe_key(message.message_id, message.headers)
             p.on_durable = lambda: table.remember(key, new_time, now)
         await self._commit(p)
-        end = p.offset + 2 * HEADER_SIZE + len(moved) + len(cancel)
-        return p.code, p.error or "stored", end
+        return p.code, p.error or "stored", p.end
 
     async def append_schedule_change(self, change: dict) -> tuple[ResultCode, str, int]:
         """Durably append a SCHEDULE record; returns (code, message, message_log offset after it)."""
@@ -470,16 +468,17 @@ class Receiver:
         if refused is not None:
             return refused, self._refusal_text(refused), -1
         payload = encode_schedule_change(change, self.clock.now_ms())
-        p = _Pending(RecordType.SCHEDULE, [bytearray(payload)])
+        p = _Pending.of((RecordType.SCHEDULE, payload))
         await self._commit(p)
-        return p.code, p.error or "stored", p.offset + HEADER_SIZE + len(payload)
+        return p.code, p.error or "stored", p.end
+
     async def append_record(self, rtype: int, payload: bytes) -> tuple[ResultCode, str, int]:
         """Durably append one record of `rtype` whose payload starts store_time, schedule_time,
         sequence (the transactional records); returns (code, message, message_log offset)."""
         refused = self._refuse_writes()
         if refused is not None:
             return refused, self._refusal_text(refused), -1
-        p = _Pending(rtype, [bytearray(payload)])
+        p = _Pending.of((rtype, payload))
         await self._commit(p)
         return p.code, p.error or "stored", p.offset
 
@@ -562,15 +561,9 @@ class Receiver:
         epoch = self.epoch()
         parts, seq = [encode_epoch_record(epoch)], max(self.next_sequence, self.sequence_floor())
         sizes = []
-        for p in batch:
-            if p.framed is not None:  # a send's records, framed by `admit`: sequenced in place
-                sizes.append(sequence_framed(p.framed, p.records, seq))
-                parts.append(p.framed)
-            elif p.rtypes:  # records of mixed types (a move: MESSAGE then CANCEL), one at a time
-                sizes.append(sum(add_sequenced_records(parts, rtype, [payload], seq + k)
-                                 for k, (rtype, payload) in enumerate(zip(p.rtypes, p.payloads))))
-            else:  # records of one type (a cancel, a schedule change, a transactional record)
-                sizes.append(add_sequenced_records(parts, p.rtype, p.payloads, seq))
+        for p in batch:  # each request's records sequenced in place, one piece of the write each
+            sizes.append(sequence_framed(p.framed, p.records, seq))
+            parts.append(p.framed)
             seq += p.records
         data = b"".join(parts)
         try:

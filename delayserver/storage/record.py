@@ -63,11 +63,10 @@ from delayserver.message import (
     check_schedule_time, encode_id, encode_subject,
 )
 
-try:  # the compiled framing (delayserver/native/records.pyx), when the install built it
-    from delayserver.native.records import add_sequenced_records as _native_add_sequenced_records
+try:  # the compiled sequencing (delayserver/native/records.pyx), when the install built it
     from delayserver.native.records import sequence_framed as _native_sequence_framed
 except ImportError:
-    _native_add_sequenced_records = _native_sequence_framed = None
+    _native_sequence_framed = None
 try:
     from delayserver.native.records import dispatch_data as _native_dispatch_data
     from delayserver.native.records import dispatch_records as _native_dispatch_records
@@ -455,37 +454,26 @@ _SEQUENCE_AT = 16
 _SEQUENCE = struct.Struct(">Q")
 
 
-def add_sequenced_records(parts: list, rtype: int, payloads: list[bytearray], sequence: int) -> int:
-    """Give each of `payloads`, records of type `rtype` for message_log (each payload starts with
-    its store time, schedule time and sequence), its sequence from `sequence` on (the master
-    assigns it at append), and add its record to `parts`, the pieces of one write: the header and the payload as two
-    pieces, no copy. Returns the bytes added (the receiver's path: no call per record). The
-    compiled kernel (delayserver/native/records.pyx) when built, else `_add_sequenced_records_py`."""
-    if _native_add_sequenced_records is not None:
-        size = _native_add_sequenced_records(parts, rtype, payloads, sequence)
-        if size is not None:
-            return size
-    return _add_sequenced_records_py(parts, rtype, payloads, sequence)
-
-
-def _add_sequenced_records_py(parts: list, rtype: int, payloads: list[bytearray], sequence: int) -> int:
-    """`add_sequenced_records` in Python: the compiled kernel's reference."""
-    put, crc, seed, header, at = _SEQUENCE.pack_into, _crc32c.crc32c, _TYPE_CRC[rtype], HEADER.pack, _SEQUENCE_AT
-    size = HEADER_SIZE * len(payloads)
-    for payload in payloads:
-        put(payload, at, sequence)
-        sequence += 1
-        n = len(payload)
-        parts += (header(crc(payload, value=seed), n, rtype), payload)
-        size += n
-    return size
+def frame_records(records) -> bytearray:
+    """`records`, ``(type, payload)`` pairs of message_log records (each payload starting with its
+    store time, schedule time and sequence), framed one after the other in one bytearray: each
+    payload behind its header, whose checksum is left at 0 (the master gives each record its
+    sequence, then its checksum, at append: `sequence_framed`). Raises ValueError for a type
+    message_log does not hold or a payload without room for its sequence, before the append."""
+    framed, header = bytearray(), HEADER.pack
+    for rtype, payload in records:
+        if rtype not in _SEQUENCED_TYPES or len(payload) < _SEQUENCE_AT + _SEQUENCE.size:
+            raise ValueError(f"no sequenced record: type {rtype}, {len(payload)} bytes")
+        framed += header(0, len(payload), rtype)
+        framed += payload
+    return framed
 
 
 def sequence_framed(framed: bytearray, count: int, sequence: int) -> int:
     """Give each of the `count` records of `framed` (whole records of types message_log holds, one
     after the other, each payload starting with its store time, schedule time and sequence, as
     the receiver's `admit` frames a request's messages) its sequence from `sequence` on and its
-    checksum, in place: the same records `add_sequenced_records` makes of their payloads. Returns
+    checksum, in place (`frame_records` frames any other request's records the same way). Returns
     the bytes they take. Raises ValueError when `framed` is not `count` such records. The compiled
     kernel (delayserver/native/records.pyx) when built, else `_sequence_framed_py`."""
     if _native_sequence_framed is not None:

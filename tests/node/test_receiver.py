@@ -13,7 +13,10 @@ from delayserver.config import Config
 from delayserver.message import MAX_TIME_MS, ResultCode, TimeSpec
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
 from delayserver.protocol import SendItem
-from delayserver.storage.record import RecordType, decode_message, iter_records
+from delayserver.storage.record import (
+    Message, RecordType, TxnCheck, decode_cancel, decode_message, decode_txn_check, encode_txn_check, iter_records,
+    schedule_change_sequence,
+)
 from delayserver.storage.store import Store
 from delayserver.wakeup import Wakeup
 
@@ -137,6 +140,70 @@ async def test_a_send_cancelled_while_it_waits_for_its_ack_is_still_remembered_f
 async def _cancel_soon(scope: trio.CancelScope) -> None:
     await trio.lowlevel.checkpoint()
     scope.cancel()
+
+
+async def test_every_kind_of_request_shares_one_write_and_one_run_of_sequences(store, autojump_clock):
+    """A send, a cancel, a move, a schedule change and a transactional record queued together: one
+    group commit, one run of sequences, each request's records side by side in it and each answer
+    naming where its records start (or end)."""
+    r = receiver(store, floor=10)
+    answers = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+
+        async def request(name, call):
+            answers[name] = await call
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(request, "send", r.send([item(1), item(2)]))
+            requests.start_soon(request, "cancel", r.append_cancel(NOW + 1000, "m-1"))
+            requests.start_soon(request, "move", r.append_move(Message("m-2", "orders.q", b"x", NOW + 1000), NOW + 5000))
+            requests.start_soon(request, "schedule", r.append_schedule_change({"op": "pause", "name": "daily"}))
+            requests.start_soon(request, "check", r.append_record(
+                RecordType.TXN_CHECK, encode_txn_check(TxnCheck("t-1", NOW + 1000, 2, NOW))))
+        nursery.cancel_scope.cancel()
+    assert r.batches == 1 and r.appended == 7
+    data, _ = store.message_log.read(0, 1 << 20)
+    decode = {RecordType.MESSAGE: lambda s, e: decode_message(data, s, e),
+              RecordType.CANCEL: lambda s, e: decode_cancel(data, s, e),
+              RecordType.SCHEDULE: lambda s, e: None,
+              RecordType.TXN_CHECK: lambda s, e: decode_txn_check(data, s, e)}
+    (epoch, *rest) = iter_records(data)
+    assert epoch[1] == RecordType.EPOCH
+    # by its start: (type, sequence, decoded, end)
+    records = {at: (rtype, schedule_change_sequence(data, s) if rtype == RecordType.SCHEDULE
+                    else decode[rtype](s, e).sequence, decode[rtype](s, e), e) for at, rtype, s, e in rest}
+    assert [records[at][1] for at in sorted(records)] == list(range(10, 17))
+    assert all(res.code == ResultCode.OK for res in answers["send"])
+    code, text, at = answers["cancel"]
+    assert (code, text) == (ResultCode.OK, "stored") and records[at][0] == RecordType.CANCEL
+    assert (records[at][2].message_id, records[at][2].schedule_time) == ("m-1", NOW + 1000)
+    code, text, end = answers["move"]  # the copy at its new time, then the cancel of the old one, ending there
+    assert (code, text) == (ResultCode.OK, "stored")
+    [(cancel_at, cancel)] = [(at, x) for at, x in records.items() if x[3] == end]
+    [copy] = [x for x in records.values() if x[3] == cancel_at]
+    assert copy[2].message_id == cancel[2].message_id == "m-2"
+    assert (copy[0], copy[2].schedule_time, cancel[0], cancel[2].schedule_time) == (
+        RecordType.MESSAGE, NOW + 5000, RecordType.CANCEL, NOW + 1000)
+    assert cancel[1] == copy[1] + 1
+    code, text, end = answers["schedule"]
+    assert (code, text) == (ResultCode.OK, "stored")
+    assert [x[0] for x in records.values() if x[3] == end] == [RecordType.SCHEDULE]
+    code, text, at = answers["check"]
+    assert (code, text, records[at][0], records[at][2].message_id) == (ResultCode.OK, "stored", RecordType.TXN_CHECK, "t-1")
+
+
+async def test_a_record_message_log_does_not_hold_is_refused_before_the_commit_task(store, autojump_clock):
+    r = receiver(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        with pytest.raises(ValueError, match="no sequenced record"):
+            await r.append_record(RecordType.DISPATCH, bytes(40))
+        with pytest.raises(ValueError, match="no sequenced record"):
+            await r.append_record(RecordType.TXN_CHECK, bytes(20))  # no room for its sequence
+        (result,) = await r.send([item(1)])  # the commit task goes on
+        nursery.cancel_scope.cancel()
+    assert result.code == ResultCode.OK and [m.message_id for m in stored(store)] == ["m-1"]
 
 
 async def test_each_batch_opens_with_the_epoch_it_is_written_under(store, autojump_clock):

@@ -262,18 +262,18 @@ def test_malformed_headers_block_is_a_value_error(raw):
 
 def test_record_heads_agree_with_the_full_decoders():
     from delayserver.storage.record import (
-        add_sequenced_records, cancel_key, dispatch_schedule_offset, message_log_head, record_size,
-        scheduled_record_head, scheduled_time,
+        cancel_key, dispatch_schedule_offset, frame_records, message_log_head, record_size,
+        scheduled_record_head, scheduled_time, sequence_framed,
     )
 
-    message = bytearray(encode_message(Message("m-1", "s", b"body", T, {"k": "v"}, store_time=5)))
-    parts = []
-    size = add_sequenced_records(parts, RecordType.MESSAGE, [message], 77)
+    record = frame_records([(RecordType.MESSAGE, encode_message(Message("m-1", "s", b"body", T, {"k": "v"},
+                                                                       store_time=5)))])
+    size = sequence_framed(record, 1, 77)
+    message = record[HEADER_SIZE:]
     assert decode_message(bytes(message)).sequence == 77
     head_size = len(message) - len(b"m-1s") - len(encode_headers({"k": "v"})) - len(b"body")
     assert message_log_head(message, 0, RecordType.MESSAGE) == (T, 77, head_size, head_size + 3)
     assert message[head_size : head_size + 3] == b"m-1"
-    record = b"".join(parts)
     assert record == encode_record(RecordType.MESSAGE, bytes(message)) and record_size(record, 0) == len(record)
     assert size == len(record)
 
@@ -283,8 +283,9 @@ def test_record_heads_agree_with_the_full_decoders():
     assert scheduled == encode_record(RecordType.SCHEDULED, encode_scheduled(900, bytes(message)))
     assert size == len(scheduled) and scheduled_time(scheduled, HEADER_SIZE) == T
 
-    cancel = bytearray(encode_cancel(Cancel("m-1", T, 6)))
-    add_sequenced_records([], RecordType.CANCEL, [cancel], 78)
+    cancel = frame_records([(RecordType.CANCEL, encode_cancel(Cancel("m-1", T, 6)))])
+    sequence_framed(cancel, 1, 78)
+    cancel = cancel[HEADER_SIZE:]
     assert decode_cancel(bytes(cancel)).sequence == 78
     _, _, at, end = message_log_head(cancel, 0, RecordType.CANCEL)
     assert message_log_head(cancel, 0, RecordType.CANCEL)[:2] == (T, 78) and cancel[at:end] == b"m-1"
