@@ -16,11 +16,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64
 from delayserver.native.idmap cimport IdMap
-
-cdef enum:
-    MESSAGE_HEAD_SIZE = 36  # store q, schedule q, sequence Q, flags H, id B, subject B, headers I, body I
-    HEADER_SIZE = 9  # a record's header: crc I, length I, type B (record.HEADER)
-    T_MESSAGE = 1
+from delayserver.native.layout cimport HEADER_SIZE, MESSAGE_HEAD_SIZE, T_MESSAGE
 
 
 cdef uint8_t *reserve(bytearray framed, Py_ssize_t used, Py_ssize_t need) except NULL:

@@ -27,40 +27,18 @@ from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcmp, memcpy
 from posix.types cimport off_t
 from delayserver.native.endian cimport be16, be32, be64, put32, put64
+from delayserver.native.layout cimport (
+    HEADER_SIZE, OFFSET_SIZE, MESSAGE_HEAD_SIZE, CANCEL_HEAD_SIZE, TXN_PREFIX_SIZE,
+    SCHEDULED_HEAD_SIZE, DELIVERED_HEAD_SIZE, DISPATCH_HEAD_SIZE, MAX_PAYLOAD_BYTES,
+    MAX_HEADERS_BYTES, T_MESSAGE, T_CANCEL, T_SCHEDULED, T_SCHEDULED_CANCEL, T_DISPATCH,
+    T_DELIVERED, T_EPOCH, T_PREPARE, T_COMMIT, T_ROLLBACK, T_TXN_CHECK, T_TXN_PARK, T_SCHEDULE,
+)
 
 cdef extern from "crc32c.h":
     void crc32c_init()
     uint32_t crc32c_update(uint32_t value, const uint8_t *p, size_t n)
 
 crc32c_init()
-
-cdef enum:
-    HEADER_SIZE = 9         # crc u32, length u32, type u8 (record.HEADER)
-    OFFSET_SIZE = 8         # record.OFFSET
-    MESSAGE_HEAD_SIZE = 36  # record.MESSAGE_HEAD
-    CANCEL_HEAD_SIZE = 25   # record.CANCEL_HEAD
-    TXN_PREFIX_SIZE = 24    # record._TXN_PREFIX
-    SCHEDULED_HEAD_SIZE = 44  # record.SCHEDULED_HEAD: OFFSET + MESSAGE_HEAD
-    DELIVERED_HEAD_SIZE = 12  # record.DELIVERED_HEAD: dispatch time i64, attempt u32
-    DISPATCH_HEAD_SIZE = 17   # record.DISPATCH_HEAD: schedule offset u64, dispatch time i64, group length u8
-    MAX_PAYLOAD_BYTES = 64 << 20  # record.MAX_PAYLOAD_BYTES
-    MAX_HEADERS_BYTES = 32 << 10  # message.MAX_HEADERS_BYTES
-
-# Record types, as record.RecordType numbers them (the tests compare FORMAT with it).
-cdef enum:
-    T_MESSAGE = 1
-    T_CANCEL = 2
-    T_SCHEDULED = 3
-    T_SCHEDULED_CANCEL = 4
-    T_DISPATCH = 5
-    T_DELIVERED = 6
-    T_EPOCH = 12
-    T_PREPARE = 16
-    T_COMMIT = 17
-    T_ROLLBACK = 18
-    T_TXN_CHECK = 19
-    T_TXN_PARK = 20
-    T_SCHEDULE = 24
 
 cdef enum:
     SHARED_READ_BYTES = 1 << 16  # bucket_log.SHARED_READ_BYTES: the most one read of neighbours takes
