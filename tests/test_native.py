@@ -1055,6 +1055,43 @@ def schedule_segments(draw):
     return b"".join(parts) + tail, starts
 
 
+def decoded(fn, buf, start, end):
+    """What `fn` (a decoder of SCHEDULED payloads) gives for ``buf[start:end]``, or the kind of
+    error it raised."""
+    try:
+        return fn(buf, start, end)
+    except r.RecordError:
+        return r.RecordError
+
+
+@SETTINGS
+@given(schedule_segments(), st.data())
+def test_a_scheduled_payload_is_decoded_as_the_reference_decodes_it(segment, data):
+    """Every record's payload of a segment (damaged ones among them, and spans cut short or run
+    long): the kernel's message where it decodes one, None only where the reference raises; and
+    the public decoder answers as the reference, from bytes or a bytearray."""
+    body, starts = segment
+    for start in starts:
+        _, length, _ = r.HEADER.unpack_from(body, start)
+        s = start + r.HEADER_SIZE
+        e = data.draw(st.sampled_from([s + length] * 4 + [s + length - 1, s + length + 1, s, s + 43]))
+        e = min(e, len(body))
+        buf = data.draw(st.sampled_from([body, bytearray(body)]))
+        native = native_records.decode_scheduled(buf, s, e, r.Message)
+        expected = decoded(r._decode_scheduled_py, buf, s, e)
+        if native is None:
+            assert expected is r.RecordError
+        else:
+            assert native == expected and type(native[1]) is r.Message
+        assert decoded(r.decode_scheduled, buf, s, e) == expected
+    # What it leaves to the reference: other buffers, spans outside the buffer.
+    payload = r.encode_scheduled(5, r.encode_message_fields("m", "s.a", b"b", 0, {}, 1, 0))
+    assert native_records.decode_scheduled(memoryview(payload), 0, len(payload), r.Message) is None
+    assert native_records.decode_scheduled(payload, 0, len(payload) + 1, r.Message) is None
+    assert native_records.decode_scheduled(payload, -1, len(payload), r.Message) is None
+    assert r.decode_scheduled(memoryview(payload)) == r.decode_scheduled(payload) == (5, r.decode_message(payload, 8))
+
+
 def reference_reads(data: bytes, offsets: list[int], guess: int, bucket: int) -> list:
     """Per offset what TickManager.read_messages gives from the page cache: its tuple, None, the
     CorruptSegment, or ("raises", text) for an error it raises."""

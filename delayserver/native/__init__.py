@@ -9,6 +9,8 @@ reference, output for output.
 - `records.sequence_framed`: the sequences and checksums of a request's records at append, framed
   by `admit` for a send, by `record.frame_records` for any other request
   (`delayserver.storage.record._sequence_framed_py`);
+- `records.decode_scheduled`: a SCHEDULED payload decoded into its message_log offset and message
+  (`delayserver.storage.record._decode_scheduled_py`);
 - `send.decode_rows`: a SEND request's items (`delayserver.protocol._decode_send_request_py`);
 - `send.encode_results`: a SEND response (`delayserver.protocol._encode_send_response_py`);
 - `send.encode_items`, `send.decode_results`: a producer's SEND request and its response

@@ -5,6 +5,8 @@ holds them side by side):
 - `walk`: the replayer's pass over message_log records (`walk` in delayserver/replayer.py);
 - `sequence_framed`: the sequencing in place of a request's framed records (the receiver's pass
   frames a send's, `record.frame_records` any other request's), at append (`sequence_framed` in
+  delayserver/storage/record.py);
+- `decode_scheduled`: a SCHEDULED payload decoded (`decode_scheduled` in
   delayserver/storage/record.py).
 
 The walk reads record headers and heads by hand and writes each bucket's schedule_log records (header,
@@ -430,30 +432,21 @@ cdef object headers_of(const uint8_t *p, Py_ssize_t end):
 cdef object last_subject = None
 
 
-cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,
-                        object message_type):
-    """`_message_of(bucket, offset, record)` of the whole record at `p` (`length` bytes, header
-    included), or False for what the kernel leaves to the reference: a type other than SCHEDULED,
-    a crc that does not match, fields that do not add up, text that is not UTF-8."""
+cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, uint64_t *mlo):
+    """The Message of the SCHEDULED payload at `q` (`plen` bytes), its message_log offset put in
+    `mlo`; False for what the kernel leaves to the reference: fields that do not add up, text that
+    is not UTF-8, headers that do not decode."""
     global last_subject
     cdef Py_ssize_t known_len
     cdef const char *known
-    cdef uint32_t plen
-    cdef const uint8_t *q
-    cdef uint64_t mlo, seq
+    cdef uint64_t seq
     cdef int64_t store, sched
     cdef uint32_t flags, idlen, slen, hlen, blen
     cdef const uint8_t *id_at
     cdef tuple fields
-    if length < HEADER_SIZE or p[8] != T_SCHEDULED:
+    if plen < SCHEDULED_HEAD_SIZE:
         return False
-    plen = be32(p + 4)
-    if HEADER_SIZE + <Py_ssize_t>plen != length or plen < SCHEDULED_HEAD_SIZE:
-        return False
-    q = p + HEADER_SIZE
-    if crc32c_update(seed, q, plen) != be32(p):
-        return False
-    mlo = be64(q)
+    mlo[0] = be64(q)
     store = <int64_t>be64(q + 8)
     sched = <int64_t>be64(q + 16)
     seq = be64(q + 24)
@@ -462,7 +455,7 @@ cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, obje
     slen = q[35]
     hlen = be32(q + 36)
     blen = be32(q + 40)
-    if <uint64_t>SCHEDULED_HEAD_SIZE + idlen + slen + hlen + blen != plen:
+    if <uint64_t>SCHEDULED_HEAD_SIZE + idlen + slen + hlen + blen != <uint64_t>plen:
         return False
     id_at = q + SCHEDULED_HEAD_SIZE
     subject = None
@@ -482,7 +475,48 @@ cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, obje
         return False
     body = PyBytes_FromStringAndSize(<const char *>(id_at + idlen + slen + hlen), blen)
     fields = (mid, subject, body, sched, headers, store, seq, flags)
-    return (bucket, offset, mlo, tuple.__new__(message_type, fields))
+    return tuple.__new__(message_type, fields)
+
+
+cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,
+                        object message_type):
+    """`_message_of(bucket, offset, record)` of the whole record at `p` (`length` bytes, header
+    included), or False for what the kernel leaves to the reference: a type other than SCHEDULED,
+    a crc that does not match, and what `message_at` leaves to it."""
+    cdef uint32_t plen
+    cdef uint64_t mlo
+    if length < HEADER_SIZE or p[8] != T_SCHEDULED:
+        return False
+    plen = be32(p + 4)
+    if HEADER_SIZE + <Py_ssize_t>plen != length:
+        return False
+    if crc32c_update(seed, p + HEADER_SIZE, plen) != be32(p):
+        return False
+    message = message_at(p + HEADER_SIZE, plen, message_type, &mlo)
+    if message is False:
+        return False
+    return (bucket, offset, mlo, message)
+
+
+def decode_scheduled(buf, Py_ssize_t start, Py_ssize_t end, object message_type):
+    """`record.decode_scheduled` of the SCHEDULED payload at ``buf[start:end]`` (bytes or a
+    bytearray): ``(message_log offset, Message)``. None for what it leaves to the reference, which
+    raises for it: another kind of buffer, a span outside `buf`, and what `message_at` leaves."""
+    cdef const uint8_t *p
+    cdef Py_ssize_t n
+    cdef uint64_t mlo
+    if type(buf) is bytes:
+        p, n = <const uint8_t *>PyBytes_AS_STRING(buf), PyBytes_GET_SIZE(buf)
+    elif type(buf) is bytearray:
+        p, n = <const uint8_t *>PyByteArray_AS_STRING(buf), PyByteArray_GET_SIZE(buf)
+    else:
+        return None
+    if not 0 <= start <= end <= n:
+        return None
+    message = message_at(p + start, end - start, message_type, &mlo)
+    if message is False:
+        return None
+    return (mlo, message)
 
 
 def read_scheduled(int fd, int64_t size, list offsets, Py_ssize_t guess, object bucket, object message_type,

@@ -63,10 +63,11 @@ from delayserver.message import (
     check_schedule_time, encode_id, encode_subject,
 )
 
-try:  # the compiled sequencing (delayserver/native/records.pyx), when the install built it
+try:  # the compiled sequencing and decoding (delayserver/native/records.pyx), when the install built them
+    from delayserver.native.records import decode_scheduled as _native_decode_scheduled
     from delayserver.native.records import sequence_framed as _native_sequence_framed
 except ImportError:
-    _native_sequence_framed = None
+    _native_decode_scheduled = _native_sequence_framed = None
 try:
     from delayserver.native.records import dispatch_data as _native_dispatch_data
     from delayserver.native.records import dispatch_records as _native_dispatch_records
@@ -419,7 +420,20 @@ def encode_scheduled(message_log_offset: int, message_payload: bytes) -> bytes:
 
 def decode_scheduled(buf, start: int = 0, end: int | None = None) -> tuple[int, Message]:
     """``(message_log_offset, message)`` of a SCHEDULED payload; raises RecordError as decode_message.
-    Once per delivered message: decoded without the `_decoding` wrapper's extra calls."""
+    The compiled kernel (delayserver/native/records.pyx) when built, else `_decode_scheduled_py`."""
+    if _native_decode_scheduled is not None:
+        try:
+            got = _native_decode_scheduled(buf, start, len(buf) if end is None else end, Message)
+        except (OverflowError, TypeError):  # bounds that are no machine integers: the reference's to judge
+            got = None
+        if got is not None:
+            return got
+    return _decode_scheduled_py(buf, start, end)
+
+
+def _decode_scheduled_py(buf, start: int = 0, end: int | None = None) -> tuple[int, Message]:
+    """`decode_scheduled` in Python, the compiled kernel's reference: without the `_decoding`
+    wrapper's extra calls."""
     try:
         data, at, end = _as_bytes(buf, start, end)
         # One unpack for the offset and the message's fixed fields.
