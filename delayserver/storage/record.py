@@ -525,7 +525,6 @@ def _sequence_framed_py(framed: bytearray, count: int, sequence: int) -> int:
     return pos
 
 
-
 def scheduled_time(buf, start: int) -> int:
     """The schedule time of the SCHEDULED payload at `start`."""
     return SCHEDULED_HEAD.unpack_from(buf, start)[2]
