@@ -201,11 +201,14 @@ class DedupeTable:
     def enabled(self) -> bool:
         return self.window_ms > 0
 
-    def only_ids(self):
-        """The ids accepted since start (id -> position), when no entry read back at start is
-        live: then an id not in it is not known (`find` answers None), and a caller screening many
-        ids may skip `find` for those. None while saved entries are live."""
-        return self._positions if self._saved is None else None
+    def screen(self) -> tuple:
+        """``(ids, saved)``, for a caller screening many ids to skip `find` for most of those the
+        table does not hold: `ids`, the ids accepted since start (id -> position); `saved`, None
+        when no entry read back at start is live (then an id not in `ids` is not known: `find`
+        answers None), else ``(shift, bitmap, key_hash)``: an id not in `ids` is known only if
+        bit ``key_hash(its UTF-8) >> shift`` of `bitmap` is set (`_Saved.bits`)."""
+        saved = self._saved
+        return self._positions, None if saved is None else (*saved.bits, key_hash)
 
     def find(self, message_id: str, now_ms: int) -> int | None:
         """The schedule time of the message accepted under `message_id` within the window, or None."""
@@ -738,6 +741,12 @@ class _Saved:
     def ready(self) -> None:
         """Take the bitmap built beside the rest of the read-back."""
         self._shift, self._bitmap = self._building.result()
+
+    @property
+    def bits(self) -> tuple[int, bytes]:
+        """(shift, bitmap): a key whose hash h has bit h >> shift of the bitmap clear is not
+        among these (the compiled kernels screen ids with it, without a call to `find`)."""
+        return self._shift, self._bitmap
 
     def _replaced(self) -> list[int]:
         """The positions of keys saved again later (read back, or a handle moved): only the last

@@ -5,6 +5,7 @@ side, column for column)."""
 from cpython cimport array
 from libc.stdint cimport int64_t, uint32_t
 from delayserver.native.idmap cimport IdMap
+from delayserver.native.screen cimport maybe_saved
 
 
 cdef inline int append_q(array.array a, long long v) except -1:
@@ -26,14 +27,19 @@ def remember_many(positions, list keys, array.array stores, array.array scheds, 
                   saved_position, key_hash):
     """`DedupeTable.remember_many` over the table's columns (`stores`, `scheds`: array "q";
     `hashes`: array "I"); `saved`, `saved_position(key, raw, h)`: the entries read back at start
-    and the lookup among them, or None; `key_hash(raw)`: the saved hash; `positions`: the map of
-    ids (an `IdMap`, probed here without a Python call, or a dict). Returns how many changes it
-    made (the table's `changes` grows by that)."""
+    (a `_Saved`: its `bits` screen out most ids not among them, without a call) and the lookup
+    among them, or None; `key_hash(raw)`: the saved hash; `positions`: the map of ids (an `IdMap`,
+    probed here without a Python call, or a dict). Returns how many changes it made (the table's
+    `changes` grows by that)."""
     cdef Py_ssize_t changes = 0, i
     cdef object message_id, position, h, raw, entry
     cdef long long schedule_time
     cdef int64_t found
     cdef IdMap id_map = positions if type(positions) is IdMap else None
+    cdef bytes saved_bitmap = None
+    cdef int saved_shift = 0
+    if saved is not None:
+        saved_shift, saved_bitmap = saved.bits
     if stores.ob_descr.typecode != b"q"[0] or scheds.ob_descr.typecode != b"q"[0] or hashes.ob_descr.typecode != b"I"[0]:
         raise TypeError("dedupe columns of unexpected types")
     if id_map is not None and type(entries) is list:  # the probes' cache misses, overlapped
@@ -49,7 +55,8 @@ def remember_many(positions, list keys, array.array stores, array.array scheds, 
         if position is None and saved is not None:  # its hash is taken once, for the lookup and to keep
             raw = message_id.encode("utf-8")
             h = key_hash(raw)
-            position = saved_position(message_id, raw, h)
+            # most ids not among the saved are told by a bit, without a call
+            position = saved_position(message_id, raw, h) if maybe_saved(saved_bitmap, saved_shift, h) else None
             if position is not None and not 0 <= <Py_ssize_t>position - base < len(stores):
                 raise IndexError(f"dedupe position {position} is not in the table")
             if position is not None and store_time - stores.data.as_longlongs[<Py_ssize_t>position - base] >= window:

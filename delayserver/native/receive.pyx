@@ -12,11 +12,13 @@ answered as the reference answers it, through the same Python objects (`context`
 cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_AsUTF8String
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64
 from delayserver.native.idmap cimport IdMap
 from delayserver.native.layout cimport HEADER_SIZE, MESSAGE_HEAD_SIZE, T_MESSAGE
+from delayserver.native.screen cimport maybe_saved
 
 
 cdef uint8_t *reserve(bytearray framed, Py_ssize_t used, Py_ssize_t need) except NULL:
@@ -34,6 +36,19 @@ cdef inline void put_record_header(uint8_t *out, Py_ssize_t length) noexcept:
     out[8] = T_MESSAGE
 
 
+cdef bint maybe_saved_id(key, bytes bitmap, int shift, key_hash) except -1:
+    """Whether `key` may be among the dedupe table's ids read back at start (False: it is not, and
+    `find` would answer None). A key `find` would have to look at otherwise (not a str, no UTF-8)
+    is left to it."""
+    if type(key) is not str:
+        return True
+    try:
+        raw = PyUnicode_AsUTF8String(key)
+    except UnicodeError:
+        return True
+    return maybe_saved(bitmap, shift, key_hash(raw))
+
+
 def admit(list rows, items, view, long long now, refused, refusal_text, table, dict committing, schedule_time,
           tuple at_window, long long max_bytes, tuple context):
     """`receiver._admit`: the same arguments, the same answer."""
@@ -41,8 +56,13 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     cdef object at_first = at_window[0], at_last = at_window[1]
     cdef Py_ssize_t count = len(rows), i, span, id_at, id_len, subject_len, headers_len, body_len
     cdef Py_ssize_t max_id_bytes = max_id, max_headers_bytes = max_headers
-    only_ids = table.only_ids() if table is not None else None
-    cdef IdMap only_map = only_ids if type(only_ids) is IdMap else None  # probed without a Python call
+    ids, saved = table.screen() if table is not None else (None, None)
+    cdef IdMap id_map = ids if type(ids) is IdMap else None  # probed without a Python call
+    cdef bytes saved_bitmap = None
+    cdef int saved_shift = 0
+    cdef object key_hash = None
+    if saved is not None:  # the ids read back at start: most of those not among them are told by a bit
+        saved_shift, saved_bitmap, key_hash = saved
     cdef list results = [None] * count
     cdef list accepted = []
     cdef bytearray framed = bytearray()
@@ -68,11 +88,11 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
                     + <Py_ssize_t>row[7] + <Py_ssize_t>row[8]
         if cap > 0 and refused is None:
             PyByteArray_Resize(framed, cap)
-    if only_map is not None and refused is None:  # the probes' cache misses, overlapped
+    if id_map is not None and refused is None:  # the probes' cache misses, overlapped
         for i in range(count):
             row = <tuple>rows[i]
             if not row[3]:
-                only_map.prefetch(row[0])
+                id_map.prefetch(row[0])
     for i in range(count):
         row = <tuple>rows[i]
         message_id, subject, spec, headers = row[0], row[1], row[2], row[3]
@@ -82,10 +102,13 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
         if table is not None:
             key = message_id if not headers else dedupe_key(message_id, headers)
             keys[i] = key
-            if only_map is not None:
-                known = None if only_map.lookup(key) < 0 else table.find(key, now)
+            if id_map is not None and id_map.lookup(key) < 0 and (
+                    saved is None or not maybe_saved_id(key, saved_bitmap, saved_shift, key_hash)):
+                known = None
+            elif id_map is None and saved is None and key not in ids:
+                known = None
             else:
-                known = None if only_ids is not None and key not in only_ids else table.find(key, now)
+                known = table.find(key, now)
             if known is not None:
                 results[i] = duplicate(known, message_id)
                 continue

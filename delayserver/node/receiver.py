@@ -97,7 +97,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
     last_spec, last_when = None, 0
     pack_head, checked_subjects = MESSAGE_HEAD.pack, CHECKED_SUBJECTS
     at_first, at_last = at_window
-    only_ids = table.only_ids() if table is not None else None
+    ids, saved = table.screen() if table is not None else (None, None)
     for i, row in enumerate(rows):
         message_id, subject, spec, headers, id_at, id_len, subject_len, headers_len, body_len = row
         if refused is not None:
@@ -105,7 +105,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
             continue
         if table is not None:
             key = keys[i] = dedupe_key(message_id, headers)
-            known = None if only_ids is not None and key not in only_ids else table.find(key, now)
+            known = None if saved is None and key not in ids else table.find(key, now)
             if known is not None:
                 results[i] = _duplicate(known, message_id)
                 continue
