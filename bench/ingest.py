@@ -16,7 +16,9 @@ collapsed stacks to FILE (`--quick`: 3 s runs instead of 10 s). `--producers N` 
 change the load's shape (32 producers, 64 messages a request by default): the server's CPU per
 message at two batch sizes separates what it spends per request from what it spends per message.
 `--dedupe-window D` runs the server with that `dedupe_window` ("0": no dedupe table), to see what
-the table of accepted ids costs each message.
+the table of accepted ids costs each message. `--seconds S` sets the runs' length, `--window W`
+prints each W seconds' rate and server CPU per message (how a long run's cost moves as the logs
+grow), `--sync-only` leaves out the flush=async run.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,9 +83,29 @@ def start_server(tmp: Path, flush: str, dedupe_window: str | None = None) -> Del
     return DelayServerProcess(tmp / "data", config_path=config, flush=flush).start()
 
 
+def _sample_cpu(pid: int, every: float, samples: list, stop: threading.Event) -> None:
+    """(wall time, the server's CPU seconds) every `every` seconds until `stop` is set."""
+    while True:
+        samples.append((time.time(), proc_cpu_seconds(pid)))
+        if stop.wait(every):
+            samples.append((time.time(), proc_cpu_seconds(pid)))
+            return
+
+
+def _windows(samples: list, acks: list) -> list[tuple[float, float, float]]:
+    """(seconds since the first sample, acknowledged msg/s, server CPU us per message) of each
+    window between two CPU samples."""
+    out = []
+    for (ta, ca), (tb, cb) in zip(samples, samples[1:]):
+        n = sum(count for t, count in acks if ta <= t < tb)
+        out.append((ta - samples[0][0], n / (tb - ta), (cb - ca) * 1e6 / max(n, 1)))
+    return out
+
+
 def bench(flush: str, producers: int, seconds: float, batch: int, profile: str = "",
-          dedupe_window: str | None = None) -> dict:
-    """`dedupe_window`: the server's `dedupe_window` (its default when None; "0" turns it off)."""
+          dedupe_window: str | None = None, window: float = 0.0) -> dict:
+    """`dedupe_window`: the server's `dedupe_window` (its default when None; "0" turns it off).
+    `window`: also the rate and the server's CPU per message of each `window` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(Path(tmp), flush, dedupe_window)
         try:
@@ -91,15 +114,30 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
             if profile:
                 spy = py_spy(pid, seconds, profile)
             before, loop_before, children_before = proc_cpu_seconds(pid), thread_cpu_seconds(pid, pid), _children_cpu()
-            load = subprocess.Popen(
-                [sys.executable, "-m", "bench.ingest", "load", server.address,
-                 str(producers), str(seconds), str(batch)], stdout=subprocess.PIPE)
-            out, _ = load.communicate()
+            samples: list = []
+            stop = threading.Event()
+            sampler = threading.Thread(target=_sample_cpu, args=(pid, window, samples, stop)) if window else None
+            if sampler is not None:
+                sampler.start()
+            # (its answer, the timeline of a long run among it, goes to a file: a pipe read only at
+            # the end would fill and stop the load generator)
+            with open(Path(tmp) / "load.json", "w+") as out_file:
+                load = subprocess.Popen(
+                    [sys.executable, "-m", "bench.ingest", "load", server.address,
+                     str(producers), str(seconds), str(batch), *(["--timeline"] if window else [])], stdout=out_file)
+                load.wait()
+                out_file.seek(0)
+                out = out_file.read()
+            if sampler is not None:
+                stop.set()
+                sampler.join()
             if spy is not None:
                 spy.wait(60)
             if load.returncode:
                 raise RuntimeError(f"the load generator failed ({load.returncode})")
             result = json.loads(out)
+            if window:
+                result["windows"] = _windows(samples, result.pop("acks"))
             # The load process has exited, so its CPU is whole; the server's is read as the load ends.
             result["server_cpu_us_per_msg"] = (proc_cpu_seconds(pid) - before) / max(result["acked"], 1) * 1e6
             # Its event loop's thread alone: where its Python runs, one core at most.
@@ -128,6 +166,10 @@ def main(argv: list[str]) -> None:
                         help="sample the server with py-spy in the flush=sync run; collapsed stacks to FILE")
     parser.add_argument("--producers", type=int, default=32, help="concurrent producers (default 32)")
     parser.add_argument("--batch", type=int, default=64, help="messages per SEND request (default 64)")
+    parser.add_argument("--seconds", type=float, default=None, help="seconds per run (default 10; --quick: 3)")
+    parser.add_argument("--window", type=float, default=0.0, metavar="S",
+                        help="also print each S-second window's rate and server CPU per message")
+    parser.add_argument("--sync-only", action="store_true", help='only the flush = "sync" run')
     parser.add_argument("--dedupe-window", default=None, metavar="DURATION",
                         help='the server\'s dedupe_window ("0" turns dedupe off; default: the server\'s own)')
     args = parser.parse_args(argv)
@@ -140,10 +182,16 @@ def main(argv: list[str]) -> None:
             parse_duration(args.dedupe_window, "--dedupe-window")
         except ConfigError as e:
             parser.error(str(e))
-    producers, seconds, batch = args.producers, 3.0 if args.quick else 10.0, args.batch
+    if (args.seconds is not None and args.seconds <= 0) or args.window < 0:
+        parser.error("--seconds and --window take a positive number of seconds")
+    producers, batch = args.producers, args.batch
+    seconds = args.seconds if args.seconds is not None else 3.0 if args.quick else 10.0
     print(f"ingest on {environment_note()}; {memory_note()}", flush=True)
-    for flush in ("sync", "async"):
-        r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "", args.dedupe_window)
+    for flush in ("sync",) if args.sync_only else ("sync", "async"):
+        r = bench(flush, producers, seconds, batch, args.profile if flush == "sync" else "", args.dedupe_window,
+                  args.window)
+        for at, rate, cpu in r.get("windows", ()):
+            print(f"  {at:5.1f} s: {rate:9,.0f} acknowledged msg/s, server CPU {cpu:5.1f} us per message", flush=True)
         dedupe = "" if args.dedupe_window is None else f" dedupe_window={args.dedupe_window}"
         print(f"ingest flush={flush:5s} producers={producers} batch={batch} body=1KiB{dedupe}: "
               f"{r['msgs_per_s']:,.0f} acknowledged msg/s; ack latency per batch "

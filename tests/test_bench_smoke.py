@@ -321,3 +321,28 @@ def test_a_threads_cpu_is_its_own_and_part_of_its_process_s():
     assert mine_between - mine_before < 0.2  # the other thread's 0.4 s are not this one's
     assert mine_after - mine_between >= 0.25  # (clock ticks of 10 ms)
     assert process_after - process_before >= mine_after - mine_before + 0.35
+
+
+def test_memory_fill_prints_the_cost_of_each_step_written(tmp_path, capsys):
+    import bench.memory as memory
+
+    memory.fill(4 / 1024, True, str(tmp_path), step=1 << 20)  # 4 MiB in steps of 1 MiB, given back
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" GiB")[0].strip() for line in lines] == ["0.0"] * 4 and len(lines) == 4
+    assert all("us of CPU per KiB" in line for line in lines) and list(tmp_path.iterdir()) == []
+
+
+def test_ingest_windows_count_each_acknowledgement_once_and_its_cpu_per_message():
+    from bench.ingest import _windows
+
+    samples = [(100.0, 1.0), (101.0, 1.5), (102.0, 1.5 + 40e-6)]
+    acks = [(100.5, 10), (101.5, 16), (101.9, 4), (99.0, 7), (102.5, 3)]  # the last two outside
+    assert _windows(samples, acks) == [(0.0, 10.0, 50_000.0), (1.0, 20.0, pytest.approx(2.0))]
+
+
+def test_ingest_bench_with_windows_splits_a_real_run(tmp_path):
+    from bench.ingest import bench
+
+    r = bench("sync", 2, 2.0, 16, window=0.5)
+    assert r["acked"] > 0 and len(r["windows"]) >= 3 and "acks" not in r
+    assert sum(rate for _, rate, _ in r["windows"]) > 0
