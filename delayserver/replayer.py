@@ -13,14 +13,6 @@ re-replayed records to `can_add`, which puts them straight into the wheel: a rec
 before the crash (its dispatch_log entry unread) would fire again, and a message whose cancel
 was acknowledged before the crash could fire before the cancel is replayed again.
 
-The page cache. What the replayer appends to a bucket whose load is more than `COLD_MS` away
-is not read before then, in the normal course (a status or cancel of one of its messages reads
-its record, from the disk when it is not cached): once a checkpoint has fsynced it, the range
-written since the last checkpoint is given back to the page cache (`drop_cached`), so that
-orders due in hours do not crowd out the records due soon; the loader and the read-ahead read
-them back in worker threads ahead of their time (wheel/tick_manager.py, wheel/prefetch.py). A
-bucket loaded, or about to be, keeps its pages.
-
 Within a pass, appends to several buckets are all-or-nothing: if one fails (a full disk), the
 buckets written in that pass are truncated back and the pass is retried later from the same cursor.
 """
@@ -39,7 +31,6 @@ from delayserver.storage.record import (
     T_CANCEL, T_COMMIT, T_EPOCH, T_MESSAGE, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType,
     iter_checked_records, message_log_head, schedule_change_sequence, scheduled_record_head,
 )
-from delayserver.storage.segment import drop_cached
 from delayserver.storage.store import REPLAY_CHECKPOINT, Store
 from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
@@ -47,9 +38,6 @@ from delayserver.wakeup import Wakeup
 log = logging.getLogger("delayserver.replayer")
 
 CHECKPOINT_NAME = REPLAY_CHECKPOINT
-#: A bucket whose load begins more than this far ahead gives back the pages a checkpoint fsynced
-#: (module docstring).
-COLD_MS = 5 * 60_000
 
 
 try:  # the compiled walk (delayserver/native/records.pyx), when the install built it
@@ -186,9 +174,6 @@ class Replayer:
         self.transactions = transactions if transactions is not None else HalfMessages(store.segment_scale_ms)
         # One checkpoint writer at a time (replay loop, cleaner, drain): snapshot, fsync, rename.
         self._checkpoint_lock = trio.Lock()
-        # Each bucket's size at the last checkpoint's fsync: a cold bucket's pages past it are the
-        # ones the next checkpoint gives back (`_cold_ranges`).
-        self._synced_sizes: dict[int, int] = dict(store.schedule_log.sizes.items())
 
     @property
     def checkpoint_path(self):
@@ -277,7 +262,6 @@ class Replayer:
                 raise CorruptSegment(self.store.message_log.directory, off, err.reason) from None
         self._tell_ticks(runs, now)
         self.offset = end
-        self.store.message_log.replayed_to = end  # (what it gives back of the page cache waits for this)
         scheduled = sum(map(len, ids.values()))  # one id per scheduled record
         count = scheduled + len(txn_notes) - sum(1 for n in txn_notes if n[1] == RecordType.COMMIT)
         self.replayed += count
@@ -320,32 +304,15 @@ class Replayer:
             "schedule_sizes": {bucket_name(b): s for b, s in self.store.schedule_log.sizes.items()},
             "transactions": self.transactions.snapshot(),
         }
-        return paths, new_files, data, self._cold_ranges(paths)
-
-    def _cold_ranges(self, paths) -> list[tuple[object, int, int, int]]:
-        """(path, bucket, start, end) of what the segments at `paths` (about to be fsynced) grew by
-        since the last checkpoint, for those whose bucket loads more than COLD_MS from now."""
-        now, ahead = getattr(self.ticks, "last_now", None), getattr(self.ticks, "load_ahead_ms", None)
-        if now is None or ahead is None:
-            return []
-        schedule_log, out = self.store.schedule_log, []
-        for path in paths:
-            bucket = parse_bucket_name(path.stem)
-            if bucket - ahead - now > COLD_MS:
-                out.append((path, bucket, self._synced_sizes.get(bucket, 0), schedule_log.size(bucket)))
-        return out
+        return paths, new_files, data
 
     def _write_checkpoint(self, snapshot) -> None:
-        paths, new_files, data, cold = snapshot
+        paths, new_files, data = snapshot
         self.store.schedule_log.sync_paths(paths, new_files)
         failpoints.hit("schedule-before-checkpoint")
         write_checkpoint(self.checkpoint_path, data)
         self.checkpointed_offset = data["message_log_offset"]
         self.transactions.checkpointed(data["transactions"])
-        for path, bucket, start, end in cold:  # fsynced: clean pages, given back (module docstring)
-            if end > start:
-                drop_cached(path, start, end - start)
-            self._synced_sizes[bucket] = end
 
     async def checkpoint_async(self) -> None:
         """`checkpoint` with the fsyncs in a worker thread (the snapshot is taken on the trio thread).

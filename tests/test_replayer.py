@@ -279,33 +279,3 @@ async def test_serve_replays_new_data_and_checkpoints_every_interval(tmp_path, a
         nursery.cancel_scope.cancel()
     assert Replayer.open(node.store, node.ticks).offset == node.store.message_log.end_offset
     node.crash()
-
-
-def test_a_checkpoint_gives_back_the_pages_of_buckets_that_load_much_later(tmp_path):
-    """What replay appended to a bucket whose load is more than COLD_MS away leaves the page cache
-    once a checkpoint fsynced it (the loader reads it back ahead of its time); a bucket that loads
-    soon keeps its pages, and every record still reads back."""
-    from delayserver.replayer import COLD_MS
-    from tests.page_cache import on_tmpfs, resident_pages
-
-    if on_tmpfs(tmp_path):
-        pytest.skip("tmpfs keeps every page: nothing to give back")
-    node = Node(tmp_path, START_MS)
-    far = bucket_of(START_MS + COLD_MS + 10 * SCALE_MS)
-    near = bucket_of(START_MS + 2 * SCALE_MS)
-    body = b"x" * 4000
-    node.send([(f"far{i}", far + i) for i in range(40)], body)
-    node.send([(f"near{i}", near + i) for i in range(40)], body)
-    node.replay_all()
-    log_ = node.store.schedule_log
-    assert resident_pages(log_.path(far)) > 30 and resident_pages(log_.path(near)) > 30
-    node.replayer.checkpoint()
-    assert resident_pages(log_.path(far)) <= 1  # (a page only partly written so far stays)
-    assert resident_pages(log_.path(near)) > 30
-    node.send([(f"far{i}", far + i) for i in range(40, 60)], body)  # and again, from where it left off
-    node.replay_all()
-    assert resident_pages(log_.path(far)) > 15
-    node.replayer.checkpoint()
-    assert resident_pages(log_.path(far)) <= 1
-    assert len(list(log_.records(far))) == 60 and len(list(log_.records(near))) == 40
-    node.crash()

@@ -25,16 +25,6 @@ record starts there), so a start does not walk a whole segment again, and damage
 never taken for a power-loss tail and cut with the acknowledged records after it: like damage in
 a sealed segment, it is corruption, found when it is read.
 
-The page cache. message_log is written, fsynced and (nearly always) never read again: replay takes
-a batch's bytes from the receiver (`recent`), a slave in step reads the tail. Its pages would
-only crowd out schedule_log's, which are read when their bucket loads. So once a segment is
-sealed and the next one sealed too (a segment behind the end: slaves in step are past it), the
-first `sync` after replay is past it too (`replayed_to`) gives its pages back (`drop_cached`;
-clean after its fsync at the roll). A read of it later (a slave catching up, replay after a
-restart, a transaction's check-back) goes to the disk. On the benchmark machine, where page
-cache beyond the first 4 GiB costs ten times as much to fill (README, Benchmarks), this moved
-the point where a sustained ingest's CPU per message jumps from 27 to 37 s into the run.
-
 Epochs. Each batch opens with an EPOCH record naming the master epoch that wrote it
 (storage/record.py); `epochs` (storage/epochs.py) indexes where each epoch begins, so that a node
 can find where its history and its master's part (storage/epochs.py, node/divergence.py).
@@ -43,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -52,7 +41,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import Segment, drop_cached, fsync_dir, fsync_path, own_descriptor, read_file
+from delayserver.storage.segment import Segment, fsync_dir, fsync_path, own_descriptor, read_file
 
 log = logging.getLogger("delayserver.storage")
 
@@ -77,15 +66,6 @@ class MessageLog:
         self.active_base = 0
         self.quarantined: dict[int, tuple[int, str]] = {}  # base -> (file offset, reason)
         self.epochs: EpochHistory | None = None  # set by open
-        #: How far replay has read (the replayer sets it): a segment's pages are given back only
-        #: once replay is past its end, so that a replay running behind never reads it from the disk
-        #: on the event loop.
-        self.replayed_to = 0
-        self._last_sealed: int | None = None  # the segment the last roll sealed (kept in the page cache)
-        # (end offset, path) of sealed segments whose cached pages a sync gives back once replay is
-        # past them; taken under the lock (a roll on the event loop, a sync in a worker thread).
-        self._to_drop: list[tuple[int, Path]] = []
-        self._to_drop_lock = threading.Lock()
 
     @classmethod
     def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -165,28 +145,16 @@ class MessageLog:
     def roll(self) -> None:
         self.active.sync(site="roll")
         failpoints.hit("segment-roll")
-        base, sealed = self.end_offset, self.active_base
+        base = self.end_offset
         self.active.close()
         self._start_segment(base)
-        if self._last_sealed is not None:  # a segment behind the end now: its pages go at a sync
-            with self._to_drop_lock:
-                self._to_drop.append((sealed, self.path(self._last_sealed)))  # (it ends where `sealed` begins)
-        self._last_sealed = sealed
 
     def sync(self) -> None:
         """fsync the active segment through a descriptor of its own, so that a worker thread may
         call it while the event loop goes on appending or rolls the log: a roll fsyncs the segment
         it seals before it closes that segment's descriptor, so whichever segment this finds
-        active, what was written before the call is covered. Raises FsyncFailed. Then gives back
-        the cached pages of the segments rolls left behind (module docstring)."""
+        active, what was written before the call is covered. Raises FsyncFailed."""
         fsync_path(self.path(self.active_base))
-        if not self._to_drop:
-            return
-        with self._to_drop_lock:
-            ready = [path for end, path in self._to_drop if end <= self.replayed_to]
-            self._to_drop = [(end, path) for end, path in self._to_drop if end > self.replayed_to]
-        for path in ready:
-            drop_cached(path)
 
     def truncate(self, offset: int) -> None:
         """Drop everything at and after `offset` (a slave realigning with its master)."""

@@ -230,27 +230,6 @@ def fsync_path(path) -> None:
         os.close(fd)
 
 
-def drop_cached(path, start: int = 0, length: int = 0) -> bool:
-    """Give the page cache back the pages of a file (`length` bytes from `start`; 0: to its end)
-    written and fsynced, that nothing reads soon (posix_fadvise DONTNEED: clean pages are freed,
-    a later read goes to the disk; pages only partly in the range stay). Whether the kernel was
-    told: False where it cannot be (no posix_fadvise, the file gone)."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False  # deleted meanwhile (the cleaner, a slave realigning): nothing to give back
-    try:
-        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
-        return True
-    except OSError as e:
-        log.debug("%s: could not drop its cached pages: %s", path, e)
-        return False
-    finally:
-        os.close(fd)
-
-
 @attrs.define(eq=False)
 class Segment:
     """An open segment file. `size` is the end of the last whole record."""

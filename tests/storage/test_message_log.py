@@ -14,7 +14,6 @@ from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.message_log import MessageLog, segment_name
 from delayserver.storage.record import RecordType, decode_message, iter_records
 from tests.damage import flip_bit, message, message_record, record_offsets, truncate, zero_fill
-from tests.page_cache import on_tmpfs, resident_pages
 
 SEGMENT_BYTES = 400  # two or three records per segment: every test crosses many rolls
 COUNT = 30
@@ -341,28 +340,4 @@ def test_a_record_larger_than_a_segment_gets_a_segment_of_its_own(tmp_path):
     assert big in [int(p.name[:20]) for p in segments(tmp_path)]
     assert [mid for _, mid in read_all(log)] == ["m-0", "m-1", "m-2"]
     assert decode_message(dict((o, p) for o, _, p in log.iter_from(0))[big]) == message(1, body_bytes=SEGMENT_BYTES * 2)
-    log.close()
-
-
-def test_segments_a_roll_left_behind_give_their_pages_back_to_the_page_cache(tmp_path):
-    """A sealed segment a segment behind the end is not read again in the normal course (replay
-    takes the receiver's bytes, slaves in step read the tail): once replay is past it, a sync
-    gives its cached pages back. The last sealed segment and the active one stay cached, and
-    every record still reads back (from the disk)."""
-    if on_tmpfs(tmp_path):
-        pytest.skip("tmpfs keeps every page: nothing to give back")
-    log = MessageLog.open(tmp_path, 64 << 10)
-    written = [log.append(message_record(i, body_bytes=4000)) for i in range(60)]  # about 4 segments
-    files = segments(tmp_path)
-    assert len(files) >= 4
-    log.sync()  # replay has not read them: a replay behind must not read them from the disk
-    assert all(resident_pages(f) > 0 for f in files)
-    log.replayed_to = int(files[1].stem)  # past the first segment only
-    log.sync()
-    assert resident_pages(files[0]) == 0 and all(resident_pages(f) > 0 for f in files[1:])
-    log.replayed_to = log.end_offset
-    log.sync()
-    assert resident_pages(files[-2]) > 0 and resident_pages(files[-1]) > 0
-    assert [resident_pages(f) for f in files[:-2]] == [0] * (len(files) - 2)
-    assert [off for off, _ in read_all(log)] == written
     log.close()
