@@ -14,8 +14,7 @@ A/B figures are therefore taken alternating in one sitting, never one build's ru
 `--fill N` writes N GiB into two new files (64 KiB writes, as two logs grow side by side) and
 prints the cost of each 512 MiB: on the benchmark machine the page cache's first 4 GiB or so cost
 about 0.3 us of CPU per KiB, every KiB beyond them about 2.8, run after run. `--drop` fsyncs each
-512 MiB and gives its pages back (`posix_fadvise(DONTNEED)`, as message_log's segments are once
-a segment behind the end), so that the cache stays small.
+512 MiB and gives its pages back (`posix_fadvise(DONTNEED)`), so that the cache stays small.
 """
 from __future__ import annotations
 
