@@ -102,13 +102,12 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
         if table is not None:
             key = message_id if not headers else dedupe_key(message_id, headers)
             keys[i] = key
-            if id_map is not None and id_map.lookup(key) < 0 and (
-                    saved is None or not maybe_saved_id(key, saved_bitmap, saved_shift, key_hash)):
-                known = None
-            elif id_map is None and saved is None and key not in ids:
-                known = None
-            else:
+            # `find` only for a key accepted since start, or one the saved ids' bitmap does not rule out
+            if (id_map.lookup(key) >= 0 if id_map is not None else key in ids) or (
+                    saved is not None and maybe_saved_id(key, saved_bitmap, saved_shift, key_hash)):
                 known = table.find(key, now)
+            else:
+                known = None
             if known is not None:
                 results[i] = duplicate(known, message_id)
                 continue
