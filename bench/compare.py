@@ -190,6 +190,7 @@ class Run:
     lost: int
     peak_rss: int
     stream_redis_peak_rss: int
+    peak_file: int = 0  # the file pages at most in `peak_rss` (the segments our read-ahead maps)
 
 
 def run_system(system, w: Workload, *, kill: bool) -> Run:
@@ -223,7 +224,7 @@ def run_system(system, w: Workload, *, kill: bool) -> Run:
     lost = sum(1 for i in acked_ids if message_id(i) not in seen)
     return Run(system.name, load["acked"], load["acked"] / load["seconds"],
                lateness_figures([d.arrival_time - d.schedule_time for d in delivered]),
-               len(seen), len(delivered) - len(seen), lost, rss.peak, broker_rss.peak)
+               len(seen), len(delivered) - len(seen), lost, rss.peak, broker_rss.peak, rss.peak_file)
 
 
 def _wait_quiet(arrived, expected: int, window_end_ms: int, quiet_ms: int, give_up_ms: int) -> None:
@@ -342,7 +343,8 @@ def ratios(results: dict) -> str:
         f"  lateness P50 {ratio(lo['p50'], lt['p50'])}, P99 {ratio(lo['p99'], lt['p99'])}, "
         f"P999 {ratio(lo['p999'], lt['p999'])}, max {ratio(lo['max'], lt['max'])}",
         f"  peak RSS {ratio(ours.peak_rss, theirs.peak_rss)} (ours plus its broker redis-server: "
-        f"{ratio(ours.peak_rss + ours.stream_redis_peak_rss, theirs.peak_rss)})",
+        f"{ratio(ours.peak_rss + ours.stream_redis_peak_rss, theirs.peak_rss)}; file pages at most, "
+        f"shared with the page cache: ours {mib(ours.peak_file)}, theirs {mib(theirs.peak_file)})",
         f"  lost after kill -9: {results['ours_kill'].lost} vs {results['zset_kill'].lost} "
         f"(appendonly everysec: {results['zset_aof_kill'].lost})",
     ])

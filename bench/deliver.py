@@ -316,6 +316,7 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
                 "headers_as_sent": ((headers_as_sent(delivered), len(delivered))
                                     if w.headers and transport in ("spool", "redis") else None),
                 "cpu_seconds": cpu, "loop_cpu_seconds": loop_cpu, "stalls": stalls, "slow_fsyncs": slow_fsyncs,
+                "peak_file": rss.peak_file,
                 "window_after_start_ms": t0 - started}
 
 
@@ -401,7 +402,9 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
         lines.append(f"  headers: {carried:,} of the {deliveries:,} deliveries carried the header sent")
     if r["arrival"] is not None:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
-    lines.append(f"  server: peak RSS {mib(r['peak_rss'])}; CPU {r['cpu_seconds']:.1f} s from window start to the "
+    file_pages = "" if "peak_file" not in r else (
+        f" ({mib(r['peak_file'])} of it file pages at most: the segments the read-ahead maps, shared with the page cache)")
+    lines.append(f"  server: peak RSS {mib(r['peak_rss'])}{file_pages}; CPU {r['cpu_seconds']:.1f} s from window start to the "
                  f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message"
                  + ("" if "loop_cpu_seconds" not in r else
                     f", {r['loop_cpu_seconds'] / max(1, r['delivered']) * 1e6:.1f} us of it on the event loop's thread")

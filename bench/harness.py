@@ -161,7 +161,9 @@ class DelayServerProcess:
 
 class PeakRss:
     """Samples, every `interval` seconds in a thread, the summed RSS of the processes `pids()`
-    names, and keeps the peak (bytes). A process that is gone counts as 0."""
+    names, and keeps the peak (bytes), and the peak of the file pages in it (`peak_file`: mapped
+    files' pages, shared with the page cache, such as the segments the read-ahead maps; RssFile
+    and RssShmem). A process that is gone counts as 0."""
 
     def __init__(self, pids, interval: float = 0.05):
         self._pids = pids
@@ -169,16 +171,20 @@ class PeakRss:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="peak-rss")
         self.peak = 0
+        self.peak_file = 0
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            total = 0
+            total = shared = 0
             for pid in self._pids():
                 try:
-                    total += psutil.Process(pid).memory_info().rss
+                    info = psutil.Process(pid).memory_info()
                 except psutil.Error:
-                    pass
+                    continue
+                total += info.rss
+                shared += info.shared
             self.peak = max(self.peak, total)
+            self.peak_file = max(self.peak_file, shared)
             self._stopped.wait(self._interval)
 
     def __enter__(self) -> "PeakRss":
@@ -234,9 +240,30 @@ def py_spy(pid: int, seconds: float, out: str) -> subprocess.Popen:
 
 
 def environment_note() -> str:
-    """Cores, Python, and the load average: other work on the machine skews every figure."""
+    """Cores, Python, and the load average: other work on the machine skews every figure; and the
+    code the benchmark's servers run (`server_code`)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load average {load}"
+    return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, load average {load}; {server_code()}"
+
+
+def server_code() -> str:
+    """Where the servers a benchmark starts import delayserver from, as they would import it (this
+    environment's PYTHONPATH: bench/__init__.py puts the benchmarks' own tree first), and that
+    tree's commit, "+changes" when it has uncommitted ones: a comparison of two trees is one only
+    if each side says its own."""
+    try:
+        where = subprocess.run([sys.executable, "-c", "import delayserver, os; print(os.path.dirname(os.path.dirname(delayserver.__file__)))"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"delayserver not importable here ({e})"
+    try:
+        rev = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return f"delayserver from {where}"
+    return f"delayserver from {where} at {rev}{'+changes' if dirty else ''}"
 
 
 def spread(values: list[float], fmt: str) -> str:

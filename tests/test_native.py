@@ -1235,19 +1235,22 @@ def written(tmp_path_factory, body: bytes) -> int:
 
 @SETTINGS
 @given(schedule_segments(), st.data(), st.sampled_from([9, 16, 100, 512]), st.sampled_from([9, 100, 600, 65536]),
-       st.sampled_from([None, 0, 50, 700, 1 << 20]))
-def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_read, max_record, gap):
+       st.sampled_from([None, 0, 50, 700, 1 << 20]), st.sampled_from([None, 0, 1, 4096, 1 << 20]))
+def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_read, max_record, gap, mapped):
     # `gap`: how far apart records may lie to share a read (None: the kernel's own). What is read
-    # is the same whatever it is: only how many reads it takes changes.
+    # is the same whatever it is: only how many reads it takes changes. `mapped`: copied from a
+    # mapping of the file that many bytes past its end (None: read), as the read-ahead's worker does.
     body, starts = segment
     offsets = data.draw(st.lists(st.sampled_from(starts), max_size=16) if starts else st.just([]))
     offsets += data.draw(st.lists(st.integers(0, len(body) + 50), max_size=3))
     offsets = data.draw(st.permutations(offsets))
-    size = data.draw(st.sampled_from([len(body), max(0, len(body) - 30)]))  # a segment shorter than its file
+    # A segment shorter than its file, or longer (the file cut since its size was taken).
+    size = data.draw(st.sampled_from([len(body), max(0, len(body) - 30), len(body) + 40]))
     fd = written(tmp_path_factory, body)
     try:
+        segment_map = None if mapped is None else native_records.SegmentMap(fd, len(body) + mapped or 1, None)
         got = native_records.read_ahead(fd, size, offsets, first_read, max_record,
-                                        *(() if gap is None else (gap,)))
+                                        *(() if gap is None else (gap,)), mapped=segment_map)
         expected = read_ahead._read_ahead_py(fd, size, offsets, first_read, max_record)
         assert native_records.read_ahead(fd, size, offsets, first_read, max_record, -1) is None
     finally:

@@ -943,8 +943,103 @@ def ahead_put(HeldRecords held, dict records, Py_ssize_t room):
     return kept, added
 
 
+cdef extern from "<sys/mman.h>" nogil:
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset)
+    int munmap(void *addr, size_t length)
+    int PROT_READ
+    int MAP_SHARED
+    void *MAP_FAILED
+
+
+cdef extern from "<sys/stat.h>" nogil:
+    cdef struct stat:
+        off_t st_size
+    int fstat(int fd, stat *buf)
+
+
+cdef extern from "<unistd.h>" nogil:
+    long sysconf(int name)
+    int _SC_PAGESIZE
+
+
+cdef class SegmentMap:
+    """A read-only mapping of one schedule_log segment, kept from one read-ahead round to the next
+    (`read_ahead(..., mapped=)`): each page of it costs a page fault once, not a read per record
+    each round.
+
+    `length` may run past the end of the file (it grows); only the bytes the file holds may be
+    touched, and only while it cannot be truncated: a page past the end of its file is a SIGBUS
+    (`read_mapped`). `key` names the file it maps (its device and inode), so that a segment
+    removed and made again is mapped again. Unmapped when the object goes."""
+    cdef const uint8_t *addr
+    cdef readonly int64_t length
+    cdef readonly object key
+
+    def __cinit__(self, int fd, int64_t length, key):
+        cdef void *addr
+        self.addr = NULL
+        self.key = key
+        if length <= 0:
+            raise ValueError("a segment map's length is positive")
+        with nogil:
+            addr = mmap(NULL, <size_t>length, PROT_READ, MAP_SHARED, fd, 0)
+        if addr == MAP_FAILED:
+            raise OSError(errno, "mmap of a schedule_log segment failed")
+        self.addr = <const uint8_t *>addr
+        self.length = length
+
+    def __dealloc__(self):
+        cdef void *addr = <void *>self.addr
+        self.addr = NULL
+        if addr != NULL:
+            with nogil:
+                munmap(addr, <size_t>self.length)
+
+
+cdef uint8_t *read_mapped(int fd, int64_t size, const uint8_t *mapped, int64_t length, Ahead *want,
+                          Py_ssize_t n, int64_t max_record) noexcept nogil:
+    """`read_ahead`'s reads from `mapped` (`length` bytes of the segment from its start; `want`
+    sorted by offset): each record's bytes copied into one slab (returned, malloc'ed; `at` and
+    `length` set in `want`), without a read per record. NULL when the file could not be looked
+    at or the slab could not be had (every `length` 0: the caller reads instead).
+
+    Only for a caller that keeps the file from being truncated meanwhile (a mapping's page past
+    the end of its file is a SIGBUS): `fetch` in delayserver/wheel/prefetch.py holds the lock
+    `BucketLog.truncate` takes. `size` is clamped to what the file holds now, so a file shortened
+    before the lock was taken is read only as far as it goes."""
+    cdef stat st
+    cdef int64_t total = 0, off, rsize, used = 0
+    cdef Py_ssize_t k
+    cdef uint8_t *slab
+    if fstat(fd, &st) != 0:
+        return NULL
+    if st.st_size < size:
+        size = st.st_size
+    if length < size:
+        size = length
+    for k in range(n):
+        off = want[k].key.offset
+        if off + HEADER_SIZE > size:
+            break  # (sorted: none after it either)
+        rsize = HEADER_SIZE + <int64_t>be32(mapped + off + 4)
+        if rsize <= max_record and off + rsize <= size:
+            want[k].length = rsize
+            total += rsize
+    slab = <uint8_t *>malloc(total if total > 0 else 1)
+    if slab == NULL:
+        for k in range(n):
+            want[k].length = 0
+        return NULL
+    for k in range(n):
+        if want[k].length:
+            memcpy(slab + used, mapped + want[k].key.offset, <size_t>want[k].length)
+            want[k].at = used
+            used += want[k].length
+    return slab
+
+
 def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record,
-               int64_t gap=READ_AHEAD_GAP_BYTES):
+               int64_t gap=READ_AHEAD_GAP_BYTES, SegmentMap mapped=None):
     """{offset: the bytes of the record there} for the offsets of `offsets` (one schedule_log
     segment: `fd`, `size` bytes) that hold one: header included, as the file holds them (not
     checked: `read_scheduled` checks what it decodes). An offset is left out where the length
@@ -957,7 +1052,11 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
     `gap` bytes apart share a read of at most SHARED_READ_BYTES (the bytes between them are read
     too, which costs less than a read of their own: READ_AHEAD_GAP_BYTES); each record is read first
     at `first_read` bytes, then whole when it is bigger. None for the whole call on input that is
-    not offsets, or a negative `gap`."""
+    not offsets, or a negative `gap`.
+
+    `mapped`: a `SegmentMap` of the file, to copy the records from instead (`read_mapped`), without
+    a read per record: only while the file cannot be truncated. Reads, as above, when the file
+    cannot be looked at or the mapping is shorter than `size`."""
     cdef Py_ssize_t n = len(offsets), i, j, k
     cdef Ahead *want = NULL
     cdef uint8_t *slab = NULL
@@ -976,6 +1075,15 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
                 return None
             want[k].key.index = k
         qsort(want, n, sizeof(Ahead), by_offset)
+        if mapped is not None and mapped.length >= size:
+            with nogil:
+                slab = read_mapped(fd, size, mapped.addr, mapped.length, want, n, max_record)
+            if slab != NULL:
+                for k in range(n):
+                    if want[k].length:
+                        out[offsets[want[k].key.index]] = PyBytes_FromStringAndSize(
+                            <const char *>(slab + want[k].at), want[k].length)
+                return out
         # The runs of neighbours, and the slab that holds all of their reads.
         i = 0
         while i < n:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 from array import array
 from pathlib import Path
 
@@ -140,6 +141,10 @@ class BucketLog:
         # The paths of the buckets it holds, made once: a Path join costs 5 us, and appends, fsync
         # rounds and reads ask for one per batch.
         self._paths: dict[int, Path] = {}
+        # Held by a reader of mapped segments while it copies from them (the read-ahead's worker,
+        # wheel/prefetch.py): a segment is truncated only while none does, since touching a
+        # mapped page past the end of its file kills the process (SIGBUS).
+        self.truncation = threading.Lock()
 
     @classmethod
     def open(cls, directory: Path, **kw) -> "BucketLog":
@@ -326,7 +331,8 @@ class BucketLog:
     def truncate(self, bucket: int, size: int) -> None:
         self._check_writable()
         if self.size(bucket) > size:
-            os.ftruncate(self._fd(bucket), size)
+            with self.truncation:
+                os.ftruncate(self._fd(bucket), size)
             self.sizes[bucket] = size
             self._dirty.add(bucket)
             for listener in self.listeners:

@@ -13,16 +13,26 @@ of the entries falling due within the next `horizon_ms` into memory (`ReadAhead`
 where delivery decodes them without a read; what is over its budget is only asked of the kernel
 (`posix_fadvise(POSIX_FADV_WILLNEED)`, which starts the reads and does not wait for them), each
 range of nearby records as one request. By the time they fall due they are in memory.
+
+The worker copies the records from a mapping of their segment (`SegmentMap`), kept from one round
+to the next while the segment has messages falling due, rather than reading each: a read cost
+1.4 us per record scattered over a segment in the page cache, a copy from the mapping 0.4 (a
+page fault once per page of it, not a system call per record each round). The pages the
+mapping has touched are the page cache's own, shared, not a copy: they show in the process's
+RSS as file pages (RssFile in /proc/<pid>/status), and the kernel reclaims them as any other
+cached page of the file. A segment is truncated only while no copy runs (`BucketLog.truncation`):
+a mapped page past the end of its file would kill the process.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import trio
 
 from delayserver.storage.threads import run_disk
-from delayserver.wheel.read_ahead import HORIZON_MS, read_records
+from delayserver.wheel.read_ahead import HORIZON_MS, SegmentMap, read_records
 from delayserver.wheel.tick_manager import READ_GUESS_BYTES, TickManager
 
 log = logging.getLogger("delayserver.wheel")
@@ -42,6 +52,8 @@ GAP_BYTES = 64 << 10
 #: bytes objects are made (0.35 ms for 2,048 of 340 bytes, of a call of 2.9 ms reading them from
 #: the page cache in random order), and the budget is looked at between two.
 FETCH_CHUNK = 2048
+#: A segment is mapped this far past its size, so that one that grows is seldom mapped again.
+MAP_HEADROOM_BYTES = 64 << 20
 
 
 def ranges(offsets: list[int], record_bytes: int = READ_GUESS_BYTES, gap: int = GAP_BYTES) -> list[tuple[int, int]]:
@@ -90,8 +102,29 @@ def fetch_jobs(ticks: TickManager, start_ms: int, end_ms: int) -> list[tuple[int
             for bucket, offsets in due_offsets(ticks, start_ms, end_ms).items()]
 
 
+def segment_map(maps: dict, bucket: int, fd: int, size: int):
+    """The mapping of `bucket`'s segment (open as `fd`; its first `size` bytes are read) kept in
+    `maps`, made again when the file there is another one (removed and made again) or has grown
+    past it; None where none can be had (not built, an empty segment, or the mmap failed: the
+    records are read instead)."""
+    if SegmentMap is None or size <= 0:
+        return None
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    mapped = maps.get(bucket)
+    if mapped is not None and mapped.key == key and mapped.length >= size:
+        return mapped
+    maps.pop(bucket, None)
+    try:
+        mapped = maps[bucket] = SegmentMap(fd, 2 * size + MAP_HEADROOM_BYTES, key)
+    except OSError as e:
+        log.debug("cannot map the segment of bucket %d, reading it instead: %s", bucket, e)
+        return None
+    return mapped
+
+
 def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
-          chunk: int = FETCH_CHUNK) -> list[tuple[int, dict[int, bytes]]]:
+          chunk: int = FETCH_CHUNK, maps: dict | None = None, truncation=None) -> list[tuple[int, dict[int, bytes]]]:
     """A worker thread's part: the records of each job (bucket, segment path, its size, offsets)
     read into memory, `chunk` records a read in the order they lie in the segment, while they fit
     in `room` bytes, [(bucket, {offset: bytes})]; what is past it is only advised to the kernel. A
@@ -102,8 +135,17 @@ def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
     (`read_records`): in the order they fall due, the records of messages that arrived in random
     order of their due time lie all over the segment, one read each. (Over the budget, which
     records are read and which only advised then follows their place, not their due time: both
-    are in memory when they fall due.)"""
+    are in memory when they fall due.)
+
+    `maps` ({bucket: SegmentMap}, the caller's, kept from one call to the next) and `truncation`
+    (the schedule_log's `BucketLog.truncation` lock): the records are copied from a mapping of
+    their segment, with the lock held, rather than read; the mappings of buckets no job names
+    are dropped (their segments may be removed: a mapping keeps the file's space)."""
     out, rest = [], []
+    if maps is not None:
+        named = {job[0] for job in jobs}
+        for bucket in [b for b in maps if b not in named]:
+            del maps[bucket]
     for bucket, path, size, offsets in jobs:
         if room <= 0:
             rest.append((path, ranges(offsets)))
@@ -114,11 +156,16 @@ def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
         except OSError:
             continue
         try:
+            mapped = None if maps is None or truncation is None else segment_map(maps, bucket, fd, size)
             for at in range(0, len(offsets), chunk):
                 if room <= 0:
                     rest.append((path, ranges(offsets[at:])))
                     break
-                records = read_records(fd, size, offsets[at:at + chunk])
+                if mapped is None:
+                    records = read_records(fd, size, offsets[at:at + chunk])
+                else:
+                    with truncation:
+                        records = read_records(fd, size, offsets[at:at + chunk], mapped=mapped)
                 out.append((bucket, records))
                 room -= sum(map(len, records.values()))
         finally:
@@ -129,14 +176,18 @@ def fetch(jobs: list[tuple[int, str, int, list[int]]], room: int, advise=advise,
 
 
 async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_MS, step_ms: int = STEP_MS,
-                       advise=advise, run_blocking=run_disk,
+                       advise=advise, run_blocking=run_disk, maps: dict | None = None,
                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Read ahead, every `step_ms`, what falls due up to `horizon_ms` from now (see the module
     docstring), through `run_blocking` (a worker thread), into `ticks.ahead` and, over its
-    budget, by `advise`; each entry is asked for once, unless the clock steps back."""
+    budget, by `advise`; each entry is asked for once, unless the clock steps back. `maps`: the
+    dict of the segments' mappings (`fetch`), for a test to look at; they are let go in a round
+    that finds nothing falling due."""
     task_status.started()
     done_until = None
     ahead = ticks.ahead
+    maps = {} if maps is None else maps  # the worker's mappings of the segments it reads from (`fetch`)
+    mapped_fetch = functools.partial(fetch, maps=maps, truncation=ticks.store.schedule_log.truncation)
     while True:
         now = clock.now_ms()
         if done_until is None or done_until < now or done_until > now + horizon_ms:
@@ -148,11 +199,13 @@ async def prefetch_due(ticks: TickManager, clock, *, horizon_ms: int = HORIZON_M
         if jobs:
             epoch = ahead.epoch
             try:
-                got = await run_blocking(fetch, jobs, ahead.room, advise)
+                got = await run_blocking(mapped_fetch, jobs, ahead.room, advise)
             except OSError as e:  # only a hint: delivery reads the records anyway
                 log.debug("read-ahead failed: %s", e)
             else:
                 for bucket, records in got:
                     ahead.put(bucket, records, epoch)  # (dropped if the records changed meanwhile)
                     await trio.lowlevel.checkpoint()  # a chunk a step: deliveries go between them
+        elif maps:  # nothing falls due soon: let go of the segments (unmapped in the worker)
+            await run_blocking(maps.clear)
         await trio.sleep(step_ms / 1000)

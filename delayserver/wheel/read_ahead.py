@@ -29,12 +29,12 @@ import os
 from delayserver.storage.record import HEADER, HEADER_SIZE
 
 try:
-    from delayserver.native.records import HeldRecords
+    from delayserver.native.records import HeldRecords, SegmentMap
     from delayserver.native.records import ahead_put as _native_put
     from delayserver.native.records import ahead_take as _native_take
     from delayserver.native.records import read_ahead as _native_read_ahead
 except ImportError:  # not built: the references below, and a dict per bucket
-    _native_read_ahead = _native_take = _native_put = None
+    _native_read_ahead = _native_take = _native_put = SegmentMap = None
     HeldRecords = dict
 
 #: The most the records read ahead may hold at once (bytes of records; `read_ahead_bytes`).
@@ -69,11 +69,12 @@ def _read_ahead_py(fd: int, size: int, offsets: list[int], first_read: int, max_
 
 
 def read_records(fd: int, size: int, offsets: list[int], first_read: int = FIRST_READ_BYTES,
-                 max_record: int = MAX_RECORD_BYTES) -> dict[int, bytes]:
+                 max_record: int = MAX_RECORD_BYTES, mapped=None) -> dict[int, bytes]:
     """{offset: the record's bytes} (see `_read_ahead_py`): the compiled kernel where it is
-    built, the reference otherwise or for input it leaves to it."""
+    built, the reference otherwise or for input it leaves to it. `mapped`: a `SegmentMap` of the
+    file to copy from rather than read (only while the file cannot be truncated: prefetch.py)."""
     if _native_read_ahead is not None:
-        got = _native_read_ahead(fd, size, offsets, first_read, max_record)
+        got = _native_read_ahead(fd, size, offsets, first_read, max_record, mapped=mapped)
         if got is not None:
             return got
     return _read_ahead_py(fd, size, offsets, first_read, max_record)

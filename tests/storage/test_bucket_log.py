@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -119,6 +120,23 @@ def test_truncate_and_remove(tmp_path):
     assert [o for o, *_ in log.records(B0)] == [0]
     log.remove(B0)
     assert log.buckets() == [] and not list(tmp_path.iterdir())
+    log.close()
+
+
+def test_a_segment_is_truncated_only_while_no_reader_copies_from_a_mapping_of_it(tmp_path):
+    # The read-ahead's worker copies records from mapped segments holding `truncation`: a mapped
+    # page past the end of its file is a SIGBUS, so a truncation waits for the copy to end.
+    log = BucketLog.open(tmp_path)
+    first = scheduled_record(0)
+    log.append(B0, first + scheduled_record(1))
+    whole = log.size(B0)
+    with log.truncation:  # a copy under way
+        cutting = threading.Thread(target=log.truncate, args=(B0, len(first)))
+        cutting.start()
+        cutting.join(0.2)
+        assert cutting.is_alive() and log.path(B0).stat().st_size == whole
+    cutting.join(10)
+    assert not cutting.is_alive() and log.path(B0).stat().st_size == log.size(B0) == len(first)
     log.close()
 
 
