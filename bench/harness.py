@@ -173,18 +173,22 @@ class PeakRss:
         self.peak = 0
         self.peak_file = 0
 
+    def sample(self) -> None:
+        """One look at the processes (the thread's, every `interval`)."""
+        total = shared = 0
+        for pid in self._pids():
+            try:
+                info = psutil.Process(pid).memory_info()
+            except psutil.Error:
+                continue
+            total += info.rss
+            shared += info.shared
+        self.peak = max(self.peak, total)
+        self.peak_file = max(self.peak_file, shared)
+
     def _run(self) -> None:
         while not self._stopped.is_set():
-            total = shared = 0
-            for pid in self._pids():
-                try:
-                    info = psutil.Process(pid).memory_info()
-                except psutil.Error:
-                    continue
-                total += info.rss
-                shared += info.shared
-            self.peak = max(self.peak, total)
-            self.peak_file = max(self.peak_file, shared)
+            self.sample()
             self._stopped.wait(self._interval)
 
     def __enter__(self) -> "PeakRss":

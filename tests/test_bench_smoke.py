@@ -346,3 +346,44 @@ def test_ingest_bench_with_windows_splits_a_real_run(tmp_path):
     r = bench("sync", 2, 2.0, 16, window=0.5)
     assert r["acked"] > 0 and len(r["windows"]) >= 3 and "acks" not in r
     assert sum(rate for _, rate, _ in r["windows"]) > 0
+
+
+def test_the_benches_name_the_code_their_servers_run():
+    """The first line of each bench says which tree its servers import delayserver from, and its
+    commit: a comparison of two trees is one only if each side names its own."""
+    import subprocess
+
+    import delayserver
+    from bench.harness import environment_note, server_code
+
+    tree = str(Path(delayserver.__file__).resolve().parent.parent)
+    head = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert server_code().startswith(f"delayserver from {tree} at {head}")
+    assert environment_note().endswith(server_code())
+
+
+def test_peak_rss_counts_the_file_pages_apart(tmp_path):
+    """A file mapped and read shows in RSS as file pages: `peak_file` counts them apart (the
+    deliver bench's peak RSS holds the segments the read-ahead maps)."""
+    import mmap
+    import os
+
+    from bench.harness import PeakRss
+
+    path = tmp_path / "pages"
+    path.write_bytes(b"\1" * (64 << 20))
+    with PeakRss(lambda: [os.getpid()]) as rss, open(path, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert sum(m[k] for k in range(0, len(m), 4096)) == (64 << 20) // 4096  # every page touched
+            rss.sample()  # (as its thread does every `interval`)
+    assert rss.peak_file >= 64 << 20 and rss.peak >= rss.peak_file
+
+
+def test_remember_timed_gives_the_cpu_per_id_and_the_slowest_request():
+    from bench.dedupe import remember_timed
+    from delayserver.dedupe import DedupeTable
+
+    table = DedupeTable(3_600_000)
+    per_id, slowest = remember_timed(table, 1000)
+    assert len(table) == 1000 and per_id > 0 and 0 < slowest < 10
