@@ -23,6 +23,7 @@ grow), `--sync-only` leaves out the flush=async run.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -146,9 +147,20 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
             result["server_loop_share"] = loop / result["seconds"]
             # The server is still running, so the children's figure grew by the load process alone.
             result["load_cpu_us_per_msg"] = (_children_cpu() - children_before) / max(result["acked"], 1) * 1e6
+            result["stalls_ms"] = loop_stalls_ms(server.log_path.read_text(errors="replace"))
             return result
         finally:
             server.stop()
+
+
+def loop_stalls_ms(server_log: str) -> list[int]:
+    """The task steps the server logged as holding its event loop (delayserver/loopwatch.py: over
+    100 ms), in ms; a warning that says how many more it left out counts those at its own length."""
+    out = []
+    for m in re.finditer(r"event loop blocked for (\d+) ms by task .*?(?:\((\d+) more slow steps since the last warning\))?$",
+                         server_log, re.MULTILINE):
+        out += [int(m.group(1))] * (1 + int(m.group(2) or 0))
+    return out
 
 
 def _children_cpu() -> float:
@@ -200,6 +212,9 @@ def main(argv: list[str]) -> None:
               f"(/proc/<pid>/stat utime+stime), {r['server_loop_cpu_us_per_msg']:.1f} us of it on the event "
               f"loop's thread ({r['server_loop_share']:.0%} of a core over the sends); "
               f"load generator {r['load_cpu_us_per_msg']:.1f} us", flush=True)
+        stalls = r["stalls_ms"]
+        print(f"  event loop: {len(stalls)} task steps over 100 ms" + (f" (the longest {max(stalls)} ms)" if stalls else ""),
+              flush=True)
     print(f"load average after the runs: {environment_note()}")
 
 

@@ -387,3 +387,15 @@ def test_remember_timed_gives_the_cpu_per_id_and_the_slowest_request():
     table = DedupeTable(3_600_000)
     per_id, slowest = remember_timed(table, 1000)
     assert len(table) == 1000 and per_id > 0 and 0 < slowest < 10
+
+
+def test_the_ingest_bench_counts_the_steps_that_held_the_event_loop():
+    from bench.ingest import loop_stalls_ms
+
+    log = "\n".join([
+        "2026-11-30 00:01:02 WARNING delayserver.loop: event loop blocked for 112 ms by task receiver",
+        "2026-11-30 00:01:03 INFO delayserver: something else",
+        "2026-11-30 00:01:09 WARNING delayserver.loop: event loop blocked for 240 ms by task replayer, 30 ms of it "
+        "in garbage collection (generation 2) (2 more slow steps since the last warning)",
+    ])
+    assert loop_stalls_ms(log) == [112, 240, 240, 240] and loop_stalls_ms("") == []
