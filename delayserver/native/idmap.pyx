@@ -256,15 +256,7 @@ cdef class IdMap:
         return out
 
     def keys(self):
-        cdef Py_ssize_t i, k
-        cdef Shard *shard
-        cdef list out = []
-        for k in range(SHARDS):
-            shard = &self.shards[k]
-            for i in range(shard.mask + 1):
-                if shard.slots[i].key != NULL:
-                    out.append(<object>shard.slots[i].key)
-        return out
+        return [key for key, _ in self.items()]
 
     def __iter__(self):
         return iter(self.keys())
