@@ -1258,7 +1258,7 @@ def test_the_read_ahead_is_the_reference(tmp_path_factory, segment, data, first_
     size = data.draw(st.sampled_from([len(body), max(0, len(body) - 30), len(body) + 40]))
     fd = written(tmp_path_factory, body)
     try:
-        segment_map = None if mapped is None else native_records.SegmentMap(fd, len(body) + mapped or 1, None)
+        segment_map = None if mapped is None else native_records.SegmentMap(fd, len(body) + mapped or 1)
         got = native_records.read_ahead(fd, size, offsets, first_read, max_record,
                                         *(() if gap is None else (gap,)), mapped=segment_map)
         expected = read_ahead._read_ahead_py(fd, size, offsets, first_read, max_record)

@@ -954,12 +954,9 @@ cdef extern from "<sys/mman.h>" nogil:
 cdef extern from "<sys/stat.h>" nogil:
     cdef struct stat:
         off_t st_size
+        unsigned long st_dev
+        unsigned long st_ino
     int fstat(int fd, stat *buf)
-
-
-cdef extern from "<unistd.h>" nogil:
-    long sysconf(int name)
-    int _SC_PAGESIZE
 
 
 cdef class SegmentMap:
@@ -969,24 +966,32 @@ cdef class SegmentMap:
 
     `length` may run past the end of the file (it grows); only the bytes the file holds may be
     touched, and only while it cannot be truncated: a page past the end of its file is a SIGBUS
-    (`read_mapped`). `key` names the file it maps (its device and inode), so that a segment
-    removed and made again is mapped again. Unmapped when the object goes."""
+    (`read_mapped`). `key` names the file it maps, (device, inode): a segment removed and made
+    again is mapped again, and a descriptor of another file is read, not copied from this.
+    Unmapped when the object goes."""
     cdef const uint8_t *addr
     cdef readonly int64_t length
-    cdef readonly object key
+    cdef unsigned long dev, ino
 
-    def __cinit__(self, int fd, int64_t length, key):
+    def __cinit__(self, int fd, int64_t length):
         cdef void *addr
+        cdef stat st
         self.addr = NULL
-        self.key = key
         if length <= 0:
             raise ValueError("a segment map's length is positive")
+        if fstat(fd, &st) != 0:
+            raise OSError(errno, "fstat of a schedule_log segment failed")
+        self.dev, self.ino = st.st_dev, st.st_ino
         with nogil:
             addr = mmap(NULL, <size_t>length, PROT_READ, MAP_SHARED, fd, 0)
         if addr == MAP_FAILED:
             raise OSError(errno, "mmap of a schedule_log segment failed")
         self.addr = <const uint8_t *>addr
         self.length = length
+
+    @property
+    def key(self):
+        return (self.dev, self.ino)
 
     def __dealloc__(self):
         cdef void *addr = <void *>self.addr
@@ -996,12 +1001,13 @@ cdef class SegmentMap:
                 munmap(addr, <size_t>self.length)
 
 
-cdef uint8_t *read_mapped(int fd, int64_t size, const uint8_t *mapped, int64_t length, Ahead *want,
-                          Py_ssize_t n, int64_t max_record) noexcept nogil:
-    """`read_ahead`'s reads from `mapped` (`length` bytes of the segment from its start; `want`
+cdef uint8_t *read_mapped(int fd, int64_t size, SegmentMap segment_map, Ahead *want, Py_ssize_t n,
+                          int64_t max_record) noexcept nogil:
+    """`read_ahead`'s reads from `segment_map` (a mapping of the segment `fd` is open on; `want`
     sorted by offset): each record's bytes copied into one slab (returned, malloc'ed; `at` and
     `length` set in `want`), without a read per record. NULL when the file could not be looked
-    at or the slab could not be had (every `length` 0: the caller reads instead).
+    at, is not the one mapped, or the slab could not be had (every `length` 0: the caller reads
+    instead).
 
     Only for a caller that keeps the file from being truncated meanwhile (a mapping's page past
     the end of its file is a SIGBUS): `fetch` in delayserver/wheel/prefetch.py holds the lock
@@ -1011,12 +1017,13 @@ cdef uint8_t *read_mapped(int fd, int64_t size, const uint8_t *mapped, int64_t l
     cdef int64_t total = 0, off, rsize, used = 0
     cdef Py_ssize_t k
     cdef uint8_t *slab
-    if fstat(fd, &st) != 0:
+    cdef const uint8_t *mapped = segment_map.addr
+    if fstat(fd, &st) != 0 or st.st_dev != segment_map.dev or st.st_ino != segment_map.ino:
         return NULL
     if st.st_size < size:
         size = st.st_size
-    if length < size:
-        size = length
+    if segment_map.length < size:
+        size = segment_map.length
     for k in range(n):
         off = want[k].key.offset
         if off + HEADER_SIZE > size:
@@ -1077,7 +1084,7 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
         qsort(want, n, sizeof(Ahead), by_offset)
         if mapped is not None and mapped.length >= size:
             with nogil:
-                slab = read_mapped(fd, size, mapped.addr, mapped.length, want, n, max_record)
+                slab = read_mapped(fd, size, mapped, want, n, max_record)
             if slab != NULL:
                 for k in range(n):
                     if want[k].length:

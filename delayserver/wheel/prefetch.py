@@ -116,7 +116,7 @@ def segment_map(maps: dict, bucket: int, fd: int, size: int):
         return mapped
     maps.pop(bucket, None)
     try:
-        mapped = maps[bucket] = SegmentMap(fd, 2 * size + MAP_HEADROOM_BYTES, key)
+        mapped = maps[bucket] = SegmentMap(fd, 2 * size + MAP_HEADROOM_BYTES)
     except OSError as e:
         log.debug("cannot map the segment of bucket %d, reading it instead: %s", bucket, e)
         return None

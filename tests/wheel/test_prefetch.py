@@ -297,7 +297,8 @@ async def test_the_segments_are_let_go_once_nothing_of_theirs_falls_due_soon(tmp
 
 def test_a_segment_shortened_under_its_mapping_is_copied_only_as_far_as_it_goes(tmp_path):
     # Touching a mapped page past the end of its file kills the process (SIGBUS), so this runs in a
-    # process of its own: a file cut before the copy took the lock is read up to where it ends now.
+    # process of its own: a file cut before the copy took the lock is read up to where it ends now,
+    # and a mapping handed a descriptor of another file is not copied from.
     script = textwrap.dedent("""
         import os, sys
         from delayserver.native.records import SegmentMap, read_ahead
@@ -309,12 +310,18 @@ def test_a_segment_shortened_under_its_mapping_is_copied_only_as_far_as_it_goes(
             f.write(record * 1000)
         fd = os.open(path, os.O_RDONLY)
         size = os.fstat(fd).st_size
-        st = os.fstat(fd)
-        mapped = SegmentMap(fd, 2 * size, (st.st_dev, st.st_ino))
+        mapped = SegmentMap(fd, 2 * size)
         os.truncate(path, 8192 + 100)  # two pages and a bit: records 0 to 26 whole
         offsets = list(range(0, size, 300))
         got = read_ahead(fd, size, offsets, 512, 65536, mapped=mapped)
         assert got == _read_ahead_py(fd, size, offsets, 512, 65536), sorted(got)
+        # A descriptor of another file is read, not copied from the mapping of this one.
+        other = path + ".other"
+        with open(other, "wb") as f:
+            f.write((HEADER.pack(0, 91, 3) + bytes([7]) * 91) * 10)  # 100 bytes each
+        other_fd = os.open(other, os.O_RDONLY)
+        wanted = list(range(0, 1000, 100))
+        assert read_ahead(other_fd, 1000, wanted, 512, 65536, mapped=mapped) == _read_ahead_py(other_fd, 1000, wanted, 512, 65536)
         print(len(got))
     """)
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "segment")], capture_output=True,
