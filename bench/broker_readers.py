@@ -24,7 +24,11 @@ def declare_queue(url: str, queue: str) -> None:
 
 
 def queue_reader(url: str, queue: str):
-    """A function returning what arrived in `queue` since its last call (consumed and acked)."""
+    """A function returning what arrived in `queue` since its last call (consumed and acked).
+
+    Each message is acked once it is taken: a message the broker had pushed to this consumer when
+    the call ends goes back to the queue, for the next call (with `no_ack`, one pushed just as the
+    call ended was dropped by the client: "lost for consumer with no_ack")."""
     def more() -> list[Delivered]:
         async def main():
             out = []
@@ -32,7 +36,7 @@ def queue_reader(url: str, queue: str):
                 channel = await connection.channel()
                 await channel.set_qos(prefetch_count=2000)
                 q = await channel.declare_queue(queue, durable=True)
-                async with q.iterator(no_ack=True) as messages:
+                async with q.iterator() as messages:
                     while True:
                         try:
                             m = await asyncio.wait_for(messages.__anext__(), 0.5)
@@ -41,6 +45,7 @@ def queue_reader(url: str, queue: str):
                         h = m.headers
                         out.append(Delivered(m.message_id, int(h["delayserver-schedule-time"]),
                                              int(h["delayserver-dispatch-time"])))
+                        await m.ack()
         return asyncio.run(main())
     return more
 

@@ -403,7 +403,8 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
     if r["arrival"] is not None:
         lines.append(f"  lateness, arrival in {ARRIVAL_CLOCK[transport]} - schedule: {format_lateness(r['arrival'])}")
     file_pages = "" if "peak_file" not in r else (
-        f" ({mib(r['peak_file'])} of it file pages at most: the segments the read-ahead maps, shared with the page cache)")
+        f" ({mib(r['peak_file'])} of it file pages at most: mapped files, shared with the page cache, the segments the "
+        f"read-ahead maps and the interpreter's libraries)")
     lines.append(f"  server: peak RSS {mib(r['peak_rss'])}{file_pages}; CPU {r['cpu_seconds']:.1f} s from window start to the "
                  f"last delivery ({r['cpu_seconds'] / max(1, r['delivered']) * 1e6:.0f} us per message"
                  + ("" if "loop_cpu_seconds" not in r else

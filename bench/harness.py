@@ -162,8 +162,8 @@ class DelayServerProcess:
 class PeakRss:
     """Samples, every `interval` seconds in a thread, the summed RSS of the processes `pids()`
     names, and keeps the peak (bytes), and the peak of the file pages in it (`peak_file`: mapped
-    files' pages, shared with the page cache, such as the segments the read-ahead maps; RssFile
-    and RssShmem). A process that is gone counts as 0."""
+    files' pages, shared with the page cache, such as the segments the read-ahead maps and the
+    interpreter's libraries; RssFile and RssShmem). A process that is gone counts as 0."""
 
     def __init__(self, pids, interval: float = 0.05):
         self._pids = pids
