@@ -1045,6 +1045,54 @@ cdef uint8_t *read_mapped(int fd, int64_t size, SegmentMap segment_map, Ahead *w
     return slab
 
 
+cdef uint8_t *read_runs(int fd, int64_t size, Ahead *want, Py_ssize_t n, int64_t first_read,
+                        int64_t max_record, int64_t gap) noexcept nogil:
+    """`read_ahead`'s reads (`want` sorted by offset): the runs of neighbours, each one read into
+    one slab (returned, malloc'ed; NULL when there is no memory for it), each record found whole
+    given its `at` and `length` there, or its own buffer (`own`) when it is bigger than its first
+    read."""
+    cdef Py_ssize_t i = 0, j, k
+    cdef int64_t slab_size = 0, used = 0, first, end, got, at, rsize, off
+    cdef uint8_t *slab
+    while i < n:
+        j = run_end(want, i, n, first_read, gap)
+        slab_size += max(0, min(want[j - 1].key.offset + first_read, size) - want[i].key.offset)
+        i = j
+    slab = <uint8_t *>malloc(max(slab_size, 1))
+    if slab == NULL:
+        return NULL
+    i = 0
+    while i < n:
+        j = run_end(want, i, n, first_read, gap)
+        first = want[i].key.offset
+        end = min(want[j - 1].key.offset + first_read, size)
+        got = read_fully(fd, slab + used, first, end) if end > first else 0
+        if got > 0:
+            for k in range(i, j):
+                off = want[k].key.offset
+                at = off - first
+                if at + HEADER_SIZE > got:
+                    continue
+                rsize = HEADER_SIZE + <int64_t>be32(slab + used + at + 4)
+                if rsize > max_record or off + rsize > size:
+                    continue
+                if at + rsize <= got:
+                    want[k].at = used + at
+                    want[k].length = rsize
+                    continue
+                want[k].own = <uint8_t *>malloc(rsize)
+                if want[k].own == NULL:
+                    continue
+                if read_fully(fd, want[k].own, off, off + rsize) == rsize:
+                    want[k].length = rsize
+                else:
+                    free(want[k].own)
+                    want[k].own = NULL
+            used += got
+        i = j
+    return slab
+
+
 def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssize_t max_record,
                int64_t gap=READ_AHEAD_GAP_BYTES, SegmentMap mapped=None):
     """{offset: the bytes of the record there} for the offsets of `offsets` (one schedule_log
@@ -1064,10 +1112,9 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
     `mapped`: a `SegmentMap` of the file, to copy the records from instead (`read_mapped`), without
     a read per record: only while the file cannot be truncated. Reads, as above, when the file
     cannot be looked at or the mapping is shorter than `size`."""
-    cdef Py_ssize_t n = len(offsets), i, j, k
+    cdef Py_ssize_t n = len(offsets), k
     cdef Ahead *want = NULL
     cdef uint8_t *slab = NULL
-    cdef int64_t slab_size = 0, used, first, end, got, at, rsize, off
     cdef dict out = {}
     if first_read < HEADER_SIZE or size < 0 or max_record < HEADER_SIZE or gap < 0:
         return None
@@ -1085,52 +1132,11 @@ def read_ahead(int fd, int64_t size, list offsets, Py_ssize_t first_read, Py_ssi
         if mapped is not None and mapped.length >= size:
             with nogil:
                 slab = read_mapped(fd, size, mapped, want, n, max_record)
-            if slab != NULL:
-                for k in range(n):
-                    if want[k].length:
-                        out[offsets[want[k].key.index]] = PyBytes_FromStringAndSize(
-                            <const char *>(slab + want[k].at), want[k].length)
-                return out
-        # The runs of neighbours, and the slab that holds all of their reads.
-        i = 0
-        while i < n:
-            j = run_end(want, i, n, first_read, gap)
-            slab_size += max(0, min(want[j - 1].key.offset + first_read, size) - want[i].key.offset)
-            i = j
-        slab = <uint8_t *>malloc(max(slab_size, 1))
         if slab == NULL:
-            raise MemoryError()
-        with nogil:
-            used = 0
-            i = 0
-            while i < n:
-                j = run_end(want, i, n, first_read, gap)
-                first = want[i].key.offset
-                end = min(want[j - 1].key.offset + first_read, size)
-                got = read_fully(fd, slab + used, first, end) if end > first else 0
-                if got > 0:
-                    for k in range(i, j):
-                        off = want[k].key.offset
-                        at = off - first
-                        if at + HEADER_SIZE > got:
-                            continue
-                        rsize = HEADER_SIZE + <int64_t>be32(slab + used + at + 4)
-                        if rsize > max_record or off + rsize > size:
-                            continue
-                        if at + rsize <= got:
-                            want[k].at = used + at
-                            want[k].length = rsize
-                            continue
-                        want[k].own = <uint8_t *>malloc(rsize)
-                        if want[k].own == NULL:
-                            continue
-                        if read_fully(fd, want[k].own, off, off + rsize) == rsize:
-                            want[k].length = rsize
-                        else:
-                            free(want[k].own)
-                            want[k].own = NULL
-                    used += got
-                i = j
+            with nogil:
+                slab = read_runs(fd, size, want, n, first_read, max_record, gap)
+            if slab == NULL:
+                raise MemoryError()
         for k in range(n):
             if want[k].length == 0:
                 continue
