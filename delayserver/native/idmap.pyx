@@ -6,8 +6,9 @@ side by side), in less memory and fewer cache misses per probe.
 Arrays of slots, each the key's hash, its position (a machine integer, not an int object) and
 the key, probed linearly from the hash's low bits and never more than half full; 256 of them
 (shards), a key's chosen by its hash's top bits, each growing on its own. One array for all held
-the event loop for 80 to 245 ms when it doubled at a million ids (a new array of 96 MiB to fault in
-and every slot moved, in one put); a shard's doubling moves a 256th of that, and the shards,
+the event loop for 89 to 112 ms when it doubled at a million ids (a scratch loop of
+`DedupeTable.remember_many`, six runs: a new array of 96 MiB to fault in and every slot moved, in
+one put); a shard's doubling moves a 256th of that, and the shards,
 filling alike, double one after another, puts apart: the slowest request of 64 ids going into a
 map growing past a million took 0.9 and 3.6 ms against 94 and 96 (a scratch loop of
 `DedupeTable.remember_many`, alternated; `ops/bench dedupe` prints it). A probe of an id
@@ -84,14 +85,8 @@ cdef class IdMap:
 
     cdef int64_t lookup(self, object key) except? -2:
         """The position of `key`, or -1 when the map does not hold it."""
-        cdef Py_hash_t h
-        cdef Shard *shard
-        cdef Py_ssize_t i
-        if not isinstance(key, str):
-            return -1
-        h = PyObject_Hash(key)
-        shard = shard_of(self, h)
-        i = self.find(shard, key, h)
+        cdef Shard *shard = NULL
+        cdef Py_ssize_t i = self.locate(key, &shard)
         return -1 if i < 0 else shard.slots[i].value
 
     cdef int put(self, object key, int64_t value) except -1:
