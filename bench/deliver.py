@@ -65,7 +65,7 @@ import attrs
 
 from bench.harness import (
     DelayServerProcess, PeakRss, RedisProcess, cpu_seconds, environment_note, format_lateness, lateness_figures,
-    memory_note, mib, now_ms, pids_of, py_spy, run_child, spread, thread_cpu_seconds,
+    loop_stalls_ms, memory_note, mib, now_ms, pids_of, py_spy, run_child, spread, thread_cpu_seconds,
 )
 from bench.workload import SUBJECT, Delivered, Workload, headers_as_sent, read_stream
 from delayserver.metrics import percentile
@@ -310,12 +310,14 @@ def run_deliver(transport: str, w: Workload, bucket_load: int = 0, profile: str 
             loop_cpu = thread_cpu_seconds(server.process.pid, server.process.pid) - loop_at_t0
             server_log = server.log_path.read_text(errors="replace").splitlines()
             stalls = [line for line in server_log if "event loop blocked" in line]
+            stall_ms = loop_stalls_ms("\n".join(stalls))
             slow_fsyncs = slow_fsyncs_between(server_log, t0, until)
         return {**_figures(w, t0, load, delivered, rss.peak, with_arrival=transport in ("redis", "nats")),
                 # (the readers of RabbitMQ and NATS do not read the headers back)
                 "headers_as_sent": ((headers_as_sent(delivered), len(delivered))
                                     if w.headers and transport in ("spool", "redis") else None),
-                "cpu_seconds": cpu, "loop_cpu_seconds": loop_cpu, "stalls": stalls, "slow_fsyncs": slow_fsyncs,
+                "cpu_seconds": cpu, "loop_cpu_seconds": loop_cpu, "stalls": stalls, "stall_ms": stall_ms,
+                "slow_fsyncs": slow_fsyncs,
                 "peak_file": rss.peak_file,
                 "window_after_start_ms": t0 - started}
 
@@ -413,8 +415,9 @@ def report(transport: str, w: Workload, r: dict, bucket_load: int = 0) -> str:
     slow, longest = r.get("slow_fsyncs", (0, 0))
     lines.append(f"  disk: {slow} fsyncs of {SLOW_FSYNC_S * 1000:g} ms or more in the window"
                  + (f" (the longest logged {longest} ms): deliveries waiting for them waited as long" if slow else ""))
-    stalls = r.get("stalls", [])
-    lines.append(f"  event loop: {len(stalls)} warnings of a task step over 100 ms"
+    stalls, stall_ms = r.get("stalls", []), r.get("stall_ms", [])
+    lines.append(f"  event loop: {len(stall_ms)} task steps over 100 ms"
+                 + (f" (the longest {max(stall_ms)} ms)" if stall_ms else "")
                  + "".join(f"\n    {line.strip()[-160:]}" for line in stalls[:5]))
     late = r["dispatch"]
     if bucket_load:

@@ -243,6 +243,16 @@ def py_spy(pid: int, seconds: float, out: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def loop_stalls_ms(server_log: str) -> list[int]:
+    """The task steps the server logged as holding its event loop (delayserver/loopwatch.py: over
+    100 ms), in ms; a warning that says how many more it left out counts those at its own length."""
+    out = []
+    for m in re.finditer(r"event loop blocked for (\d+) ms by task .*?(?:\((\d+) more slow steps since the last warning\))?$",
+                         server_log, re.MULTILINE):
+        out += [int(m.group(1))] * (1 + int(m.group(2) or 0))
+    return out
+
+
 def environment_note() -> str:
     """Cores, Python, and the load average: other work on the machine skews every figure; and the
     code the benchmark's servers run (`server_code`)."""

@@ -23,7 +23,6 @@ grow), `--sync-only` leaves out the flush=async run.
 from __future__ import annotations
 
 import json
-import re
 import resource
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import trio
 
 from bench.harness import (
-    DelayServerProcess, environment_note, memory_note, proc_cpu_seconds, py_spy, thread_cpu_seconds,
+    DelayServerProcess, environment_note, loop_stalls_ms, memory_note, proc_cpu_seconds, py_spy, thread_cpu_seconds,
 )
 from delayserver.metrics import percentile
 
@@ -151,16 +150,6 @@ def bench(flush: str, producers: int, seconds: float, batch: int, profile: str =
             return result
         finally:
             server.stop()
-
-
-def loop_stalls_ms(server_log: str) -> list[int]:
-    """The task steps the server logged as holding its event loop (delayserver/loopwatch.py: over
-    100 ms), in ms; a warning that says how many more it left out counts those at its own length."""
-    out = []
-    for m in re.finditer(r"event loop blocked for (\d+) ms by task .*?(?:\((\d+) more slow steps since the last warning\))?$",
-                         server_log, re.MULTILINE):
-        out += [int(m.group(1))] * (1 + int(m.group(2) or 0))
-    return out
 
 
 def _children_cpu() -> float:

@@ -390,7 +390,7 @@ def test_remember_timed_gives_the_cpu_per_id_and_the_slowest_request():
 
 
 def test_the_ingest_bench_counts_the_steps_that_held_the_event_loop():
-    from bench.ingest import loop_stalls_ms
+    from bench.harness import loop_stalls_ms
 
     log = "\n".join([
         "2026-11-30 00:01:02 WARNING delayserver.loop: event loop blocked for 112 ms by task receiver",
