@@ -47,6 +47,39 @@ SETTINGS = settings(max_examples=300, deadline=None)
 SCALE = 3_600_000
 
 
+# Lengths around the three-stream blocks' edges (crc32c.h): one block of short parts, one of
+# long parts, and a byte either side of each; the rest drawn.
+_CRC_PARTS_EDGES = sorted({3 * n + d for n in native_records.CRC32C_PARTS for d in (-1, 0, 1)})
+
+
+@SETTINGS
+@given(st.one_of(st.sampled_from(_CRC_PARTS_EDGES), st.integers(0, 20_000)), st.integers(0, 7),
+       st.integers(0, 2**32 - 1), st.randoms(use_true_random=False))
+def test_the_kernels_crc32c_is_the_crc32c_package_s_each_way(length, offset, value, rnd):
+    """Three streams, one chain and the table all give the crc32c package's checksum, from any
+    running value, for any length and alignment (a memoryview of a longer buffer at `offset`)."""
+    import crc32c
+    data = memoryview(rnd.randbytes(length + offset))[offset:]
+    want = crc32c.crc32c(data, value=value)
+    three, one, table = native_records.crc32c_each_way(data, value)
+    assert table == want
+    if native_records.CRC32C_HARDWARE:
+        assert (three, one) == (want, want)
+
+
+def test_the_kernels_crc32c_joins_its_streams_over_records_of_every_size():
+    """Every length up to three long blocks and beyond, so that each way of cutting a buffer
+    (long blocks, short blocks, the chain left over) meets the package's checksum."""
+    import crc32c
+    rnd = random.Random(7)
+    data = rnd.randbytes(3 * native_records.CRC32C_PARTS[0] * 2 + 64)
+    ways = 3 if native_records.CRC32C_HARDWARE else 1
+    for length in range(len(data) + 1):
+        piece = data[:length]
+        got = native_records.crc32c_each_way(piece, 0x9E3779B9)
+        assert got[3 - ways:] == (crc32c.crc32c(piece, value=0x9E3779B9),) * ways, length
+
+
 def test_the_kernels_know_the_record_format_as_record_py_does():
     f = native_records.FORMAT
     assert (f["HEADER_SIZE"], f["OFFSET_SIZE"], f["MESSAGE_HEAD_SIZE"], f["CANCEL_HEAD_SIZE"], f["TXN_PREFIX_SIZE"]) == (

@@ -36,5 +36,7 @@ reference, output for output.
   (`delayserver.wheel.timingwheel.TimingWheel._add_py`).
 
 The crc32c of the records kernels is crc32c.h: SSE4.2 when the processor has it (checked at
-import), else a table; the same values as the crc32c package, which the rest of the code uses.
+import), in three streams joined by table shifts over a buffer of three short parts (96 bytes) or
+more, else a table; the same values as the crc32c package, which the rest of the code uses
+(`records.crc32c_each_way` gives each way's, for the tests).
 """

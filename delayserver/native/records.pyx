@@ -39,8 +39,30 @@ from delayserver.native.layout cimport (
 cdef extern from "crc32c.h":
     void crc32c_init()
     uint32_t crc32c_update(uint32_t value, const uint8_t *p, size_t n)
+    void each_way "crc32c_each_way"(uint32_t value, const uint8_t *p, size_t n, uint32_t *out)
+    int crc32c_hw
+    enum:
+        CRC32C_LONG
+        CRC32C_SHORT
 
 crc32c_init()
+
+#: The part lengths of crc32c.h's three-stream blocks, and whether this processor runs them.
+CRC32C_PARTS = (CRC32C_LONG, CRC32C_SHORT)
+CRC32C_HARDWARE = crc32c_hw == 1
+
+
+def crc32c_each_way(data, uint32_t value=0):
+    """crc32c.h's crc of `data` from `value` computed each way it can: (three streams, one chain,
+    the table), 0 for the first two on a processor without SSE4.2. For the tests, which hold each
+    to the crc32c package."""
+    cdef const uint8_t[::1] view = data
+    cdef uint32_t out[3]
+    cdef const uint8_t *p = NULL
+    if view.shape[0]:
+        p = &view[0]
+    each_way(value, p, view.shape[0], out)
+    return out[0], out[1], out[2]
 
 cdef enum:
     SHARED_READ_BYTES = 1 << 16  # bucket_log.SHARED_READ_BYTES: the most one read of neighbours takes
