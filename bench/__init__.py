@@ -31,4 +31,5 @@ BENCHMARKS = {
     "index": "bench.index",
     "memory": "bench.memory",
     "pump": "bench.pump",
+    "crc": "bench.crc",
 }

@@ -399,3 +399,19 @@ def test_the_ingest_bench_counts_the_steps_that_held_the_event_loop():
         "in garbage collection (generation 2) (2 more slow steps since the last warning)",
     ])
     assert loop_stalls_ms(log) == [112, 240, 240, 240] and loop_stalls_ms("") == []
+
+
+def test_the_crc_bench_times_each_way_of_the_kernels_crc(capsys):
+    import bench.crc as crc
+    from delayserver.native import records
+    crc.main(["--rounds", "2000"])
+    out = capsys.readouterr().out
+    assert all(f"{size:>6,} bytes:" in out for size in crc.SIZES)
+    assert out.count("three streams") == (len(crc.SIZES) if records.CRC32C_HARDWARE else 0)
+    # The loop it times computes what one call does, round after round.
+    import crc32c
+    data = b"x" * 1100
+    value = 0
+    for _ in range(3):
+        value = crc32c.crc32c(data, value=value)
+    assert records.crc32c_rounds(data, 3, 0 if records.CRC32C_HARDWARE else 2) == value

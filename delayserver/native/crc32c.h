@@ -141,18 +141,17 @@ static uint32_t crc32c_update(uint32_t value, const uint8_t *p, size_t n)
     return ~crc32c_soft(c, p, n);
 }
 
-/* The crc of each way this processor can compute it, for the tests: three streams, one chain
- * (0 for both without SSE4.2), the table. */
-static void crc32c_each_way(uint32_t value, const uint8_t *p, size_t n, uint32_t out[3])
+/* The crc computed one way (0: three streams, 1: one chain, 2: the table), for the tests and
+ * the benchmark; 0 for a way this processor cannot run (the first two without SSE4.2). */
+static uint32_t crc32c_way(int way, uint32_t value, const uint8_t *p, size_t n)
 {
-    out[0] = out[1] = 0;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (crc32c_hw == 1) {
-        out[0] = ~crc32c_sse42_three(~value, p, n);
-        out[1] = ~crc32c_sse42(~value, p, n);
-    }
+    if (crc32c_hw == 1 && way == 0)
+        return ~crc32c_sse42_three(~value, p, n);
+    if (crc32c_hw == 1 && way == 1)
+        return ~crc32c_sse42(~value, p, n);
 #endif
-    out[2] = ~crc32c_soft(~value, p, n);
+    return way == 2 ? ~crc32c_soft(~value, p, n) : 0;
 }
 
 #endif

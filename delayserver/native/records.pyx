@@ -39,7 +39,7 @@ from delayserver.native.layout cimport (
 cdef extern from "crc32c.h":
     void crc32c_init()
     uint32_t crc32c_update(uint32_t value, const uint8_t *p, size_t n)
-    void each_way "crc32c_each_way"(uint32_t value, const uint8_t *p, size_t n, uint32_t *out)
+    uint32_t crc32c_way(int way, uint32_t value, const uint8_t *p, size_t n) nogil
     int crc32c_hw
     enum:
         CRC32C_LONG
@@ -57,12 +57,27 @@ def crc32c_each_way(data, uint32_t value=0):
     the table), 0 for the first two on a processor without SSE4.2. For the tests, which hold each
     to the crc32c package."""
     cdef const uint8_t[::1] view = data
-    cdef uint32_t out[3]
     cdef const uint8_t *p = NULL
     if view.shape[0]:
         p = &view[0]
-    each_way(value, p, view.shape[0], out)
-    return out[0], out[1], out[2]
+    return tuple([crc32c_way(way, value, p, view.shape[0]) for way in range(3)])
+
+
+def crc32c_rounds(data, Py_ssize_t rounds, int way=0):
+    """crc32c.h's crc of `data` `rounds` times over in one way (0: three streams, 1: one chain, 2:
+    the table), each round from the value the last gave: the loop `ops/bench crc` times, with no
+    interpreter step between rounds. Returns the last value."""
+    cdef const uint8_t[::1] view = data
+    cdef const uint8_t *p = NULL
+    cdef size_t n = view.shape[0]
+    cdef uint32_t value = 0
+    if n:
+        p = &view[0]
+    with nogil:
+        for _ in range(rounds):
+            value = crc32c_way(way, value, p, n)
+    return value
+
 
 cdef enum:
     SHARED_READ_BYTES = 1 << 16  # bucket_log.SHARED_READ_BYTES: the most one read of neighbours takes
