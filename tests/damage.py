@@ -72,9 +72,14 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 def resident_pages(fd: int) -> int:
     """How many pages of the file are in the page cache (mincore over a mapping of it)."""
+    return sum(resident_map(fd))
+
+
+def resident_map(fd: int) -> list[bool]:
+    """Per page of the file, whether it is in the page cache (mincore over a mapping of it)."""
     size = os.fstat(fd).st_size
     if size == 0:
-        return 0
+        return []
     addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap failed")
@@ -83,7 +88,7 @@ def resident_pages(fd: int) -> int:
         vec = (ctypes.c_ubyte * pages)()
         if _libc.mincore(addr, size, vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore failed")
-        return sum(v & 1 for v in vec)
+        return [bool(v & 1) for v in vec]
     finally:
         _libc.munmap(addr, size)
 

@@ -46,7 +46,7 @@ from delayserver.storage.record import (
     CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, frame_records,
     encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change, sequence_framed,
 )
-from delayserver.storage.segment import storage_failures
+from delayserver.storage.segment import give_back_pages, storage_failures
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
@@ -314,6 +314,11 @@ class Receiver:
         #: acknowledgement may go out now (the master's lease holds): set by the node.
         self.epoch: Callable[[], int] = lambda: 0
         self.may_acknowledge: Callable[[], bool] = lambda: True
+        #: The message_log offset below which nothing reads the log back from the page cache any
+        #: more (replayed, and pulled by the slaves that hold back the cleaner): set by the node.
+        #: Each fsync's worker thread hands the durable pages below it back to the kernel
+        #: (`_sync_message_log`). None: every page is left to the kernel.
+        self.page_floor: Callable[[], int] | None = None
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -607,7 +612,7 @@ class Receiver:
             items, self._unflushed = self._unflushed, []
             self._flushing = True
             try:
-                await run_disk(self.store.message_log.sync)
+                await self._sync_message_log()
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 for _, batch in items:
@@ -625,6 +630,25 @@ class Receiver:
             self.set_durable(items[-1][0])
             for _, batch in items:
                 self._acknowledge(batch)
+
+    async def _sync_message_log(self) -> None:
+        """fsync message_log in a worker thread (raises FsyncFailed), and in the same thread hand
+        back to the kernel the pages of what an earlier fsync made durable and nothing reads any
+        more (`page_floor`). Written once and read back only after a restart or by a slave far
+        behind (both from the disk, in worker threads), those pages would otherwise fill the page
+        cache with a copy of the whole log; given back, the next writes reuse them at once. On
+        the benchmark machine a write into pages reused so costs half of one into pages the page
+        cache takes anew (`ops/bench memory --fill 2 --give-back`)."""
+        message_log = self.store.message_log
+        ranges = message_log.pages_to_give_back(min(self.page_floor(), self.durable_offset)) \
+            if self.page_floor is not None else []
+
+        def sync() -> None:
+            if ranges:
+                give_back_pages(ranges)
+            message_log.sync()
+
+        await run_disk(sync)
 
     def _acknowledge(self, batch: list[_Pending]) -> None:
         if not self.may_acknowledge():
@@ -660,7 +684,7 @@ class Receiver:
             self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
-                    await run_disk(self.store.message_log.sync)
+                    await self._sync_message_log()
                 except FsyncFailed as e:
                     self._go_read_only(str(e))
                     continue

@@ -146,6 +146,7 @@ class DelayServer:
             insync = InSync(min_insync_replicas=c.min_insync_replicas, timeout_s=c.sync_timeout_ms / 1000,
                             durable_end=lambda: self.receiver.durable_offset)
             self.receiver.replicas = insync
+        self.receiver.page_floor = functools.partial(self._page_floor, slaves)
         self.receiver.epoch = functools.partial(self.role.epoch, self.store.message_log)
         self.receiver.may_acknowledge = self.role.may_acknowledge
         self.master = Master(self.receiver, self.store, slaves, insync, replayer)
@@ -389,6 +390,13 @@ class DelayServer:
         while True:
             await trio.sleep(interval_s)
             await self._save_followers()
+
+    def _page_floor(self, slaves: SlaveStates) -> int:
+        """The message_log offset below which this node reads its log back from the disk only (the
+        receiver's `page_floor`): replayed (the replayer reads a batch it missed in memory on the
+        event loop), and pulled by every slave that holds back the cleaner (a slave in step is
+        answered on the event loop)."""
+        return min([self.replayer.offset, *(s.message_log_offset for s in slaves.pinning(self.receiver.durable_offset))])
 
     def _pinned_offsets(self) -> list[int]:
         """message_log offsets the cleaner keeps from besides the slaves': what the dedupe table and

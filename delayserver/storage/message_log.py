@@ -41,7 +41,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import Segment, fsync_dir, fsync_path, own_descriptor, read_file
+from delayserver.storage.segment import PAGE_BYTES, Segment, fsync_dir, fsync_path, own_descriptor, read_file
 
 log = logging.getLogger("delayserver.storage")
 
@@ -66,6 +66,8 @@ class MessageLog:
         self.active_base = 0
         self.quarantined: dict[int, tuple[int, str]] = {}  # base -> (file offset, reason)
         self.epochs: EpochHistory | None = None  # set by open
+        # Below this offset the log's pages were handed back to the kernel (`pages_to_give_back`).
+        self.given_back = 0
 
     @classmethod
     def open(cls, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
@@ -142,6 +144,27 @@ class MessageLog:
         self.segments[self.active_base] = self.active.size
         return self.active_base + pos
 
+    def pages_to_give_back(self, upto: int) -> list[tuple[Path, int, int]]:
+        """The ranges ``(path, start, end)`` of the log's segments from where the last call stopped
+        up to `upto`, for `segment.give_back_pages` (in a worker thread, after an fsync covered
+        them); the next call starts at `upto`. Each range starts at the page holding its first byte,
+        so that the page a call ended inside is handed back by the next call once it is whole."""
+        start = max(self.given_back, self.start_offset or 0)
+        upto = min(upto, self.end_offset)
+        if upto <= start:
+            return []
+        ranges = []
+        base = self.segments.locate(start)
+        while base is not None and base < upto:
+            end = self.active_base + self.active.size if base == self.active_base else base + self.segments[base]
+            first = max(start, base) - base
+            last = min(upto, end) - base
+            if last > first:
+                ranges.append((self.path(base), first - first % PAGE_BYTES, last))
+            base = self.segments.higher(base)
+        self.given_back = upto
+        return ranges
+
     def roll(self) -> None:
         self.active.sync(site="roll")
         failpoints.hit("segment-roll")
@@ -172,6 +195,7 @@ class MessageLog:
             fsync_dir(self.directory)
         self.active.truncate(offset - self.active_base)
         self.segments[self.active_base] = self.active.size
+        self.given_back = min(self.given_back, offset)
         self.quarantined.pop(self.active_base, None)
         self.epochs.truncate(offset)
 

@@ -214,6 +214,28 @@ def write_all(fd: int, data, pos: int, path) -> None:
         raise StorageError(f"{path}: write failed: {e}") from e
 
 
+PAGE_BYTES = 4096
+
+
+def give_back_pages(ranges) -> None:
+    """Ask the kernel to drop from the page cache the whole pages of each ``(path, start, end)`` of
+    `ranges` (`posix_fadvise(DONTNEED)` through a descriptor of its own, so that a worker thread may
+    call it while the event loop goes on writing or rolls the log). Advice only: the pages must be
+    clean (fsynced), else the kernel keeps them; a file gone meanwhile (cleaned) or advice the file
+    system refuses costs nothing stored and is passed over."""
+    for path, start, end in ranges:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def fsync_fd(fd: int, path, site: str | None = None) -> None:
     """fsync, translated: an fsync error is never retried (the page cache may have dropped data),
     and once an fsync of `path` failed, every later one raises FsyncFailed too."""

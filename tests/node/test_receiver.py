@@ -2,6 +2,7 @@
 time rules, disk-full mode, and the batches it hands the replayer."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -407,3 +408,53 @@ async def test_an_async_flush_whose_segment_rolls_during_its_fsync_stays_writabl
         nursery.cancel_scope.cancel()
     assert first.code == second.code == ResultCode.OK
     assert len(store.message_log.segments) == 2
+
+
+def _resident_pages_of_message_log(store) -> list[bool]:
+    from tests.damage import resident_map
+    fd = os.open(store.message_log.path(store.message_log.active_base), os.O_RDONLY)
+    try:
+        return resident_map(fd)
+    finally:
+        os.close(fd)
+
+
+async def _send_rounds(r, rounds: int, per_round: int = 4) -> list[int]:
+    """`rounds` sends one after the other (each its own batch and fsync); the durable offset after each."""
+    ends = []
+    for n in range(rounds):
+        results = await r.send([item(n * per_round + k, body=bytes([k]) * 4000) for k in range(per_round)])
+        assert {res.code for res in results} == {ResultCode.OK}
+        ends.append(r.durable_offset)
+    return ends
+
+
+@pytest.mark.parametrize("floor", [None, "all", "half"])
+async def test_each_fsync_gives_back_the_durable_pages_below_the_page_floor(store, autojump_clock, floor):
+    """Each fsync's worker thread hands back to the kernel the pages of message_log an earlier fsync
+    made durable, below the node's page floor: what is still read back (not yet replayed, not yet
+    pulled by a slave, not yet durable) stays in the page cache; without a floor every page stays."""
+    from delayserver.storage.segment import PAGE_BYTES
+    r = receiver(store, max_message_bytes=8192)
+    limit = {"all": 10**18, "half": 0}.get(floor)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        if floor is not None:
+            r.page_floor = lambda: limit
+        if floor == "half":
+            ends = await _send_rounds(r, 4)
+            limit = ends[1] + 100  # say, a slave that has pulled this far
+            ends += await _send_rounds(r, 4)
+        else:
+            ends = await _send_rounds(r, 8)
+        nursery.cancel_scope.cancel()
+    resident = _resident_pages_of_message_log(store)
+    if floor is None:
+        assert all(resident)
+        return
+    below = min(limit, ends[-2])  # the last fsync gave back what the one before made durable
+    given_back = below // PAGE_BYTES  # the page holding `below` is still in use
+    if any(resident[:given_back]) and not any(resident[given_back:]):
+        pytest.skip("this file system keeps its pages whatever it is told")
+    assert not any(resident[:given_back]), resident
+    assert all(resident[given_back + 1:]), resident

@@ -457,3 +457,22 @@ async def test_a_serving_node_tunes_the_collector_and_the_switch_interval_then_g
     finally:
         gc.set_threshold(*saved[0])
         sys.setswitchinterval(saved[1])
+
+
+async def test_the_page_floor_is_what_was_replayed_and_what_the_slaves_holding_back_the_cleaner_pulled(node, nursery):
+    """The receiver hands back message_log's pages below the node's page floor (receiver.py,
+    `_sync_message_log`): the replayer's offset (a batch it misses in memory is read back on the
+    event loop), and below it the offset of every slave that holds back the cleaner (a slave in step
+    is answered from the page cache on the event loop); a slave too far behind no longer holds it."""
+    prod = await producer_for(node, nursery)
+    await prod.send_many([Message("orders.q", b"x" * 100, delay=3_600_000) for _ in range(20)])
+    with trio.fail_after(10):
+        while node.replayer.offset < node.receiver.durable_offset:
+            await trio.sleep(0.01)
+    replayed = node.replayer.offset
+    assert replayed > 0 and node.receiver.page_floor() == replayed
+    slaves = node.master.slaves
+    assert slaves.pulled_message_log("slave-1", 100, node.receiver.durable_offset)
+    assert node.receiver.page_floor() == 100
+    slaves.max_lag_bytes = 50  # now too far behind to hold anything back
+    assert node.receiver.page_floor() == replayed

@@ -341,3 +341,30 @@ def test_a_record_larger_than_a_segment_gets_a_segment_of_its_own(tmp_path):
     assert [mid for _, mid in read_all(log)] == ["m-0", "m-1", "m-2"]
     assert decode_message(dict((o, p) for o, _, p in log.iter_from(0))[big]) == message(1, body_bytes=SEGMENT_BYTES * 2)
     log.close()
+
+
+def test_pages_to_give_back_name_each_segment_s_part_once_from_its_page(tmp_path):
+    """The ranges cover the log from where the last call stopped up to the offset asked for (never
+    past the end), split at segment boundaries, each from the page holding its first byte; a log
+    cut back below them names that part again."""
+    from delayserver.storage.segment import PAGE_BYTES
+    log = MessageLog.open(tmp_path, 10_000)
+    record = message_record(0, body_bytes=3000)  # three a segment
+    for _ in range(9):
+        log.append(record)
+    bases = sorted(int(p.name[:20]) for p in tmp_path.glob("*.log"))
+    assert len(bases) == 3 and log.end_offset == 9 * len(record)
+
+    first = log.pages_to_give_back(4 * len(record) + 100)
+    assert first == [(log.path(bases[0]), 0, 3 * len(record)),
+                     (log.path(bases[1]), 0, len(record) + 100)]
+    assert log.pages_to_give_back(4 * len(record) + 100) == []  # nothing new
+    rest = log.pages_to_give_back(10**12)  # the end, not past it
+    start = len(record) + 100
+    assert rest == [(log.path(bases[1]), start - start % PAGE_BYTES, 3 * len(record)),
+                    (log.path(bases[2]), 0, 3 * len(record))]
+    log.truncate(7 * len(record))  # a slave realigning: other records take those offsets
+    log.append(record)
+    assert log.pages_to_give_back(10**12) == [(log.path(bases[2]), len(record) - len(record) % PAGE_BYTES,
+                                               2 * len(record))]
+    log.close()
