@@ -31,6 +31,7 @@ from delayserver.storage.record import (
     T_CANCEL, T_COMMIT, T_EPOCH, T_MESSAGE, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType,
     iter_checked_records, message_log_head, schedule_change_sequence, scheduled_record_head,
 )
+from delayserver.storage.segment import give_back_pages
 from delayserver.storage.store import REPLAY_CHECKPOINT, Store
 from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
@@ -297,18 +298,26 @@ class Replayer:
         self._write_checkpoint(self._snapshot())
 
     def _snapshot(self):
-        paths, new_files = self.store.schedule_log.take_dirty()
+        schedule_log = self.store.schedule_log
+        # The pages of the buckets the wheel has not begun to load go back to the kernel once this
+        # fsync covers them: nothing reads them until their bucket loads, load_ahead before it
+        # begins (from the disk, in worker threads), and kept they fill the page cache with every
+        # message pending beyond it. A loaded bucket's are kept for the deliveries reading them.
+        later = [b for b in schedule_log.dirty_buckets() if self.ticks.loads_later(b)]
+        give_back = schedule_log.pages_to_give_back(later)
+        paths, new_files = schedule_log.take_dirty()
         data = {
             "message_log_offset": self.offset,
             "max_sequence": self.max_sequence,
             "schedule_sizes": {bucket_name(b): s for b, s in self.store.schedule_log.sizes.items()},
             "transactions": self.transactions.snapshot(),
         }
-        return paths, new_files, data
+        return paths, new_files, data, give_back
 
     def _write_checkpoint(self, snapshot) -> None:
-        paths, new_files, data = snapshot
+        paths, new_files, data, give_back = snapshot
         self.store.schedule_log.sync_paths(paths, new_files)
+        give_back_pages(give_back)
         failpoints.hit("schedule-before-checkpoint")
         write_checkpoint(self.checkpoint_path, data)
         self.checkpointed_offset = data["message_log_offset"]

@@ -70,6 +70,21 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
+def gives_back_pages(directory: Path) -> bool:
+    """Whether the file system of `directory` drops a file's fsynced pages from the page cache when
+    told to (`posix_fadvise(DONTNEED)`); tmpfs, whose pages are the file, does not."""
+    path = Path(directory) / ".gives-back-pages"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, bytes(16 * mmap.PAGESIZE))
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return not any(resident_map(fd))
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def resident_pages(fd: int) -> int:
     """How many pages of the file are in the page cache (mincore over a mapping of it)."""
     return sum(resident_map(fd))

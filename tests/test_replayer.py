@@ -279,3 +279,38 @@ async def test_serve_replays_new_data_and_checkpoints_every_interval(tmp_path, a
         nursery.cancel_scope.cancel()
     assert Replayer.open(node.store, node.ticks).offset == node.store.message_log.end_offset
     node.crash()
+
+
+def test_a_checkpoint_gives_back_the_pages_of_the_buckets_not_loaded_yet_and_keeps_the_loaded_ones(tmp_path):
+    """Once a checkpoint's fsync covers them, the pages of a bucket after the one the wheel is
+    loading go back to the kernel (it reads them again when the bucket loads); the loaded bucket's
+    stay for its deliveries, and before anything is loaded every page stays."""
+    import os
+
+    from tests.damage import gives_back_pages, resident_map
+    if not gives_back_pages(tmp_path):
+        pytest.skip("this file system keeps its pages whatever it is told")
+    node = Node(tmp_path, START_MS)
+    body = b"x" * 3000
+    later = START_MS + 5 * SCALE_MS
+
+    def resident(bucket: int) -> list[bool]:
+        fd = os.open(node.store.schedule_log.path(bucket), os.O_RDONLY)
+        try:
+            return resident_map(fd)
+        finally:
+            os.close(fd)
+
+    node.send([(f"a{i}", START_MS + 10 + i) for i in range(20)] + [(f"b{i}", later + i) for i in range(20)], body)
+    node.replay_all()
+    node.replayer.checkpoint()  # nothing loaded: nothing handed back
+    assert all(resident(bucket_of(START_MS))) and all(resident(later))
+    node.load_all()
+    assert node.ticks.loads_later(later) and not node.ticks.loads_later(bucket_of(START_MS))
+    node.send([(f"c{i}", START_MS + 100 + i) for i in range(20)] + [(f"d{i}", later + 100 + i) for i in range(20)], body)
+    node.replay_all()
+    node.replayer.checkpoint()
+    kept, given = resident(bucket_of(START_MS)), resident(later)
+    assert all(kept)
+    assert not any(given[:-1])  # all but the page the segment ends inside
+    node.crash()

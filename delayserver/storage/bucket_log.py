@@ -23,7 +23,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import HEADER_SIZE, RecordError, parse_record, record_size
 from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan, scan_offsets
-from delayserver.storage.segment import fsync_dir, fsync_fd, fsync_path, own_descriptor, read_file, write_all
+from delayserver.storage.segment import PAGE_BYTES, fsync_dir, fsync_fd, fsync_path, own_descriptor, read_file, write_all
 
 log = logging.getLogger("delayserver.storage")
 
@@ -145,6 +145,8 @@ class BucketLog:
         # wheel/prefetch.py): a segment is truncated only while none does, since touching a
         # mapped page past the end of its file kills the process (SIGBUS).
         self.truncation = threading.Lock()
+        # Per bucket, the size up to which its segment's pages were handed back (`pages_to_give_back`).
+        self._given_back: dict[int, int] = {}
 
     @classmethod
     def open(cls, directory: Path, **kw) -> "BucketLog":
@@ -223,6 +225,10 @@ class BucketLog:
             fsync_dir(self.directory)
             self._new_files = False
 
+    def dirty_buckets(self) -> list[int]:
+        """The buckets appended to (or cut) since the last `take_dirty`, in order."""
+        return sorted(self._dirty)
+
     def take_dirty(self) -> tuple[list[Path], bool]:
         """Hand over what `sync` would fsync, for `sync_paths` in a worker thread."""
         paths = [self.path(b) for b in sorted(self._dirty)]
@@ -242,6 +248,20 @@ class BucketLog:
             fsync_path(path)
         if new_files:
             fsync_dir(self.directory)
+
+    def pages_to_give_back(self, buckets) -> list[tuple[Path, int, int]]:
+        """For `segment.give_back_pages` (in a worker thread, after an fsync covered them): per
+        bucket of `buckets`, ``(path, start, end)`` from where the last call for it stopped (from the
+        page holding that byte, so that a page a call ended inside goes once it is whole) to its
+        segment's end now."""
+        ranges = []
+        for bucket in buckets:
+            size = self.size(bucket)
+            start = self._given_back.get(bucket, 0)
+            if size > start:
+                ranges.append((self.path(bucket), start - start % PAGE_BYTES, size))
+                self._given_back[bucket] = size
+        return ranges
 
     def read(self, bucket: int, start: int = 0, end: int | None = None) -> bytes:
         size = self.size(bucket)
@@ -335,6 +355,8 @@ class BucketLog:
                 os.ftruncate(self._fd(bucket), size)
             self.sizes[bucket] = size
             self._dirty.add(bucket)
+            if self._given_back.get(bucket, 0) > size:
+                self._given_back[bucket] = size
             for listener in self.listeners:
                 listener.truncated(bucket, size)
 
@@ -398,6 +420,7 @@ class BucketLog:
         if fd is not None:
             os.close(fd)
         self._dirty.discard(bucket)
+        self._given_back.pop(bucket, None)
         if bucket in self.sizes:
             self.sizes.pop(bucket)
         self.path(bucket).unlink(missing_ok=True)

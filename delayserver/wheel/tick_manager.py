@@ -196,6 +196,11 @@ class TickManager:
 
     # --- adding -------------------------------------------------------------------------------
 
+    def loads_later(self, bucket: int) -> bool:
+        """Whether `bucket` is after the bucket being loaded (or loaded last): its records are read
+        when it loads, not before. False while nothing is loaded (a slave, a node starting)."""
+        return self.loading_bucket is not None and bucket > self.loading_bucket
+
     def can_add(self, bucket: int, offset: int) -> bool:
         if self.loading_bucket is None:
             return False
