@@ -60,6 +60,9 @@ except ImportError:
     _native_admit = _native_mark_committing = _native_unmark_committing = None
     _native_accepted_entries = _native_stored_results = None
 
+#: The least of message_log's durable pages below the page floor handed back at once (`Receiver._give_back_pages`).
+GIVE_BACK_BYTES = 1 << 20
+
 log = logging.getLogger("delayserver.receiver")
 
 
@@ -316,9 +319,11 @@ class Receiver:
         self.may_acknowledge: Callable[[], bool] = lambda: True
         #: The message_log offset below which nothing reads the log back from the page cache any
         #: more (replayed, and pulled by the slaves that hold back the cleaner): set by the node.
-        #: Each fsync's worker thread hands the durable pages below it back to the kernel
-        #: (`_sync_message_log`). None: every page is left to the kernel.
+        #: The durable pages below it are handed back to the kernel (`_give_back_pages`). None:
+        #: every page is left to the kernel.
         self.page_floor: Callable[[], int] | None = None
+        self._giving_back = False
+        self._nursery: trio.Nursery | None = None
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -509,6 +514,7 @@ class Receiver:
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._flush_timer if self.config.flush == "async" else self._flusher)
             task_status.started()
             while True:
@@ -612,7 +618,7 @@ class Receiver:
             items, self._unflushed = self._unflushed, []
             self._flushing = True
             try:
-                await self._sync_message_log()
+                await run_disk(self.store.message_log.sync)
             except FsyncFailed as e:
                 self._go_read_only(str(e))
                 for _, batch in items:
@@ -630,25 +636,34 @@ class Receiver:
             self.set_durable(items[-1][0])
             for _, batch in items:
                 self._acknowledge(batch)
+            self._give_back_pages()
 
-    async def _sync_message_log(self) -> None:
-        """fsync message_log in a worker thread (raises FsyncFailed), and in the same thread hand
-        back to the kernel the pages of what an earlier fsync made durable and nothing reads any
-        more (`page_floor`). Written once and read back only after a restart or by a slave far
-        behind (both from the disk, in worker threads), those pages would otherwise fill the page
-        cache with a copy of the whole log; given back, the next writes reuse them at once. On
-        the benchmark machine a write into pages reused so costs half of one into pages the page
-        cache takes anew (`ops/bench memory --fill 2 --give-back`)."""
+    def _give_back_pages(self) -> None:
+        """Hand back to the kernel, in a worker thread of its own, the pages of message_log that an
+        fsync made durable below the page floor, once there is GIVE_BACK_BYTES of them and no give-
+        back is under way: off the acknowledgements' path (an fsync's acknowledgements never wait
+        for it), and a thread's trip per MiB or so, not per fsync. Written once and read back only
+        after a restart, by a slave far behind, or for a half message's check (from the disk, in
+        worker threads), those pages would otherwise fill the page cache with a copy of the whole
+        log; given back, the next writes reuse them at once. On the benchmark machine a write into
+        a page the page cache takes anew cost up to five times one into a page given back, the
+        advice included (`ops/bench memory --fill 2 --give-back`)."""
+        if self.page_floor is None or self._giving_back or self._nursery is None:
+            return
         message_log = self.store.message_log
-        ranges = message_log.pages_to_give_back(min(self.page_floor(), self.durable_offset)) \
-            if self.page_floor is not None else []
+        upto = min(self.page_floor(), self.durable_offset)
+        if upto - message_log.given_back < GIVE_BACK_BYTES:
+            return
+        ranges = message_log.pages_to_give_back(upto)
+        self._giving_back = True
 
-        def sync() -> None:
-            if ranges:
-                give_back_pages(ranges)
-            message_log.sync()
+        async def give_back() -> None:
+            try:
+                await run_disk(give_back_pages, ranges)
+            finally:
+                self._giving_back = False
 
-        await run_disk(sync)
+        self._nursery.start_soon(give_back)
 
     def _acknowledge(self, batch: list[_Pending]) -> None:
         if not self.may_acknowledge():
@@ -684,11 +699,12 @@ class Receiver:
             self._check_fsync_failures()
             if end > self.durable_offset and not self.read_only_reason:
                 try:
-                    await self._sync_message_log()
+                    await run_disk(self.store.message_log.sync)
                 except FsyncFailed as e:
                     self._go_read_only(str(e))
                     continue
                 self.set_durable(end)
+                self._give_back_pages()
 
     def _finish(self, batch: list[_Pending], code: ResultCode, error: str) -> None:
         for p in batch:
