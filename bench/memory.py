@@ -17,7 +17,7 @@ about 0.3 us of CPU per KiB, every KiB beyond them about 2.8, run after run. `--
 512 MiB and gives its pages back (`posix_fadvise(DONTNEED)`), so that the cache stays small;
 `--give-back` fsyncs each MiB of each file and gives its pages back at once, as the node gives back
 message_log's behind its fsyncs, and prints the advice's own CPU beside the writes' (on the
-benchmark machine 0.17 to 0.21 us per KiB written plus 0.06 to 0.08 for the advice, against 0.22
+benchmark machine 0.16 to 0.20 us per KiB written plus 0.06 to 0.08 for the advice, against 0.22
 rising to 1.04 keeping the pages: the next writes reuse the pages given back).
 """
 from __future__ import annotations
