@@ -41,7 +41,7 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import PAGE_BYTES, Segment, fsync_dir, fsync_path, own_descriptor, read_file
+from delayserver.storage.segment import Segment, fsync_dir, fsync_path, give_back_start, own_descriptor, read_file
 
 log = logging.getLogger("delayserver.storage")
 
@@ -147,8 +147,9 @@ class MessageLog:
     def pages_to_give_back(self, upto: int) -> list[tuple[Path, int, int]]:
         """The ranges ``(path, start, end)`` of the log's segments from where the last call stopped
         up to `upto`, for `segment.give_back_pages` (in a worker thread, after an fsync covered
-        them); the next call starts at `upto`. Each range starts at the page holding its first byte,
-        so that the page a call ended inside is handed back by the next call once it is whole."""
+        them); the next call starts at `upto`. Each range starts at a folio's boundary below its
+        first byte (`segment.give_back_start`), so that what a call ended inside is handed back by
+        the next one once it is whole."""
         start = max(self.given_back, self.start_offset or 0)
         upto = min(upto, self.end_offset)
         if upto <= start:
@@ -160,7 +161,7 @@ class MessageLog:
             first = max(start, base) - base
             last = min(upto, end) - base
             if last > first:
-                ranges.append((self.path(base), first - first % PAGE_BYTES, last))
+                ranges.append((self.path(base), give_back_start(first), last))
             base = self.segments.higher(base)
         self.given_back = upto
         return ranges

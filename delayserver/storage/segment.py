@@ -215,11 +215,26 @@ def write_all(fd: int, data, pos: int, path) -> None:
 
 
 PAGE_BYTES = 4096
+#: The largest folio the page cache may keep a file's bytes in (a PMD's 2 MiB on x86-64; ext4 takes
+#: large folios for big writes). Advice drops only the folios wholly inside its range, so each range
+#: a log gives back starts at such a boundary below its first byte (`give_back_start`): the folio
+#: that held the last range's end, kept then, is wholly inside the next one.
+FOLIO_ALIGN_BYTES = 2 << 20
+#: How far behind a log's end its pages are given back (`give_back_pages`). The kernel keeps the
+#: pages a CPU has just written in a per-CPU batch before they reach its lists; advice that meets
+#: one of them drains every CPU's batch (`lru_add_drain_all`: work run on each CPU, the event
+#: loop's included, and waited for) and walks the range again. A MiB behind, none is in a batch.
+GIVE_BACK_LAG_BYTES = 1 << 20
+
+
+def give_back_start(offset: int) -> int:
+    """Where a range given back from `offset` on starts (FOLIO_ALIGN_BYTES)."""
+    return offset - offset % FOLIO_ALIGN_BYTES
 
 
 def give_back_pages(ranges) -> None:
-    """Ask the kernel to drop from the page cache the whole pages of each ``(path, start, end)`` of
-    `ranges` (`posix_fadvise(DONTNEED)` through a descriptor of its own, so that a worker thread may
+    """Ask the kernel to drop from the page cache the pages of each ``(path, start, end)`` of `ranges`
+    (the folios wholly inside it) (`posix_fadvise(DONTNEED)` through a descriptor of its own, so that a worker thread may
     call it while the event loop goes on writing or rolls the log). Advice only: the pages must be
     clean (fsynced), else the kernel keeps them; a file gone meanwhile (cleaned) or advice the file
     system refuses costs nothing stored and is passed over."""

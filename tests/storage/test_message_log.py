@@ -6,6 +6,7 @@ segment is corruption, found when it is read, and no record past it is ever retu
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -343,11 +344,13 @@ def test_a_record_larger_than_a_segment_gets_a_segment_of_its_own(tmp_path):
     log.close()
 
 
-def test_pages_to_give_back_name_each_segment_s_part_once_from_its_page(tmp_path):
+def test_pages_to_give_back_name_each_segment_s_part_once_from_a_folio_s_start(tmp_path, monkeypatch):
     """The ranges cover the log from where the last call stopped up to the offset asked for (never
-    past the end), split at segment boundaries, each from the page holding its first byte; a log
-    cut back below them names that part again."""
-    from delayserver.storage.segment import PAGE_BYTES
+    past the end), split at segment boundaries, each from the folio boundary below its first byte
+    (2 MiB in a node, a page here); a log cut back below them names that part again."""
+    from delayserver.storage import segment
+    PAGE_BYTES = 4096
+    monkeypatch.setattr(segment, "FOLIO_ALIGN_BYTES", PAGE_BYTES)
     log = MessageLog.open(tmp_path, 10_000)
     record = message_record(0, body_bytes=3000)  # three a segment
     for _ in range(9):
@@ -367,4 +370,27 @@ def test_pages_to_give_back_name_each_segment_s_part_once_from_its_page(tmp_path
     log.append(record)
     assert log.pages_to_give_back(10**12) == [(log.path(bases[2]), len(record) - len(record) % PAGE_BYTES,
                                                2 * len(record))]
+    log.close()
+
+
+def test_what_a_give_back_ended_inside_goes_with_the_next_one(tmp_path):
+    """Writes of many pages go into large folios, and advice drops only the folios wholly inside its
+    range: each range starts at a folio boundary below where the last one ended, so that the folio
+    the last one ended inside goes once the log has passed it (from a page's start, it stayed)."""
+    from delayserver.storage.segment import give_back_pages
+    from tests.damage import gives_back_pages, resident_map
+    if not gives_back_pages(tmp_path):
+        pytest.skip("this file system keeps its pages whatever it is told")
+    log = MessageLog.open(tmp_path, 1 << 30)
+    record = message_record(0, body_bytes=60_000)  # one write of 15 pages each
+    for n in range(1, 7):
+        log.append(record)
+        log.sync()
+        give_back_pages(log.pages_to_give_back(n * len(record) - len(record) // 2))  # ends inside a write
+    fd = os.open(log.path(0), os.O_RDONLY)
+    try:
+        resident = resident_map(fd)
+    finally:
+        os.close(fd)
+    assert not any(resident[:5 * len(record) // 4096 - 1]), resident
     log.close()
