@@ -31,7 +31,7 @@ from delayserver.storage.record import (
     T_CANCEL, T_COMMIT, T_EPOCH, T_MESSAGE, T_SCHEDULE, TRANSACTION_TYPES, RecordError, RecordType,
     iter_checked_records, message_log_head, schedule_change_sequence, scheduled_record_head,
 )
-from delayserver.storage.segment import GIVE_BACK_LAG_BYTES, give_back_pages
+from delayserver.storage.segment import give_back_pages
 from delayserver.storage.store import REPLAY_CHECKPOINT, Store
 from delayserver.transactions.state import HalfMessages
 from delayserver.wakeup import Wakeup
@@ -304,7 +304,7 @@ class Replayer:
         # begins (from the disk, in worker threads), and kept they fill the page cache with every
         # message pending beyond it. A loaded bucket's are kept for the deliveries reading them.
         later = [b for b in schedule_log.dirty_buckets() if self.ticks.loads_later(b)]
-        give_back = schedule_log.pages_to_give_back(later, GIVE_BACK_LAG_BYTES)
+        give_back = schedule_log.pages_to_give_back(later)
         paths, new_files = schedule_log.take_dirty()
         data = {
             "message_log_offset": self.offset,

@@ -291,8 +291,8 @@ def test_a_checkpoint_gives_back_the_pages_of_the_buckets_not_loaded_yet_and_kee
     from tests.damage import gives_back_pages, resident_map
     if not gives_back_pages(tmp_path):
         pytest.skip("this file system keeps its pages whatever it is told")
-    from delayserver import replayer as replayer_module
-    monkeypatch.setattr(replayer_module, "GIVE_BACK_LAG_BYTES", 4096)  # (a MiB: the segments here are smaller)
+    from delayserver.storage import segment
+    monkeypatch.setattr(segment, "GIVE_BACK_LAG_BYTES", 4096)  # (a MiB: the segments here are smaller)
     node = Node(tmp_path, START_MS)
     body = b"x" * 3000
     later = START_MS + 5 * SCALE_MS

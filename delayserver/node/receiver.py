@@ -46,7 +46,7 @@ from delayserver.storage.record import (
     CHECKED_SUBJECTS, EPOCH_RECORD_SIZE, HEADER, HEADER_SIZE, MESSAGE_HEAD, Cancel, RecordType, frame_records,
     encode_cancel, encode_epoch_record, encode_message_fields, encode_schedule_change, sequence_framed,
 )
-from delayserver.storage.segment import GIVE_BACK_LAG_BYTES, give_back_pages, storage_failures
+from delayserver.storage.segment import give_back_pages, storage_failures
 from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
@@ -640,21 +640,22 @@ class Receiver:
 
     def _give_back_pages(self) -> None:
         """Hand back to the kernel, in a worker thread of its own, the pages of message_log that an
-        fsync made durable below the page floor (GIVE_BACK_LAG_BYTES behind it at least), once there
-        is GIVE_BACK_BYTES of them and no give-back is under way: off the acknowledgements' path (an fsync's acknowledgements never wait
-        for it), and a thread's trip per MiB or so, not per fsync. Written once and read back only
-        after a restart, by a slave far behind, or for a half message's check (from the disk, in
-        worker threads), those pages would otherwise fill the page cache with a copy of the whole
-        log; given back, the next writes reuse them at once. On the benchmark machine a write into
-        a page the page cache takes anew cost up to five times one into a page given back, the
-        advice included (`ops/bench memory --fill 2 --give-back`)."""
+        fsync made durable below the page floor, once there is GIVE_BACK_BYTES of them and no
+        give-back is under way: off the acknowledgements' path (no acknowledgement waits for it),
+        and a thread's trip per MiB or so, not per fsync. Written once and read back only after a
+        restart, by a slave far behind, or for a half message's check (from the disk, in worker
+        threads), those pages would otherwise fill the page cache with a copy of the whole log;
+        given back, the next writes reuse them at once. On the benchmark machine a write into a
+        page the page cache takes anew cost four times one into a page given back, the advice
+        included (`ops/bench memory --fill 2 --give-back`)."""
         if self.page_floor is None or self._giving_back or self._nursery is None:
             return
         message_log = self.store.message_log
-        upto = min(self.page_floor(), self.durable_offset) - GIVE_BACK_LAG_BYTES
-        if upto - message_log.given_back < GIVE_BACK_BYTES:
+        if self.durable_offset - message_log.given_back < GIVE_BACK_BYTES:
+            return  # (most fsyncs: the floor, never above the durable offset, is not asked for)
+        ranges = message_log.pages_to_give_back(min(self.page_floor(), self.durable_offset), GIVE_BACK_BYTES)
+        if not ranges:
             return
-        ranges = message_log.pages_to_give_back(upto)
         self._giving_back = True
 
         async def give_back() -> None:

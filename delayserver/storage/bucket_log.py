@@ -24,7 +24,7 @@ from delayserver.storage.errors import CorruptSegment, StorageError
 from delayserver.storage.record import HEADER_SIZE, RecordError, parse_record, record_size
 from delayserver.storage.reader import ScanResult, raise_unless_incomplete, read_records, scan, scan_offsets
 from delayserver.storage.segment import (
-    fsync_dir, fsync_fd, fsync_path, give_back_start, own_descriptor, read_file, write_all,
+    fsync_dir, fsync_fd, fsync_path, give_back_end, give_back_start, own_descriptor, read_file, write_all,
 )
 
 log = logging.getLogger("delayserver.storage")
@@ -251,14 +251,14 @@ class BucketLog:
         if new_files:
             fsync_dir(self.directory)
 
-    def pages_to_give_back(self, buckets, lag: int = 0) -> list[tuple[Path, int, int]]:
+    def pages_to_give_back(self, buckets) -> list[tuple[Path, int, int]]:
         """For `segment.give_back_pages` (in a worker thread, after an fsync covered them): per
         bucket of `buckets`, ``(path, start, end)`` from where the last call for it stopped (from a
         folio's boundary below it, `segment.give_back_start`, so that what a call ended inside goes
-        once it is whole) to `lag` bytes before its segment's end now."""
+        once it is whole) to as near its segment's end now as `segment.give_back_end` lets."""
         ranges = []
         for bucket in buckets:
-            size = self.size(bucket) - lag
+            size = give_back_end(self.size(bucket))
             start = self._given_back.get(bucket, 0)
             if size > start:
                 ranges.append((self.path(bucket), give_back_start(start), size))

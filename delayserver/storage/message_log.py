@@ -41,7 +41,9 @@ from delayserver.storage.directory import SegmentDirectory
 from delayserver.storage.epochs import EpochHistory
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER, HEADER_SIZE, RecordError, iter_records, parse_record
-from delayserver.storage.segment import Segment, fsync_dir, fsync_path, give_back_start, own_descriptor, read_file
+from delayserver.storage.segment import (
+    Segment, fsync_dir, fsync_path, give_back_end, give_back_start, own_descriptor, read_file,
+)
 
 log = logging.getLogger("delayserver.storage")
 
@@ -144,15 +146,16 @@ class MessageLog:
         self.segments[self.active_base] = self.active.size
         return self.active_base + pos
 
-    def pages_to_give_back(self, upto: int) -> list[tuple[Path, int, int]]:
+    def pages_to_give_back(self, upto: int, at_least: int = 1) -> list[tuple[Path, int, int]]:
         """The ranges ``(path, start, end)`` of the log's segments from where the last call stopped
-        up to `upto`, for `segment.give_back_pages` (in a worker thread, after an fsync covered
-        them); the next call starts at `upto`. Each range starts at a folio's boundary below its
-        first byte (`segment.give_back_start`), so that what a call ended inside is handed back by
-        the next one once it is whole."""
+        up to `upto` (an offset an fsync covered; never nearer the log's end than
+        `segment.give_back_end` lets), for `segment.give_back_pages` in a worker thread; the next
+        call starts where this one ended. None while that is under `at_least` bytes (nothing
+        taken then). Each range starts at a folio's boundary below its first byte
+        (`segment.give_back_start`), so that what a call ended inside goes with the next one."""
         start = max(self.given_back, self.start_offset or 0)
-        upto = min(upto, self.end_offset)
-        if upto <= start:
+        upto = min(upto, give_back_end(self.end_offset))
+        if upto - start < max(at_least, 1):
             return []
         ranges = []
         base = self.segments.locate(start)

@@ -214,7 +214,6 @@ def write_all(fd: int, data, pos: int, path) -> None:
         raise StorageError(f"{path}: write failed: {e}") from e
 
 
-PAGE_BYTES = 4096
 #: The largest folio the page cache may keep a file's bytes in (a PMD's 2 MiB on x86-64; ext4 takes
 #: large folios for big writes). Advice drops only the folios wholly inside its range, so each range
 #: a log gives back starts at such a boundary below its first byte (`give_back_start`): the folio
@@ -230,6 +229,11 @@ GIVE_BACK_LAG_BYTES = 1 << 20
 def give_back_start(offset: int) -> int:
     """Where a range given back from `offset` on starts (FOLIO_ALIGN_BYTES)."""
     return offset - offset % FOLIO_ALIGN_BYTES
+
+
+def give_back_end(end: int) -> int:
+    """How far a log whose written bytes end at `end` may give its pages back (GIVE_BACK_LAG_BYTES)."""
+    return end - GIVE_BACK_LAG_BYTES
 
 
 def give_back_pages(ranges) -> None:

@@ -2,6 +2,7 @@
 time rules, disk-full mode, and the batches it hands the replayer."""
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -435,12 +436,13 @@ async def test_durable_pages_below_the_page_floor_are_given_back(store, autojump
     durable below the node's page floor: what is still read back (not yet replayed, not yet pulled
     by a slave, not yet durable) stays in the page cache; without a floor every page stays."""
     from delayserver.node import receiver as receiver_module
-    from delayserver.storage.segment import PAGE_BYTES
+    from delayserver.storage import segment
+    PAGE_BYTES = mmap.PAGESIZE
     from tests.damage import gives_back_pages
     if not gives_back_pages(store.message_log.directory):
         pytest.skip("this file system keeps its pages whatever it is told")
     monkeypatch.setattr(receiver_module, "GIVE_BACK_BYTES", PAGE_BYTES)  # (a MiB at least, in a node)
-    monkeypatch.setattr(receiver_module, "GIVE_BACK_LAG_BYTES", 2 * PAGE_BYTES)  # (a MiB)
+    monkeypatch.setattr(segment, "GIVE_BACK_LAG_BYTES", 2 * PAGE_BYTES)  # (a MiB)
     r = receiver(store, max_message_bytes=8192)
     limit = {"all": 10**18, "half": 0}.get(floor)
     async with trio.open_nursery() as nursery:

@@ -351,6 +351,7 @@ def test_pages_to_give_back_name_each_segment_s_part_once_from_a_folio_s_start(t
     from delayserver.storage import segment
     PAGE_BYTES = 4096
     monkeypatch.setattr(segment, "FOLIO_ALIGN_BYTES", PAGE_BYTES)
+    monkeypatch.setattr(segment, "GIVE_BACK_LAG_BYTES", 0)  # (a MiB in a node)
     log = MessageLog.open(tmp_path, 10_000)
     record = message_record(0, body_bytes=3000)  # three a segment
     for _ in range(9):
@@ -373,12 +374,14 @@ def test_pages_to_give_back_name_each_segment_s_part_once_from_a_folio_s_start(t
     log.close()
 
 
-def test_what_a_give_back_ended_inside_goes_with_the_next_one(tmp_path):
+def test_what_a_give_back_ended_inside_goes_with_the_next_one(tmp_path, monkeypatch):
     """Writes of many pages go into large folios, and advice drops only the folios wholly inside its
     range: each range starts at a folio boundary below where the last one ended, so that the folio
     the last one ended inside goes once the log has passed it (from a page's start, it stayed)."""
+    from delayserver.storage import segment
     from delayserver.storage.segment import give_back_pages
     from tests.damage import gives_back_pages, resident_map
+    monkeypatch.setattr(segment, "GIVE_BACK_LAG_BYTES", 0)  # (a MiB in a node: the log here is smaller)
     if not gives_back_pages(tmp_path):
         pytest.skip("this file system keeps its pages whatever it is told")
     log = MessageLog.open(tmp_path, 1 << 30)
