@@ -651,8 +651,8 @@ class Receiver:
         if self.page_floor is None or self._giving_back or self._nursery is None:
             return
         message_log = self.store.message_log
-        if self.durable_offset - message_log.given_back < GIVE_BACK_BYTES:
-            return  # (most fsyncs: the floor, never above the durable offset, is not asked for)
+        if message_log.give_back_due(self.durable_offset) < GIVE_BACK_BYTES:
+            return  # (most fsyncs: the floor, never above the durable offset, is not worked out)
         ranges = message_log.pages_to_give_back(min(self.page_floor(), self.durable_offset), GIVE_BACK_BYTES)
         if not ranges:
             return

@@ -146,15 +146,25 @@ class MessageLog:
         self.segments[self.active_base] = self.active.size
         return self.active_base + pos
 
+    def _give_back_span(self, upto: int) -> tuple[int, int]:
+        """(start, end) of what `pages_to_give_back(upto)` names: from where the last call stopped
+        up to `upto`, never nearer the log's end than `segment.give_back_end` lets."""
+        return max(self.given_back, self.start_offset or 0), min(upto, give_back_end(self.end_offset))
+
+    def give_back_due(self, upto: int) -> int:
+        """How many bytes `pages_to_give_back(upto)` would name now (none if not above 0): a
+        caller's cheap look before it works out `upto` (the node's page floor)."""
+        start, end = self._give_back_span(upto)
+        return end - start
+
     def pages_to_give_back(self, upto: int, at_least: int = 1) -> list[tuple[Path, int, int]]:
         """The ranges ``(path, start, end)`` of the log's segments from where the last call stopped
         up to `upto` (an offset an fsync covered; never nearer the log's end than
         `segment.give_back_end` lets), for `segment.give_back_pages` in a worker thread; the next
-        call starts where this one ended. None while that is under `at_least` bytes (nothing
-        taken then). Each range starts at a folio's boundary below its first byte
+        call starts where this one ended. Nothing ([]) while that is under `at_least` bytes
+        (nothing taken then). Each range starts at a folio's boundary below its first byte
         (`segment.give_back_start`), so that what a call ended inside goes with the next one."""
-        start = max(self.given_back, self.start_offset or 0)
-        upto = min(upto, give_back_end(self.end_offset))
+        start, upto = self._give_back_span(upto)
         if upto - start < max(at_least, 1):
             return []
         ranges = []

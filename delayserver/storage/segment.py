@@ -237,8 +237,8 @@ def give_back_end(end: int) -> int:
 
 
 def give_back_pages(ranges) -> None:
-    """Ask the kernel to drop from the page cache the pages of each ``(path, start, end)`` of `ranges`
-    (the folios wholly inside it) (`posix_fadvise(DONTNEED)` through a descriptor of its own, so that a worker thread may
+    """Ask the kernel to drop from the page cache the folios wholly inside each ``(path, start, end)``
+    of `ranges` (`posix_fadvise(DONTNEED)` through a descriptor of its own, so that a worker thread may
     call it while the event loop goes on writing or rolls the log). Advice only: the pages must be
     clean (fsynced), else the kernel keeps them; a file gone meanwhile (cleaned) or advice the file
     system refuses costs nothing stored and is passed over."""

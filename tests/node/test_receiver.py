@@ -469,3 +469,28 @@ async def test_durable_pages_below_the_page_floor_are_given_back(store, autojump
     # Kept: the folio holding `below` (a send's write, 4 pages or 5, may be one folio), and after it.
     assert not any(resident[:below // PAGE_BYTES - 5]), resident
     assert all(resident[below // PAGE_BYTES + 1:]), resident
+
+
+async def test_the_page_floor_is_worked_out_only_when_a_give_back_could_be_due(store, autojump_clock, monkeypatch):
+    """The node's page floor walks the slaves' states: the receiver works it out only when
+    GIVE_BACK_BYTES of message_log could be given back (`MessageLog.give_back_due`, the lag behind
+    the log's end included), not at every fsync. With a floor that holds nothing back, every time
+    it is worked out pages go back."""
+    from delayserver.node import receiver as receiver_module
+    from delayserver.storage import segment
+    monkeypatch.setattr(receiver_module, "GIVE_BACK_BYTES", 8 * 4096)
+    monkeypatch.setattr(segment, "GIVE_BACK_LAG_BYTES", 8 * 4096)
+    gave = []
+    # (What the advice does to the page cache is the test above's; here only when it is asked for.)
+    monkeypatch.setattr(receiver_module, "give_back_pages", gave.append)
+    asked = []
+    r = receiver(store, max_message_bytes=8192)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+        r.page_floor = lambda: asked.append(r.durable_offset) or 10**18
+        await _send_rounds(r, 24, per_round=2)  # an fsync a round, about two pages each
+        while r._giving_back:
+            await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    assert len(gave) >= 2, gave
+    assert len(asked) == len(gave), (asked, gave)
