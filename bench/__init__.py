@@ -32,4 +32,5 @@ BENCHMARKS = {
     "memory": "bench.memory",
     "pump": "bench.pump",
     "crc": "bench.crc",
+    "threads": "bench.threads",
 }

@@ -44,6 +44,7 @@ from redis.retry import Retry
 from delayserver.sender.transport import (
     ACKED, TRANSPORT_THREADS, DeliveryResult, OutboundMessage, Outcome, Transport, check_option_names, int_option,
 )
+from delayserver.storage.threads import ThreadPool
 
 try:  # the compiled XADD encoder (delayserver/native/resp.pyx), when the install built it
     from delayserver.native.resp import xadd_commands as _native_xadd_commands
@@ -222,7 +223,7 @@ class RedisTransport(Transport):
     stream_template: str = DEFAULT_STREAM_TEMPLATE
     maxlen: int | None = None
     # The threads its round trips may hold (see TRANSPORT_THREADS); batches beyond wait for one.
-    _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(TRANSPORT_THREADS))
+    _threads: ThreadPool = attrs.field(init=False, factory=lambda: ThreadPool(TRANSPORT_THREADS, "delayserver redis"))
 
     @classmethod
     def from_config(cls, address: str, options: Mapping[str, Any]) -> RedisTransport:
@@ -246,7 +247,7 @@ class RedisTransport(Transport):
         if not messages:
             return []
         try:
-            replies = await trio.to_thread.run_sync(self._xadd_all, messages, limiter=self._threads)
+            replies = await self._threads.run(self._xadd_all, messages)
         except redis.RedisError as e:
             log.warning("%s: batch of %d failed, will retry: %r", self.name, len(messages), e)
             return [DeliveryResult(Outcome.RETRY, f"{self.name}: {type(e).__name__}: {e}")] * len(messages)

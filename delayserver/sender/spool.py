@@ -49,6 +49,7 @@ from delayserver.storage.record import (
     encode_delivered, encode_message, encode_record,
 )
 from delayserver.storage.segment import fsync_dir, fsync_fd, note_io_error
+from delayserver.storage.threads import ThreadPool
 
 try:  # the compiled kernel (delayserver/native/records.pyx), when built
     from delayserver.native.records import delivered_records as _native_delivered_records
@@ -283,7 +284,7 @@ class SpoolTransport(Transport):
     writes: int = attrs.field(default=0, init=False)
     # The threads its writes may hold (see TRANSPORT_THREADS): one per subject being written, so a
     # spool disk that stalls with many subjects in flight holds these, not the process's shared ones.
-    _threads: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(TRANSPORT_THREADS))
+    _threads: ThreadPool = attrs.field(init=False, factory=lambda: ThreadPool(TRANSPORT_THREADS, "delayserver spool"))
 
     @classmethod
     def from_config(cls, address: str, options: Mapping[str, Any], data_dir: Path) -> SpoolTransport:
@@ -374,7 +375,7 @@ class SpoolTransport(Transport):
     async def _write(self, subject: str, path: Path, data: bytes) -> DeliveryResult | None:
         check_tail = subject not in self._checked
         try:
-            await trio.to_thread.run_sync(partial(_append_durably, path, data, check_tail=check_tail), limiter=self._threads)
+            await self._threads.run(partial(_append_durably, path, data, check_tail=check_tail))
         except OSError as e:
             # A failed truncation may have left a torn tail: check it again before the next append.
             self._checked.discard(subject)

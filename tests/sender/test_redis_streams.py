@@ -316,7 +316,7 @@ async def test_a_silent_server_holds_only_the_transports_own_threads(silent_serv
             for i in range(THREADS + 12):
                 nursery.start_soon(send, i)
             await trio.testing.wait_all_tasks_blocked()
-            assert t._threads.borrowed_tokens == THREADS
-            assert t._threads.statistics().tasks_waiting == 12
+            assert t._threads.busy == t._threads.threads == THREADS
+            assert t._threads.queued == 12
             assert default.borrowed_tokens == 0
     assert [r[0].outcome for r in results] == [Outcome.RETRY] * (THREADS + 12)

@@ -162,8 +162,8 @@ async def test_a_stalled_spool_disk_holds_only_the_transports_own_threads(tmp_pa
                 await trio.to_thread.run_sync(held.entered.wait, 30, limiter=trio.CapacityLimiter(1))
                 await trio.testing.wait_all_tasks_blocked(cushion=0.05)
                 assert default.borrowed_tokens == 0
-                assert spool._threads.borrowed_tokens == TRANSPORT_THREADS
-                assert spool._threads.statistics().tasks_waiting == 12
+                assert spool._threads.busy == spool._threads.threads == TRANSPORT_THREADS
+                assert spool._threads.queued == 12
             finally:  # the writes move on, also when an assertion failed
                 held.released.set()
     assert [r[0].outcome for r in results] == [Outcome.ACKED] * len(subjects)
