@@ -1566,6 +1566,27 @@ def test_the_dispatch_fields_are_the_reference(fields, compiled):
     assert sender_module._dispatch_fields is native_wheel.dispatch_fields
 
 
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 7, 2**23 - 1]), st.integers(0, 2**40 - 1)), max_size=6),
+       st.sampled_from([None, "big", "negative", "bool"]))
+def test_the_refs_split_is_the_reference(pairs, odd):
+    """The tick manager's split of a batch's refs into their one bucket and offsets: the same as
+    the reference for refs of one bucket, None for several buckets or none; None too for what is
+    not a plain int from 0 to 2**63 - 1 (the general way handles those)."""
+    from delayserver.wheel import tick_manager
+    bits = tick_manager.OFFSET_BITS
+    refs = [(index << bits) | offset for index, offset in pairs]
+    theirs = tick_manager._split_refs_py(refs, bits)
+    assert (theirs is not None) == (len({index for index, _ in pairs}) == 1)
+    if theirs is not None:
+        assert theirs == (pairs[0][0], [offset for _, offset in pairs])
+    assert native_wheel.split_refs(refs, bits) == theirs
+    if odd is not None and refs:
+        refs[-1] = {"big": 2**63 + refs[-1], "negative": -1, "bool": True}[odd]
+        assert native_wheel.split_refs(refs, bits) is None
+    assert tick_manager._split_refs is native_wheel.split_refs
+
+
 def test_the_source_distribution_holds_every_source_of_the_kernels(tmp_path):
     """A build from the sdist compiles the kernels only if their headers and .pxd files are in it;
     without them the optional extensions fail quietly and every node runs the references. Built

@@ -281,6 +281,36 @@ def dispatch_fields(list batch):
     return bucket, schedule_offsets, message_log_offsets
 
 
+def split_refs(list refs, int bits):
+    """`TickManager._split_refs_py` (the reference): when every ref of `refs` (ints from 0 to
+    2**63 - 1) names one bucket (``ref >> bits``), (that bucket's index, the refs' offsets in it,
+    ``ref & (2**bits - 1)``, in order); else None, as for no refs or anything but such ints."""
+    cdef Py_ssize_t k, n = len(refs)
+    cdef long long ref, index = -1, mask
+    cdef list offsets
+    cdef object item
+    if n == 0 or not 0 < bits < 63:
+        return None
+    mask = (1LL << bits) - 1
+    offsets = [None] * n
+    for k in range(n):
+        item = refs[k]
+        if type(item) is not int:
+            return None
+        try:
+            ref = item
+        except OverflowError:
+            return None
+        if ref < 0:
+            return None
+        if k == 0:
+            index = ref >> bits
+        elif ref >> bits != index:
+            return None
+        offsets[k] = ref & mask
+    return index, offsets
+
+
 cdef object _DUE_OF = itemgetter(0)
 
 

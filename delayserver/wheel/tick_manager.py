@@ -71,6 +71,23 @@ OFFSET_MASK = (1 << OFFSET_BITS) - 1
 #: ref -> its bucket's index, and its offset, as C-level callables for `map`.
 _BUCKET_OF_REF = OFFSET_BITS.__rrshift__
 _OFFSET_OF_REF = OFFSET_MASK.__and__
+
+
+def _split_refs_py(refs: list[int], bits: int) -> tuple[int, list[int]] | None:
+    """When every ref of `refs` names one bucket (``ref >> bits``): (that bucket's index, the
+    refs' offsets in it, in order); else None (also for no refs). The compiled
+    `wheel.split_refs` must answer the same."""
+    ids = set(map(bits.__rrshift__, refs))
+    if len(ids) != 1:
+        return None
+    return ids.pop(), list(map(((1 << bits) - 1).__and__, refs))
+
+
+try:  # the compiled pass (delayserver/native/wheel.pyx), when built; its None for refs that are
+    # not plain ints sends them the general way of `_by_bucket`, which gives the same answer
+    from delayserver.native.wheel import split_refs as _split_refs
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _split_refs = _split_refs_py
 _REF_OF_ENTRY = operator.itemgetter(1)  # a wheel entry's (due, ref)
 READ_GUESS_BYTES = 4096
 LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
@@ -610,9 +627,9 @@ class TickManager:
 
     def _by_bucket(self, refs: list[int]) -> list[tuple[int, list[int], list[int]]]:
         """(bucket, indexes into `refs`, their schedule offsets) per bucket the refs name."""
-        ids = set(map(_BUCKET_OF_REF, refs))
-        if len(ids) == 1:  # most batches: one bucket's (no Python-level step per ref)
-            return [(self._buckets[ids.pop()], range(len(refs)), list(map(_OFFSET_OF_REF, refs)))]
+        one = _split_refs(refs, OFFSET_BITS)
+        if one is not None:  # most batches: one bucket's (one compiled pass where built)
+            return [(self._buckets[one[0]], range(len(refs)), one[1])]
         by_index: dict[int, list[int]] = {}
         for k, ref in enumerate(refs):
             by_index.setdefault(ref >> OFFSET_BITS, []).append(k)
