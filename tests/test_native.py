@@ -1495,6 +1495,12 @@ def test_the_spool_records_are_the_reference(messages):
                 and type(m.dispatch_time) is int and -(2**63) <= m.dispatch_time < 2**63 \
                 and type(m.attempt) is int and 0 <= m.attempt < 2**32:
             raise AssertionError(f"the kernel left an ordinary message to the reference: {m}")
+    # The batch in one piece: the records joined when the kernel encodes them all, else None.
+    whole = native_records.delivered_data(messages, r.CHECKED_SUBJECTS, MIN_TIME_MS, MAX_TIME_MS, MAX_ID_BYTES)
+    if messages and None not in got:
+        assert whole == b"".join(got)
+    else:
+        assert whole is None
 
 
 @SETTINGS

@@ -1241,6 +1241,78 @@ cdef void put_headers(dict headers, uint8_t *q):
         q += 2 + vlen
 
 
+cdef Py_ssize_t delivered_size(object m, dict checked_subjects, int64_t min_time, int64_t max_time,
+                               Py_ssize_t max_id_bytes):
+    """The size of the DELIVERED record of OutboundMessage `m` (header included) as the spool's
+    `_encode` writes it, or -1 for one this leaves to `_encode` (see `delivered_records`)."""
+    cdef Py_ssize_t idlen, slen, blen, plen, hlen
+    cdef object mid_o, subject, raw_subject, body, headers, sched_o, when_o, attempt_o
+    cdef int64_t sched, when
+    cdef uint64_t attempt
+    if not isinstance(m, tuple) or len(<tuple>m) != 7:
+        return -1
+    mid_o, subject, body, headers, sched_o, when_o, attempt_o = <tuple>m
+    if type(mid_o) is not str or not PyUnicode_IS_ASCII(mid_o):
+        return -1
+    idlen = PyUnicode_GET_LENGTH(mid_o)
+    if not 1 <= idlen <= max_id_bytes:
+        return -1
+    raw_subject = checked_subjects.get(subject) if type(subject) is str else None
+    if type(raw_subject) is not bytes:
+        return -1
+    if type(body) is not bytes or type(headers) is not dict:
+        return -1
+    hlen = headers_size(<dict>headers) if headers else 0
+    if hlen < 0:
+        return -1
+    if type(sched_o) is not int or type(when_o) is not int or type(attempt_o) is not int:
+        return -1
+    try:
+        sched, when, attempt = sched_o, when_o, attempt_o
+    except OverflowError:
+        return -1
+    if not min_time <= sched <= max_time or attempt > 0xFFFFFFFF:
+        return -1
+    slen = len(<bytes>raw_subject)
+    blen = len(<bytes>body)
+    plen = DELIVERED_HEAD_SIZE + MESSAGE_HEAD_SIZE + idlen + slen + hlen + blen
+    if blen > MAX_PAYLOAD_BYTES or plen > MAX_PAYLOAD_BYTES:
+        return -1
+    return HEADER_SIZE + plen
+
+
+cdef void put_delivered(uint8_t *p, tuple m, dict checked_subjects, Py_ssize_t size, uint32_t seed):
+    """Write at `p` the DELIVERED record of `m`, which `delivered_size` measured as `size` bytes."""
+    cdef Py_ssize_t idlen, slen, hlen, blen
+    cdef object mid_o, subject, raw_subject, body, headers
+    cdef uint8_t *q = p + HEADER_SIZE
+    mid_o, subject, body, headers = m[0], m[1], m[2], m[3]
+    raw_subject = checked_subjects[subject]
+    idlen = PyUnicode_GET_LENGTH(mid_o)
+    slen = len(<bytes>raw_subject)
+    blen = len(<bytes>body)
+    hlen = size - HEADER_SIZE - DELIVERED_HEAD_SIZE - MESSAGE_HEAD_SIZE - idlen - slen - blen
+    put64(q, <uint64_t><int64_t>m[5])
+    put32(q + 8, <uint32_t><uint64_t>m[6])
+    q += DELIVERED_HEAD_SIZE
+    put64(q, 0)                  # store time
+    put64(q + 8, <uint64_t><int64_t>m[4])
+    put64(q + 16, 0)             # sequence
+    q[24] = 0                    # flags
+    q[25] = 0
+    q[26] = <uint8_t>idlen
+    q[27] = <uint8_t>slen
+    put32(q + 28, <uint32_t>hlen)
+    put32(q + 32, <uint32_t>blen)
+    q += MESSAGE_HEAD_SIZE
+    memcpy(q, PyUnicode_AsUTF8AndSize(mid_o, NULL), idlen)
+    memcpy(q + idlen, <const char *><bytes>raw_subject, slen)
+    if hlen:
+        put_headers(<dict>headers, q + idlen + slen)
+    memcpy(q + idlen + slen + hlen, <const char *><bytes>body, blen)
+    put_header(p, T_DELIVERED, seed, p + HEADER_SIZE, <uint32_t>(size - HEADER_SIZE))
+
+
 def delivered_records(list messages, dict checked_subjects, int64_t min_time, int64_t max_time,
                       Py_ssize_t max_id_bytes):
     """Per OutboundMessage of `messages`, its DELIVERED record as the spool's `_encode` writes it,
@@ -1248,71 +1320,50 @@ def delivered_records(list messages, dict checked_subjects, int64_t min_time, in
     other than a dict of non-empty str keys and str values within MAX_HEADERS_BYTES, anything out
     of range or of another type: `_encode` accepts or refuses it itself)."""
     cdef list out = [None] * len(messages)
-    cdef Py_ssize_t k, idlen, slen, blen, plen, hlen
-    cdef const char *mid
-    cdef object m, mid_o, subject, raw_subject, body, headers, sched_o, when_o, attempt_o
-    cdef uint8_t *q
-    cdef int64_t sched, when
-    cdef uint64_t attempt
+    cdef Py_ssize_t k, size
     cdef bytes rec
-    cdef uint8_t *p
     cdef uint32_t seed = type_seed(T_DELIVERED)
     for k in range(len(messages)):
         m = messages[k]
-        if not isinstance(m, tuple) or len(<tuple>m) != 7:
+        size = delivered_size(m, checked_subjects, min_time, max_time, max_id_bytes)
+        if size < 0:
             continue
-        mid_o, subject, body, headers, sched_o, when_o, attempt_o = <tuple>m
-        if type(mid_o) is not str or not PyUnicode_IS_ASCII(mid_o):
-            continue
-        idlen = PyUnicode_GET_LENGTH(mid_o)
-        if not 1 <= idlen <= max_id_bytes:
-            continue
-        raw_subject = checked_subjects.get(subject) if type(subject) is str else None
-        if type(raw_subject) is not bytes:
-            continue
-        if type(body) is not bytes or type(headers) is not dict:
-            continue
-        hlen = headers_size(<dict>headers) if headers else 0
-        if hlen < 0:
-            continue
-        if type(sched_o) is not int or type(when_o) is not int or type(attempt_o) is not int:
-            continue
-        try:
-            sched, when, attempt = sched_o, when_o, attempt_o
-        except OverflowError:
-            continue
-        if not min_time <= sched <= max_time or attempt > 0xFFFFFFFF:
-            continue
-        slen = len(<bytes>raw_subject)
-        blen = len(<bytes>body)
-        plen = DELIVERED_HEAD_SIZE + MESSAGE_HEAD_SIZE + idlen + slen + hlen + blen
-        if blen > MAX_PAYLOAD_BYTES or plen > MAX_PAYLOAD_BYTES:
-            continue
-        mid = PyUnicode_AsUTF8AndSize(mid_o, NULL)
-        rec = PyBytes_FromStringAndSize(NULL, HEADER_SIZE + plen)
-        p = <uint8_t *><char *>rec
-        q = p + HEADER_SIZE
-        put64(q, <uint64_t>when)
-        put32(q + 8, <uint32_t>attempt)
-        q += DELIVERED_HEAD_SIZE
-        put64(q, 0)                  # store time
-        put64(q + 8, <uint64_t>sched)
-        put64(q + 16, 0)             # sequence
-        q[24] = 0                    # flags
-        q[25] = 0
-        q[26] = <uint8_t>idlen
-        q[27] = <uint8_t>slen
-        put32(q + 28, <uint32_t>hlen)
-        put32(q + 32, <uint32_t>blen)
-        q += MESSAGE_HEAD_SIZE
-        memcpy(q, mid, idlen)
-        memcpy(q + idlen, <const char *><bytes>raw_subject, slen)
-        if hlen:
-            put_headers(<dict>headers, q + idlen + slen)
-        memcpy(q + idlen + slen + hlen, <const char *><bytes>body, blen)
-        put_header(p, T_DELIVERED, seed, p + HEADER_SIZE, <uint32_t>plen)
+        rec = PyBytes_FromStringAndSize(NULL, size)
+        put_delivered(<uint8_t *><char *>rec, <tuple>m, checked_subjects, size, seed)
         out[k] = rec
     return out
+
+
+def delivered_data(list messages, dict checked_subjects, int64_t min_time, int64_t max_time,
+                   Py_ssize_t max_id_bytes):
+    """``b"".join(delivered_records(...))`` made in one piece, without a bytes object per record,
+    when `delivered_records` would encode every one of `messages`; else None (the caller goes
+    that way, record by record). None for no messages too."""
+    cdef Py_ssize_t k, n = len(messages), total = 0, size
+    cdef Py_ssize_t *sizes
+    cdef bytes data
+    cdef uint8_t *p
+    cdef uint32_t seed = type_seed(T_DELIVERED)
+    if n == 0:
+        return None
+    sizes = <Py_ssize_t *>malloc(n * sizeof(Py_ssize_t))
+    if sizes == NULL:
+        raise MemoryError()
+    try:
+        for k in range(n):
+            size = delivered_size(messages[k], checked_subjects, min_time, max_time, max_id_bytes)
+            if size < 0:
+                return None
+            sizes[k] = size
+            total += size
+        data = PyBytes_FromStringAndSize(NULL, total)
+        p = <uint8_t *><char *>data
+        for k in range(n):
+            put_delivered(p, <tuple>messages[k], checked_subjects, sizes[k], seed)
+            p += sizes[k]
+        return data
+    finally:
+        free(sizes)
 
 
 # --- dispatch_log records ---------------------------------------------------------------------------

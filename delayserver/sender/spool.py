@@ -52,9 +52,10 @@ from delayserver.storage.segment import fsync_dir, fsync_fd, note_io_error
 from delayserver.storage.threads import ThreadPool
 
 try:  # the compiled kernel (delayserver/native/records.pyx), when built
+    from delayserver.native.records import delivered_data as _native_delivered_data
     from delayserver.native.records import delivered_records as _native_delivered_records
 except ImportError:  # pragma: no cover - a build without a C compiler
-    _native_delivered_records = None
+    _native_delivered_data = _native_delivered_records = None
 
 log = logging.getLogger("delayserver.sender.spool")
 
@@ -243,6 +244,14 @@ def _truncate_torn_tail(fd: int, path: Path) -> None:
         fsync_fd(fd, path)
 
 
+def _encode_whole(batch: list[OutboundMessage]) -> bytes | None:
+    """The DELIVERED records of all of `batch`, in order, in one bytes object, when the compiled
+    kernel encodes every one of them (most batches); else None (`_encode_batch` record by record)."""
+    if _native_delivered_data is None:
+        return None
+    return _native_delivered_data(batch, CHECKED_SUBJECTS, MIN_TIME_MS, MAX_TIME_MS, MAX_ID_BYTES)
+
+
 def _encode_batch(batch: list[OutboundMessage]) -> list:
     """Per message of `batch`, its DELIVERED record from the compiled kernel, or None where it
     leaves the message to `_encode` (or is not built)."""
@@ -321,10 +330,11 @@ class SpoolTransport(Transport):
             path = spool_path(self.data_dir, subject)
         except ValueError as e:
             return [DeliveryResult(Outcome.REJECTED, str(e))] * len(batch)
-        encoded = _encode_batch(batch)
-        if None not in encoded:  # most batches: every record from the compiled kernel
-            failure = await self._append(subject, path, b"".join(encoded))
+        data = _encode_whole(batch)
+        if data is not None:  # most batches: every record from the compiled kernel, in one piece
+            failure = await self._append(subject, path, data)
             return [ACKED if failure is None else failure] * len(batch)
+        encoded = _encode_batch(batch)
         results: list[DeliveryResult] = []
         records = []
         for m, record in zip(batch, encoded):
