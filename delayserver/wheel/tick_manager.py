@@ -541,11 +541,19 @@ class TickManager:
 
     def _settle(self, refs) -> None:
         """`refs` are owed no more: out of flight, their buckets' counts settled once each."""
-        inflight, present = self.inflight, set(refs)
-        if not inflight.issuperset(present):  # some handed out before a reset: nothing of them is counted any more
-            present &= inflight
-        inflight.difference_update(present)
-        for bid, count in collections.Counter(map(_BUCKET_OF_REF, present)).items():
+        inflight = self.inflight
+        one = _split_refs(refs, OFFSET_BITS) if type(refs) is list and len(refs) > 1 else None
+        if one is not None:  # most batches: one bucket's, counted by what left the set (C-level passes)
+            before = len(inflight)
+            inflight.difference_update(refs)
+            counts = {one[0]: before - len(inflight)} if before > len(inflight) else {}
+        else:
+            present = set(refs)
+            if not inflight.issuperset(present):  # some handed out before a reset: nothing of them is counted any more
+                present &= inflight
+            inflight.difference_update(present)
+            counts = collections.Counter(map(_BUCKET_OF_REF, present))
+        for bid, count in counts.items():
             bucket = self._buckets[bid]
             self.outstanding[bucket] -= count
             if self.outstanding[bucket] <= 0:

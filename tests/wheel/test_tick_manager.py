@@ -397,6 +397,31 @@ def test_a_clock_step_forward_fires_what_became_due_each_once_and_is_logged(node
     assert sorted(fire_ids(fired + rest)) == sorted(f"m{i}" for i in range(len(times)))
 
 
+def test_a_batch_of_one_bucket_settles_as_each_of_its_refs_does(tmp_path):
+    """The same for a batch of one bucket's refs (most batches, counted by what left the set in
+    flight): a ref of that bucket never handed out, and one settled twice, count nothing."""
+    states = []
+    for many in (False, True):
+        node = Node(tmp_path / str(many), START_MS)
+        node.send([(f"a{i}", START_MS - SCALE_MS + i) for i in range(30)] + [("later", START_MS + 5 * SCALE_MS)])
+        node.replay_all()
+        node.tick()
+        refs = [f.ref for f in node.take()]
+        never = max(refs) + 1  # the same bucket, an offset not handed out
+        assert never >> 40 == refs[0] >> 40
+        settle = refs[:20] + [refs[3], never]
+        if many:
+            node.ticks.on_dispatched_many(settle)
+        else:
+            for ref in settle:
+                node.ticks.on_dispatched(ref)
+        states.append((sorted(node.ticks.inflight), dict(node.ticks.outstanding)))
+        node.crash()
+    assert states[0] == states[1]
+    inflight, outstanding = states[1]
+    assert len(inflight) == 10 and list(outstanding.values()) == [10]
+
+
 def test_a_batch_settles_as_each_of_its_refs_does(tmp_path):
     """`on_dispatched_many` (the sender's, once an fsync covers a batch) leaves the counts as
     `on_dispatched` of each does: in flight, outstanding per bucket, a finished bucket's cancels,
