@@ -1573,6 +1573,37 @@ def test_the_dispatch_fields_are_the_reference(fields, compiled):
 
 
 @SETTINGS
+@given(st.lists(st.tuples(st.sampled_from(["s.a", "s.b", "same", 7]), st.sampled_from([None, "g"]),
+                          st.sampled_from([(), ("g",), ["g"]]), st.sampled_from(["message", None, "tuple", "reference"])),
+                max_size=5))
+def test_the_untried_subject_of_a_batch_is_the_reference(fields):
+    """The sender's look at a taken batch before routing it in bulk: its one subject when every
+    due is in no group and untried, None otherwise; the compiled pass also None for dues or
+    messages of other kinds (they are routed one by one, which ends the same)."""
+    from delayserver.sender import sender as sender_module
+    from delayserver.wheel import due_queue
+    shared = "".join(["s", ".a"])  # equal to "s.a", not the same object
+    batch, ordinary = [], True
+    for subject, group, tried, kind in fields:
+        subject = shared if subject == "same" else subject
+        message = r.Message("m", subject, b"", 1, {}) if kind in ("message", "reference") else \
+            (None if kind is None else ("m", subject, b"", 1, {}, 0, 0, 0))
+        cls = due_queue.DueReference if kind == "reference" else native_wheel.Due
+        batch.append(cls(len(batch), 5, len(batch), message, group=group, tried=tried))
+        ordinary = ordinary and kind == "message" and type(tried) is tuple and type(subject) is str
+    mine = native_wheel.untried_subject(batch, r.Message)
+    if ordinary and fields:
+        assert mine == sender_module._untried_subject_py(batch)
+        if mine is not None:
+            assert {d.message.subject for d in batch} == {mine} and not any(d.group or d.tried for d in batch)
+            native_wheel.set_group(batch, "chosen")
+            assert {d.group for d in batch} == {"chosen"}
+    else:
+        assert mine is None
+    assert sender_module._set_group is native_wheel.set_group
+
+
+@SETTINGS
 @given(st.lists(st.tuples(st.sampled_from([0, 1, 7, 2**23 - 1]), st.integers(0, 2**40 - 1)), max_size=6),
        st.sampled_from([None, "big", "negative", "bool"]))
 def test_the_refs_split_is_the_reference(pairs, odd):

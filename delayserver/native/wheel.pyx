@@ -281,6 +281,39 @@ def dispatch_fields(list batch):
     return bucket, schedule_offsets, message_log_offsets
 
 
+def untried_subject(list batch, object message_type):
+    """`sender._untried_subject_py` (the reference) for compiled dues: the subject of a taken
+    batch's messages when they are all compiled Dues of one subject, each with a message of
+    `message_type` (a named tuple whose second field is the subject), in no group and never tried;
+    else None (the caller routes them one by one), as for no dues or any other kind of due."""
+    cdef Py_ssize_t k, n = len(batch)
+    cdef object item, message, subject = None, s
+    cdef Due d
+    for k in range(n):
+        item = batch[k]
+        if type(item) is not Due:
+            return None
+        d = <Due>item
+        message = d.message
+        if type(message) is not message_type or d.group is not None or type(d.tried) is not tuple or len(<tuple>d.tried):
+            return None
+        s = <object>PyTuple_GET_ITEM(message, 1)
+        if k == 0:
+            if type(s) is not str:
+                return None
+            subject = s
+        elif s is not subject and not (type(s) is str and s == subject):
+            return None
+    return subject
+
+
+def set_group(list batch, object group):
+    """``d.group = group`` for each compiled Due of `batch` (those `untried_subject` passed)."""
+    cdef object item
+    for item in batch:
+        (<Due>item).group = group
+
+
 def split_refs(list refs, int bits):
     """`TickManager._split_refs_py` (the reference): when every ref of `refs` (ints from 0 to
     2**63 - 1) names one bucket (``ref >> bits``), (that bucket's index, the refs' offsets in it,

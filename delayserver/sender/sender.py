@@ -58,8 +58,10 @@ from delayserver.wheel.due_queue import Due, DueQueue
 try:
     from delayserver.native.wheel import dispatch_fields as _native_dispatch_fields
     from delayserver.native.wheel import outbound_of as _native_outbound_of, settled as _native_settled
-except ImportError:  # not built: the list comprehension of `_send`, `_settled_py`, `_dispatch_fields_py`
+    from delayserver.native.wheel import set_group as _native_set_group, untried_subject as _native_untried_subject
+except ImportError:  # not built: the list comprehension of `_send`, `_settled_py`, `_dispatch_fields_py`, ...
     _native_dispatch_fields = _native_outbound_of = _native_settled = None
+    _native_set_group = _native_untried_subject = None
 
 log = logging.getLogger("delayserver.sender")
 
@@ -113,6 +115,28 @@ def _dispatch_fields_py(batch: list[Delivery]) -> tuple[int, array.array, array.
 
 
 _dispatch_fields = _native_dispatch_fields or _dispatch_fields_py
+
+
+def _untried_subject_py(batch: list[Delivery]) -> str | None:
+    """The subject of a taken batch's messages when they are all of one subject, in no group and
+    never tried (`route_taken` queues those in bulk); else None. The reference of the compiled
+    `untried_subject`, which answers None for dues other than its own (they go one by one)."""
+    subjects = set(map(_SUBJECT, batch))
+    if len(subjects) == 1 and set(map(_GROUP, batch)) == {None} and not any(map(_TRIED, batch)):
+        return subjects.pop()
+    return None
+
+
+if _native_untried_subject is not None:
+    def _untried_subject(batch: list[Delivery]) -> str | None:
+        return _native_untried_subject(batch, Message)
+
+    _set_group = _native_set_group
+else:  # pragma: no cover - a build without a C compiler
+    _untried_subject = _untried_subject_py
+
+    def _set_group(batch: list[Delivery], group) -> None:
+        _set_each(batch, "group", group)
 
 
 def _set_each(deliveries: list[Delivery], name: str, value) -> None:
@@ -285,13 +309,12 @@ class Sender:
         one healthy group, with room, is queued there as `route` would queue it; any other goes
         through `route`."""
         limit = self.max_inflight
-        subjects = set(map(_SUBJECT, batch))
-        if len(subjects) == 1:  # most batches: one subject's; when its one healthy group has room for all, in bulk
-            healthy = [g for g in self._candidates(subjects.pop()) if g.breaker.allows(now)]
-            if len(healthy) == 1 and healthy[0].inflight + len(batch) <= limit \
-                    and set(map(_GROUP, batch)) == {None} and not any(map(_TRIED, batch)):
+        subject = _untried_subject(batch)
+        if subject is not None:  # most batches: one subject's; when its one healthy group has room for all, in bulk
+            healthy = [g for g in self._candidates(subject) if g.breaker.allows(now)]
+            if len(healthy) == 1 and healthy[0].inflight + len(batch) <= limit:
                 group = healthy[0]
-                _set_each(batch, "group", group)
+                _set_group(batch, group)
                 group.inflight += len(batch)
                 group.queue.extend(batch)
                 group.wakeup.set()
