@@ -1601,6 +1601,10 @@ def test_the_untried_subject_of_a_batch_is_the_reference(fields):
     else:
         assert mine is None
     assert sender_module._set_group is native_wheel.set_group
+    with pytest.raises(TypeError, match="named tuple"):
+        native_wheel.untried_subject(batch, dict)
+    with pytest.raises(TypeError, match="compiled dues"):
+        native_wheel.set_group([due_queue.DueReference(0, 5, 0, None)], "chosen")
 
 
 @SETTINGS

@@ -289,13 +289,16 @@ def untried_subject(list batch, object message_type):
     cdef Py_ssize_t k, n = len(batch)
     cdef object item, message, subject = None, s
     cdef Due d
+    if not (isinstance(message_type, type) and issubclass(message_type, tuple)):
+        raise TypeError(f"a message type is a named tuple, not {message_type!r}")
     for k in range(n):
         item = batch[k]
         if type(item) is not Due:
             return None
         d = <Due>item
         message = d.message
-        if type(message) is not message_type or d.group is not None or type(d.tried) is not tuple or len(<tuple>d.tried):
+        if type(message) is not message_type or len(<tuple>message) < 2 or d.group is not None \
+                or type(d.tried) is not tuple or len(<tuple>d.tried):
             return None
         s = <object>PyTuple_GET_ITEM(message, 1)
         if k == 0:
@@ -308,9 +311,12 @@ def untried_subject(list batch, object message_type):
 
 
 def set_group(list batch, object group):
-    """``d.group = group`` for each compiled Due of `batch` (those `untried_subject` passed)."""
+    """``d.group = group`` for each compiled Due of `batch` (those `untried_subject` passed).
+    Raises TypeError for anything else in it (the dues before it are set)."""
     cdef object item
     for item in batch:
+        if type(item) is not Due:
+            raise TypeError(f"set_group sets compiled dues, not {type(item).__name__}")
         (<Due>item).group = group
 
 

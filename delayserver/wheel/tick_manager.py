@@ -71,6 +71,13 @@ OFFSET_MASK = (1 << OFFSET_BITS) - 1
 #: ref -> its bucket's index, and its offset, as C-level callables for `map`.
 _BUCKET_OF_REF = OFFSET_BITS.__rrshift__
 _OFFSET_OF_REF = OFFSET_MASK.__and__
+_REF_OF_ENTRY = operator.itemgetter(1)  # a wheel entry's (due, ref)
+READ_GUESS_BYTES = 4096
+LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
+MIN_READ_BYTES = 16 << 10  # the least a time-bounded slice reads
+#: How long one load step may hold the event loop (it stops after the record that passes it).
+LOAD_SLICE_S = 0.001
+_CLOCK_EVERY = 32  # records between two looks at the clock in a load step
 
 
 def _split_refs_py(refs: list[int], bits: int) -> tuple[int, list[int]] | None:
@@ -88,13 +95,6 @@ try:  # the compiled pass (delayserver/native/wheel.pyx), when built; its None f
     from delayserver.native.wheel import split_refs as _split_refs
 except ImportError:  # pragma: no cover - a build without a C compiler
     _split_refs = _split_refs_py
-_REF_OF_ENTRY = operator.itemgetter(1)  # a wheel entry's (due, ref)
-READ_GUESS_BYTES = 4096
-LOAD_CHUNK_BYTES = 256 << 10  # records bigger than this are read whole
-MIN_READ_BYTES = 16 << 10  # the least a time-bounded slice reads
-#: How long one load step may hold the event loop (it stops after the record that passes it).
-LOAD_SLICE_S = 0.001
-_CLOCK_EVERY = 32  # records between two looks at the clock in a load step
 
 
 _NO_SKIP = array("q")
