@@ -74,9 +74,9 @@ class ThreadPool:
                 self.busy += 1
                 worker.give(job)
             elif self.threads < self.max_threads:
+                _Worker(self, job)  # raises RuntimeError if the system has no thread for it
                 self.threads += 1
                 self.busy += 1
-                _Worker(self, job)
             else:
                 self._queued.append(job)
 
