@@ -14,8 +14,8 @@ thread after each job and back again (two system calls through ctypes), copies t
 and books the job in a limiter; delivery makes such a call per spool append, per dispatch_log
 fsync and per read-ahead round. What they share: the calling task waits, uncancellable, until a
 job that began has ended (a thread cannot be stopped halfway through an fsync); a job still
-waiting for a thread is cancelled as any wait is. A job's thread cannot call back into trio
-(`trio.from_thread`): none of these does.
+waiting for a thread is cancelled as any wait is. A job's thread is not one of trio's: to call
+back into trio (`trio.from_thread`) it must pass the run's `trio_token` (none of the node's do).
 """
 from __future__ import annotations
 

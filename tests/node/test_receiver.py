@@ -384,12 +384,13 @@ async def test_an_async_flush_whose_segment_rolls_during_its_fsync_stays_writabl
 
     staged = []
     loop_thread = threading.current_thread()
+    token = trio.lowlevel.current_trio_token()  # (the node's worker threads are not trio's own)
 
     def roll_first(fn):
         def run(*args, **kw):
             if threading.current_thread() is not loop_thread and not staged:
                 staged.append(True)  # the loop rolls the log in the moment this fsync begins
-                trio.from_thread.run_sync(store.message_log.roll)
+                trio.from_thread.run_sync(store.message_log.roll, trio_token=token)
             return fn(*args, **kw)
         return run
 
