@@ -111,7 +111,10 @@ async def test_what_a_round_read_is_kept_a_chunk_per_task_step(tmp_path, autojum
     in_horizon = sum(1 for at, _ in due.values() if at < START_MS + 1000)
     assert in_horizon == 26 and seen[0] == 0 and seen[-1] == in_horizon
     between = set(seen) - {0, in_horizon}  # seen part way through the round: a chunk at a time
-    assert len(between) >= 3 and all(n % 5 == 0 for n in between)
+    assert between and all(n % 5 == 0 for n in between)
+    # Between two steps of the watch the reader took at most two steps of its own (trio runs the
+    # tasks of one batch in either order): never more than two chunks at once.
+    assert max(b - a for a, b in zip(seen, seen[1:])) <= 2 * 5
     node.crash()
 
 
