@@ -55,8 +55,12 @@ class ThreadPool:
         self._mutex = threading.Lock()
         self._idle: list[_Worker] = []  # the last to go idle first: its stack is warm
         self._queued: collections.deque[_Job] = collections.deque()
-        self.threads = 0  # started and not ended
-        self.busy = 0  # running a job
+        self.busy = 0  # threads running a job
+
+    @property
+    def threads(self) -> int:
+        """Threads started and not ended: those running a job and those idle."""
+        return self.busy + len(self._idle)
 
     @property
     def queued(self) -> int:
@@ -73,9 +77,8 @@ class ThreadPool:
                 worker = self._idle.pop()
                 self.busy += 1
                 worker.give(job)
-            elif self.threads < self.max_threads:
+            elif self.busy + len(self._idle) < self.max_threads:
                 _Worker(self, job)  # raises RuntimeError if the system has no thread for it
-                self.threads += 1
                 self.busy += 1
             else:
                 self._queued.append(job)
@@ -107,7 +110,6 @@ class ThreadPool:
             if worker not in self._idle:
                 return False
             self._idle.remove(worker)
-            self.threads -= 1
             return True
 
 
