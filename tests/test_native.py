@@ -1622,6 +1622,8 @@ def test_the_refs_split_is_the_reference(pairs, odd):
     if theirs is not None:
         assert theirs == (pairs[0][0], [offset for _, offset in pairs])
     assert native_wheel.split_refs(refs, bits) == theirs
+    assert native_wheel.split_refs(refs, bits, False) == tick_manager._split_refs_py(refs, bits, False) \
+        == (None if theirs is None else (theirs[0], None))
     if odd is not None and refs:
         refs[-1] = {"big": 2**63 + refs[-1], "negative": -1, "bool": True}[odd]
         assert native_wheel.split_refs(refs, bits) is None

@@ -320,10 +320,11 @@ def set_group(list batch, object group):
         (<Due>item).group = group
 
 
-def split_refs(list refs, int bits):
+def split_refs(list refs, int bits, bint offsets_too=True):
     """`TickManager._split_refs_py` (the reference): when every ref of `refs` (ints from 0 to
     2**63 - 1) names one bucket (``ref >> bits``), (that bucket's index, the refs' offsets in it,
-    ``ref & (2**bits - 1)``, in order); else None, as for no refs or anything but such ints."""
+    ``ref & (2**bits - 1)``, in order; None for them without `offsets_too`); else None, as for no
+    refs or anything but such ints."""
     cdef Py_ssize_t k, n = len(refs)
     cdef long long ref, index = -1, mask
     cdef list offsets
@@ -331,7 +332,7 @@ def split_refs(list refs, int bits):
     if n == 0 or not 0 < bits < 63:
         return None
     mask = (1LL << bits) - 1
-    offsets = [None] * n
+    offsets = [None] * n if offsets_too else None
     for k in range(n):
         item = refs[k]
         if type(item) is not int:
@@ -346,7 +347,8 @@ def split_refs(list refs, int bits):
             index = ref >> bits
         elif ref >> bits != index:
             return None
-        offsets[k] = ref & mask
+        if offsets_too:
+            offsets[k] = ref & mask
     return index, offsets
 
 

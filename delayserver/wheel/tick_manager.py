@@ -80,14 +80,14 @@ LOAD_SLICE_S = 0.001
 _CLOCK_EVERY = 32  # records between two looks at the clock in a load step
 
 
-def _split_refs_py(refs: list[int], bits: int) -> tuple[int, list[int]] | None:
+def _split_refs_py(refs: list[int], bits: int, offsets_too: bool = True) -> tuple[int, list[int] | None] | None:
     """When every ref of `refs` names one bucket (``ref >> bits``): (that bucket's index, the
-    refs' offsets in it, in order); else None (also for no refs). The compiled
-    `wheel.split_refs` must answer the same."""
+    refs' offsets in it, in order; None for them without `offsets_too`); else None (also for no
+    refs). The compiled `wheel.split_refs` must answer the same."""
     ids = set(map(bits.__rrshift__, refs))
     if len(ids) != 1:
         return None
-    return ids.pop(), list(map(((1 << bits) - 1).__and__, refs))
+    return ids.pop(), list(map(((1 << bits) - 1).__and__, refs)) if offsets_too else None
 
 
 try:  # the compiled pass (delayserver/native/wheel.pyx), when built; its None for refs that are
@@ -542,7 +542,7 @@ class TickManager:
     def _settle(self, refs) -> None:
         """`refs` are owed no more: out of flight, their buckets' counts settled once each."""
         inflight = self.inflight
-        one = _split_refs(refs, OFFSET_BITS) if type(refs) is list and len(refs) > 1 else None
+        one = _split_refs(refs, OFFSET_BITS, False) if type(refs) is list and len(refs) > 1 else None
         if one is not None:  # most batches: one bucket's, counted by what left the set (C-level passes)
             before = len(inflight)
             inflight.difference_update(refs)
