@@ -96,13 +96,30 @@ def open_page(driver, base: str, page: str) -> None:
 def wait_text(driver, element_id: str, predicate) -> str:
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(driver, WAIT_S).until(lambda d: predicate(d.find_element("id", element_id).text))
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    WebDriverWait(driver, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: predicate(d.find_element("id", element_id).text))
     return driver.find_element("id", element_id).text
 
 
 def table_rows(driver, table_id: str) -> list[list[str]]:
-    rows = driver.find_elements("css selector", f"#{table_id} tbody tr")
-    return [[td.text for td in row.find_elements("tag name", "td")] for row in rows]
+    """The cells' texts of each row. The console redraws its tables as it refreshes itself: a
+    redraw between finding the rows and reading them leaves their elements stale, and the table
+    is read again (as it is drawn then)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def read(d):
+        try:
+            rows = d.find_elements("css selector", f"#{table_id} tbody tr")
+            return [[td.text for td in row.find_elements("tag name", "td")] for row in rows]
+        except StaleElementReferenceException:
+            return None
+
+    got = []  # (a list: WebDriverWait waits for a true answer, and a table may be empty)
+    WebDriverWait(driver, WAIT_S).until(lambda d: (got.append(read(d)) or got[-1] is not None))
+    return got[-1]
 
 
 def shot(driver, name: str) -> None:
