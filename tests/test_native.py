@@ -1104,6 +1104,33 @@ def test_outbound_messages_are_made_as_the_sender_s_reference_makes_them():
     assert native_wheel.outbound_of([], 1, OutboundMessage, r.Message) == []
 
 
+def test_the_messages_and_outbound_tuples_made_are_out_of_the_collector_s_generations(tmp_path):
+    """A decoded message, its read and its outbound tuple hold strings, bytes, ints and a dict of
+    strings only: made untracked, not walked by every collection until their delivery is durable.
+    One whose headers dict the collector tracks (a value that is a container) stays tracked."""
+    import gc
+
+    payload = r.encode_scheduled(77, r.encode_message(r.Message("id-1", "s.a", b"body", 1_000, {"k": "v"}, 900, 3, 0)))
+    record = r.encode_record(T.SCHEDULED, payload)
+    mlo, decoded = native_records.decode_scheduled(payload, 0, len(payload), r.Message)
+    assert (mlo, decoded) == r._decode_scheduled_py(payload, 0, len(payload))
+    assert type(decoded) is r.Message and not gc.is_tracked(decoded)
+    (tmp_path / "segment").write_bytes(record)
+    fd = os.open(tmp_path / "segment", os.O_RDONLY)
+    try:
+        [read] = native_records.read_scheduled(fd, len(record), [0], 512, 5, r.Message, [record])
+        [read_from_file] = native_records.read_scheduled(fd, len(record), [0], 512, 5, r.Message)
+    finally:
+        os.close(fd)
+    for got in (read, read_from_file):
+        assert got == (5, 0, 77, decoded) and not gc.is_tracked(got) and not gc.is_tracked(got[3])
+    [out] = native_wheel.outbound_of([native_wheel.Due(1, 5, 0, decoded)], 9, OutboundMessage, r.Message)
+    assert out == OutboundMessage("id-1", "s.a", b"body", {"k": "v"}, 1_000, 9, 1) and not gc.is_tracked(out)
+    holding = r.Message("id-2", "s.a", b"", 1_000, {"k": ["a container"]})
+    [kept] = native_wheel.outbound_of([native_wheel.Due(1, 5, 0, holding)], 9, OutboundMessage, r.Message)
+    assert gc.is_tracked(holding.headers) and gc.is_tracked(kept)
+
+
 # --- reading due messages ------------------------------------------------------------------------
 
 @st.composite

@@ -19,7 +19,8 @@ from cpython cimport array
 import array
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.tuple cimport PyTuple_SET_ITEM
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.errno cimport EAGAIN, errno
@@ -35,6 +36,11 @@ from delayserver.native.layout cimport (
     MAX_HEADERS_BYTES, T_MESSAGE, T_CANCEL, T_SCHEDULED, T_SCHEDULED_CANCEL, T_DISPATCH,
     T_DELIVERED, T_EPOCH, T_PREPARE, T_COMMIT, T_ROLLBACK, T_TXN_CHECK, T_TXN_PARK, T_SCHEDULE,
 )
+
+cdef extern from "Python.h":
+    PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
+    int PyObject_GC_IsTracked(object o)
+    void PyObject_GC_UnTrack(object o)
 
 cdef extern from "crc32c.h":
     void crc32c_init()
@@ -480,7 +486,7 @@ cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, u
     cdef int64_t store, sched
     cdef uint32_t flags, idlen, slen, hlen, blen
     cdef const uint8_t *id_at
-    cdef tuple fields
+    cdef PyObject *o
     if plen < SCHEDULED_HEAD_SIZE:
         return False
     mlo[0] = be64(q)
@@ -511,8 +517,34 @@ cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, u
     if headers is None:
         return False
     body = PyBytes_FromStringAndSize(<const char *>(id_at + idlen + slen + hlen), blen)
-    fields = (mid, subject, body, sched, headers, store, seq, flags)
-    return tuple.__new__(message_type, fields)
+    if (<PyTypeObject *>message_type).tp_base != <PyTypeObject *>tuple:  # (not the named tuple: as its __new__ would)
+        return tuple.__new__(message_type, (mid, subject, body, sched, headers, store, seq, flags))
+    # The named tuple made as its __new__ makes it, without a tuple of the fields made for it first.
+    o = PyType_GenericAlloc(<PyTypeObject *>message_type, 8)
+    if o == NULL:
+        raise MemoryError()
+    message = <object>o
+    Py_DECREF(message)  # (the cast took a reference of its own: `message` owns the new tuple's one)
+    _set_item(o, 0, mid)
+    _set_item(o, 1, subject)
+    _set_item(o, 2, body)
+    _set_item(o, 3, sched)
+    _set_item(o, 4, headers)
+    _set_item(o, 5, store)
+    _set_item(o, 6, seq)
+    _set_item(o, 7, flags)
+    if not PyObject_GC_IsTracked(headers):
+        # Nothing in it can hold a reference back to it (strings, bytes, ints and a dict of
+        # strings): out of the collector's generations, as it would take it out at its first
+        # collection, which it would otherwise walk it in (a message lives until its delivery is
+        # durable, through several collections at tens of thousands a second).
+        PyObject_GC_UnTrack(message)
+    return message
+
+
+cdef inline void _set_item(PyObject *t, Py_ssize_t i, object value):
+    Py_INCREF(value)
+    PyTuple_SET_ITEM(<object>t, i, value)
 
 
 cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,
@@ -532,7 +564,10 @@ cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, obje
     message = message_at(p + HEADER_SIZE, plen, message_type, &mlo)
     if message is False:
         return False
-    return (bucket, offset, mlo, message)
+    read = (bucket, offset, mlo, message)
+    if not PyObject_GC_IsTracked(message):
+        PyObject_GC_UnTrack(read)  # (ints and the message above: nothing to walk)
+    return read
 
 
 def decode_scheduled(buf, Py_ssize_t start, Py_ssize_t end, object message_type):

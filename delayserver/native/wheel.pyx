@@ -14,6 +14,8 @@ from operator import itemgetter
 
 cdef extern from "Python.h":
     PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
+    int PyObject_GC_IsTracked(object o)
+    void PyObject_GC_UnTrack(object o)
 
 cdef long long MAX_REF = 0x7FFFFFFFFFFFFFFF
 
@@ -201,6 +203,8 @@ def outbound_of(list batch, object now, object outbound_type, object message_typ
         _set(o, 4, <object>PyTuple_GET_ITEM(m, 3))
         _set(o, 5, now)
         _set(o, 6, d.attempt)
+        if not PyObject_GC_IsTracked(<object>PyTuple_GET_ITEM(m, 4)):
+            PyObject_GC_UnTrack(t)  # (strings, bytes, ints, a dict of strings: see records.message_at)
         out.append(t)
     return out
 
