@@ -15,7 +15,10 @@
   (`DueQueue.take` of 256 at a time: the records read ahead into memory beforehand, as
   `prefetch_due` does, decoded into messages), routed to their broker group
   (`Sender.route_taken`) and settled (`Sender._settle`): the event loop's work per delivered
-  message that waits for no I/O, without the sending itself.
+  message that waits for no I/O, without the sending itself. Then the same with 40 batches in
+  flight, each settled when 40 more were taken, the collector at the node's thresholds
+  (`GC_THRESHOLDS`, what was there before frozen): the objects of the batches a node has in
+  flight are there when the collector runs, and it walks those it tracks.
 - read: a whole schedule_log segment read as the tick manager loads it (`BucketLog.read` in 4 MiB
   chunks) and walked with `iter_records` (crc checked), each record decoded two ways:
   `scheduled_key` (what loading a bucket needs) and `decode_scheduled` (the whole message).
@@ -29,6 +32,8 @@ directory; put it on the disk to measure).
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import itertools
 import shutil
 import tempfile
@@ -44,6 +49,7 @@ from delayserver.config import Config
 from delayserver.dedupe import DedupeTable
 from delayserver.message import TimeSpec
 from delayserver.node.receiver import DiskSpace, Receiver, RecentBatches
+from delayserver.node.server import GC_THRESHOLDS
 from delayserver.protocol import SendItem, decode_send_request, encode_send_request, encode_send_response
 from delayserver.replayer import Replayer
 from delayserver.sender.sender import BrokerGroup, Sender
@@ -60,6 +66,8 @@ from delayserver.wheel.prefetch import fetch, fetch_jobs
 from delayserver.wheel.tick_manager import TickManager
 
 BATCH = 256
+#: Batches a take waits on before settling the first (`take` with batches in flight).
+IN_FLIGHT = 40
 BODY = bytes(range(256)) * 4
 BUCKET = 1_800_000_000_000
 READ_CHUNK_BYTES = 4 << 20  # as the tick manager loads a bucket
@@ -170,8 +178,12 @@ def bench_receive(directory: Path, records: int) -> Figures:
         shutil.rmtree(directory)
 
 
-def bench_take(directory: Path, records: int) -> Figures:
-    """Take `records` due messages 256 at a time, route each batch to a broker group and settle it."""
+def bench_take(directory: Path, records: int, in_flight: int = 0) -> Figures:
+    """Take `records` due messages 256 at a time, route each batch to a broker group and settle it;
+    with `in_flight`, each batch settled once that many more were taken after it (as a node's
+    batches are, sent and settled after their dispatch records' fsync), the collector at the
+    node's thresholds with what was there before frozen (as the node serves): the objects of the
+    batches in flight are there when it collects."""
     store = Store.open(directory)
     ticks = TickManager(store, now_ms=BUCKET - 1_000, slots=1 << 14)
     replayer = Replayer.open(store, ticks)
@@ -192,18 +204,31 @@ def bench_take(directory: Path, records: int) -> Figures:
 
     async def take_all() -> int:
         count = 0
-        while sender.due.waiting:
-            batch = await sender.due.take(BATCH)
-            sender.route_taken(batch, 0)
-            group.queue.clear()
-            sender._settle(batch, group, 0)  # its budget freed, its refs settled in the wheel
-            count += len(batch)
+        flying: collections.deque = collections.deque()
+        while sender.due.waiting or flying:
+            if sender.due.waiting:
+                batch = await sender.due.take(BATCH)
+                sender.route_taken(batch, 0)
+                group.queue.clear()
+                flying.append(batch)
+            if len(flying) > in_flight or not sender.due.waiting:
+                batch = flying.popleft()
+                sender._settle(batch, group, 0)  # its budget freed, its refs settled in the wheel
+                count += len(batch)
         return count
 
     held_bytes = ticks.ahead.held_bytes  # the records taken, as read ahead
-    watch = Stopwatch()
-    count = trio.run(take_all)
-    figures = watch.figures(count, held_bytes)
+    thresholds = gc.get_threshold()
+    if in_flight:
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        watch = Stopwatch()
+        count = trio.run(take_all)
+        figures = watch.figures(count, held_bytes)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
     assert count == records and not ticks.inflight, (count, len(ticks.inflight))
     store.close()
     shutil.rmtree(directory)
@@ -276,6 +301,8 @@ def main(argv: list[str]) -> None:
         report("replay: into schedule_log, indexes following", best(lambda: bench_replay(root / str(next(runs)),
                                                                                           records)))
         report("take: due queue take, route, settle", best(lambda: bench_take(root / str(next(runs)), records)))
+        report(f"take: the same, {IN_FLIGHT} batches in flight", best(lambda: bench_take(
+            root / str(next(runs)), records, IN_FLIGHT)))
         write_schedule_segment(root / "schedule_log", records)
         for name, decode in (
             ("read: iter_records + scheduled_key", lambda buf, start, stop: scheduled_key(buf, start)),

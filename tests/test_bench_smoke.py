@@ -186,6 +186,43 @@ def test_storage_bench_takes_every_message_from_what_was_read_ahead(tmp_path, mo
     assert from_memory[-1] == records and not (tmp_path / "take").exists()
 
 
+def test_storage_bench_with_batches_in_flight_settles_each_after_that_many_more_were_taken(tmp_path, monkeypatch):
+    """The in-flight take settles every message once, a batch only when `in_flight` more were
+    taken after it (the last ones once nothing is left to take), under the node's collector
+    thresholds, and leaves the collector as it found it."""
+    import gc
+
+    from bench import storage
+    from delayserver.node.server import GC_THRESHOLDS
+    from delayserver.sender.sender import Sender
+
+    records, in_flight = 6 * storage.BATCH, 2
+    events, thresholds = [], []
+    real_route_taken, real_settle = Sender.route_taken, Sender._settle
+
+    def taking(sender, batch, now):
+        events.append(("take", batch[0].message.message_id))
+        thresholds.append(gc.get_threshold())
+        real_route_taken(sender, batch, now)
+
+    def settling(sender, acked, group, now):
+        events.append(("settle", acked[0].message.message_id))
+        real_settle(sender, acked, group, now)
+
+    monkeypatch.setattr(Sender, "route_taken", taking)
+    monkeypatch.setattr(Sender, "_settle", settling)
+    before = gc.get_threshold()
+    figures = storage.bench_take(tmp_path / "take", records, in_flight)
+    assert figures.records == records and gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert set(thresholds) == {GC_THRESHOLDS}
+    takes = [m for kind, m in events if kind == "take"]
+    settles = [m for kind, m in events if kind == "settle"]
+    assert settles == takes and len(takes) == records // storage.BATCH  # each batch settled once, in order
+    for k, first in enumerate(settles[:-in_flight]):  # settled once `in_flight` more were taken
+        at = events.index(("settle", first))
+        assert events[:at].count(("take", takes[k + in_flight])) == 1
+
+
 def test_storage_bench_receives_every_message_through_the_batch_path(tmp_path, monkeypatch):
     """The receive figure is of requests stored as the server stores them: each message whole in
     message_log, read back as it was sent."""
