@@ -535,9 +535,9 @@ cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, u
     _set_item(o, 7, flags)
     if not PyObject_GC_IsTracked(headers):
         # Nothing in it can hold a reference back to it (strings, bytes, ints and a dict of
-        # strings): out of the collector's generations, as it would take it out at its first
-        # collection, which it would otherwise walk it in (a message lives until its delivery is
-        # durable, through several collections at tens of thousands a second).
+        # strings): out of the collector's generations. CPython untracks only plain tuples, and
+        # only those holding no dict or other container, and a message lives until its delivery
+        # is durable: the collector would walk it in every collection of its generation till then.
         PyObject_GC_UnTrack(message)
     return message
 
