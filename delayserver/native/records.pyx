@@ -20,7 +20,6 @@ import array
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject, PyTypeObject
-from cpython.tuple cimport PyTuple_SET_ITEM
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.errno cimport EAGAIN, errno
@@ -30,17 +29,13 @@ from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcmp, memcpy
 from posix.types cimport off_t
 from delayserver.native.endian cimport be16, be32, be64, put32, put64
+from delayserver.native.tuples cimport PyObject_GC_IsTracked, PyObject_GC_UnTrack, new_tuple_of, set_item
 from delayserver.native.layout cimport (
     HEADER_SIZE, OFFSET_SIZE, MESSAGE_HEAD_SIZE, CANCEL_HEAD_SIZE, TXN_PREFIX_SIZE,
     SCHEDULED_HEAD_SIZE, DELIVERED_HEAD_SIZE, DISPATCH_HEAD_SIZE, MAX_PAYLOAD_BYTES,
     MAX_HEADERS_BYTES, T_MESSAGE, T_CANCEL, T_SCHEDULED, T_SCHEDULED_CANCEL, T_DISPATCH,
     T_DELIVERED, T_EPOCH, T_PREPARE, T_COMMIT, T_ROLLBACK, T_TXN_CHECK, T_TXN_PARK, T_SCHEDULE,
 )
-
-cdef extern from "Python.h":
-    PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
-    int PyObject_GC_IsTracked(object o)
-    void PyObject_GC_UnTrack(object o)
 
 cdef extern from "crc32c.h":
     void crc32c_init()
@@ -486,7 +481,6 @@ cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, u
     cdef int64_t store, sched
     cdef uint32_t flags, idlen, slen, hlen, blen
     cdef const uint8_t *id_at
-    cdef PyObject *o
     if plen < SCHEDULED_HEAD_SIZE:
         return False
     mlo[0] = be64(q)
@@ -520,19 +514,15 @@ cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, u
     if (<PyTypeObject *>message_type).tp_base != <PyTypeObject *>tuple:  # (not the named tuple: as its __new__ would)
         return tuple.__new__(message_type, (mid, subject, body, sched, headers, store, seq, flags))
     # The named tuple made as its __new__ makes it, without a tuple of the fields made for it first.
-    o = PyType_GenericAlloc(<PyTypeObject *>message_type, 8)
-    if o == NULL:
-        raise MemoryError()
-    message = <object>o
-    Py_DECREF(message)  # (the cast took a reference of its own: `message` owns the new tuple's one)
-    _set_item(o, 0, mid)
-    _set_item(o, 1, subject)
-    _set_item(o, 2, body)
-    _set_item(o, 3, sched)
-    _set_item(o, 4, headers)
-    _set_item(o, 5, store)
-    _set_item(o, 6, seq)
-    _set_item(o, 7, flags)
+    message = new_tuple_of(message_type, 8)
+    set_item(message, 0, mid)
+    set_item(message, 1, subject)
+    set_item(message, 2, body)
+    set_item(message, 3, sched)
+    set_item(message, 4, headers)
+    set_item(message, 5, store)
+    set_item(message, 6, seq)
+    set_item(message, 7, flags)
     if not PyObject_GC_IsTracked(headers):
         # Nothing in it can hold a reference back to it (strings, bytes, ints and a dict of
         # strings): out of the collector's generations. CPython untracks only plain tuples, and
@@ -540,11 +530,6 @@ cdef object message_at(const uint8_t *q, Py_ssize_t plen, object message_type, u
         # is durable: the collector would walk it in every collection of its generation till then.
         PyObject_GC_UnTrack(message)
     return message
-
-
-cdef inline void _set_item(PyObject *t, Py_ssize_t i, object value):
-    Py_INCREF(value)
-    PyTuple_SET_ITEM(<object>t, i, value)
 
 
 cdef object due_message(const uint8_t *p, Py_ssize_t length, uint32_t seed, object bucket, object offset,

@@ -4,18 +4,13 @@ passes over a batch of due messages. `TimingWheel._add_py`, `_add_entries_py` an
 delayserver/wheel/timingwheel.py are the references these must equal (tests/test_native.py holds
 the two wheels to the same slots, heap and order of firing); the sender's, beside each below."""
 from cpython cimport array
-from cpython.object cimport PyObject, PyTypeObject
-from cpython.ref cimport Py_DECREF, Py_INCREF
-from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_SET_ITEM
+from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.string cimport memmove
 
 from heapq import heappop, heappush
 from operator import itemgetter
 
-cdef extern from "Python.h":
-    PyObject *PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
-    int PyObject_GC_IsTracked(object o)
-    void PyObject_GC_UnTrack(object o)
+from delayserver.native.tuples cimport PyObject_GC_IsTracked, PyObject_GC_UnTrack, new_tuple_of, set_item
 
 cdef long long MAX_REF = 0x7FFFFFFFFFFFFFFF
 
@@ -179,7 +174,6 @@ def outbound_of(list batch, object now, object outbound_type, object message_typ
     cdef list out = []
     cdef object item, m, t
     cdef Due d
-    cdef PyObject *o
     if (not isinstance(outbound_type, type) or (<type>outbound_type).__base__ is not tuple
             or len(outbound_type._fields) != 7 or (<type>message_type).__base__ is not tuple
             or tuple(message_type._fields[:5]) != ("message_id", "subject", "body", "schedule_time", "headers")):
@@ -191,27 +185,18 @@ def outbound_of(list batch, object now, object outbound_type, object message_typ
         m = d.message
         if type(m) is not message_type or len(<tuple>m) < 5:
             return None
-        o = PyType_GenericAlloc(<PyTypeObject *>outbound_type, 7)
-        if o == NULL:
-            raise MemoryError()
-        t = <object>o
-        Py_DECREF(t)  # (the cast took a reference of its own: `t` owns the new tuple's one)
-        _set(o, 0, <object>PyTuple_GET_ITEM(m, 0))
-        _set(o, 1, <object>PyTuple_GET_ITEM(m, 1))
-        _set(o, 2, <object>PyTuple_GET_ITEM(m, 2))
-        _set(o, 3, <object>PyTuple_GET_ITEM(m, 4))
-        _set(o, 4, <object>PyTuple_GET_ITEM(m, 3))
-        _set(o, 5, now)
-        _set(o, 6, d.attempt)
+        t = new_tuple_of(outbound_type, 7)
+        set_item(t, 0, <object>PyTuple_GET_ITEM(m, 0))
+        set_item(t, 1, <object>PyTuple_GET_ITEM(m, 1))
+        set_item(t, 2, <object>PyTuple_GET_ITEM(m, 2))
+        set_item(t, 3, <object>PyTuple_GET_ITEM(m, 4))
+        set_item(t, 4, <object>PyTuple_GET_ITEM(m, 3))
+        set_item(t, 5, now)
+        set_item(t, 6, d.attempt)
         if not PyObject_GC_IsTracked(<object>PyTuple_GET_ITEM(m, 4)):
             PyObject_GC_UnTrack(t)  # (strings, bytes, ints, a dict of strings: see records.message_at)
         out.append(t)
     return out
-
-
-cdef inline void _set(PyObject *t, Py_ssize_t i, object value):
-    Py_INCREF(value)
-    PyTuple_SET_ITEM(<object>t, i, value)
 
 
 def settled(list batch, object now, object group, object generation):
