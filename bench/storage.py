@@ -227,8 +227,9 @@ def bench_take(directory: Path, records: int, in_flight: int = 0) -> Figures:
         count = trio.run(take_all)
         figures = watch.figures(count, held_bytes)
     finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        if in_flight:
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
     assert count == records and not ticks.inflight, (count, len(ticks.inflight))
     store.close()
     shutil.rmtree(directory)

@@ -77,7 +77,7 @@ class ThreadPool:
                 worker = self._idle.pop()
                 self.busy += 1
                 worker.give(job)
-            elif self.busy + len(self._idle) < self.max_threads:
+            elif self.threads < self.max_threads:
                 _Worker(self, job)  # raises RuntimeError if the system has no thread for it
                 self.busy += 1
             else:

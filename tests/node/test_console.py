@@ -110,16 +110,11 @@ def table_rows(driver, table_id: str) -> list[list[str]]:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    def read(d):
-        try:
-            rows = d.find_elements("css selector", f"#{table_id} tbody tr")
-            return [[td.text for td in row.find_elements("tag name", "td")] for row in rows]
-        except StaleElementReferenceException:
-            return None
+    def read(d):  # in a 1-tuple: an empty table is an answer too
+        rows = d.find_elements("css selector", f"#{table_id} tbody tr")
+        return ([[td.text for td in row.find_elements("tag name", "td")] for row in rows],)
 
-    got = []  # (a list: WebDriverWait waits for a true answer, and a table may be empty)
-    WebDriverWait(driver, WAIT_S).until(lambda d: (got.append(read(d)) or got[-1] is not None))
-    return got[-1]
+    return WebDriverWait(driver, WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(read)[0]
 
 
 def shot(driver, name: str) -> None:
