@@ -6,7 +6,9 @@
 - replay: those batches replayed from message_log into schedule_log (`Replayer.replay_once`, no
   fsync), taken from memory as a node replays the batches its receiver just wrote, with the id
   and time indexes following the segments as a node's do; the messages fall due an hour ahead, as
-  `ops/bench ingest` sends them, so the wheel holds none of them.
+  `ops/bench ingest` sends them, so the wheel holds none of them. Then the same with 8 batches
+  written at a time and replayed in one pass each, as a node replays a group commit of many
+  requests.
 - receive: SEND requests of 64 messages (1 KiB bodies, no headers, due in an hour, as `ops/bench
   ingest` sends them) decoded, stored by the node's receiver (`Receiver.send`, `flush = "async"`,
   the dedupe table on as by default) and answered (the response encoded), one after another in
@@ -66,6 +68,9 @@ from delayserver.wheel.prefetch import fetch, fetch_jobs
 from delayserver.wheel.tick_manager import TickManager
 
 BATCH = 256
+#: Batches of a replay pass (`replay` of passes): a group commit joins the requests that came in
+#: during the fsync before it (`ops/bench ingest`: 32 producers' requests of 64 messages).
+JOINED = 8
 #: Batches a take waits on before settling the first (`take` with batches in flight).
 IN_FLIGHT = 40
 BODY = bytes(range(256)) * 4
@@ -119,12 +124,14 @@ def bench_append(directory: Path, records: int, *, fsync: bool, pre_encoded: boo
     return figures
 
 
-def bench_replay(directory: Path, records: int) -> Figures:
-    """Replay `records` messages, written to a new message_log beforehand, into schedule_log."""
+def bench_replay(directory: Path, records: int, joined: int = 1) -> Figures:
+    """Replay `records` messages, written to a new message_log beforehand, into schedule_log:
+    `joined` batches to a write (a group commit of that many), each write replayed in one pass."""
     store = Store.open(directory)
     written = {}  # message_log offset -> the batch written there, as the receiver keeps them
-    for n in range(records // BATCH):
-        data = encoded_batch(n * BATCH, schedule_time=BUCKET + 3_600_000)
+    for n in range(0, records // BATCH, joined):
+        data = b"".join(encoded_batch(k * BATCH, schedule_time=BUCKET + 3_600_000)
+                        for k in range(n, min(n + joined, records // BATCH)))
         written[store.message_log.append(data)] = data
     ticks = TickManager(store, now_ms=BUCKET)
     index = IdIndex(store.schedule_log)
@@ -301,6 +308,8 @@ def main(argv: list[str]) -> None:
             root / str(next(runs)), records)))
         report("replay: into schedule_log, indexes following", best(lambda: bench_replay(root / str(next(runs)),
                                                                                           records)))
+        report(f"replay: the same, passes of {JOINED * BATCH:,} records", best(lambda: bench_replay(
+            root / str(next(runs)), records, JOINED)))
         report("take: due queue take, route, settle", best(lambda: bench_take(root / str(next(runs)), records)))
         report(f"take: the same, {IN_FLIGHT} batches in flight", best(lambda: bench_take(
             root / str(next(runs)), records, IN_FLIGHT)))

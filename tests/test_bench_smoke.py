@@ -164,6 +164,19 @@ def test_storage_bench_replays_every_record_with_the_indexes_following(tmp_path)
     assert not (tmp_path / "replay").exists()
 
 
+def test_storage_bench_replays_batches_joined_a_pass_each(tmp_path, monkeypatch):
+    from bench import storage
+    from delayserver.replayer import Replayer
+
+    passes = []
+    replay_once = Replayer.replay_once
+    monkeypatch.setattr(Replayer, "replay_once",
+                        lambda self, *a, **kw: passes.append(replay_once(self, *a, **kw)) or passes[-1])
+    figures = storage.bench_replay(tmp_path / "replay", 5 * storage.BATCH, joined=2)
+    assert figures.records == 5 * storage.BATCH
+    assert passes == [2 * storage.BATCH, 2 * storage.BATCH, storage.BATCH, 0]  # a pass per write, the last short
+
+
 def test_storage_bench_takes_every_message_from_what_was_read_ahead(tmp_path, monkeypatch):
     """The take figure is of every message routed once and settled, each decoded from the
     records read ahead into memory (none read from its segment when taken)."""

@@ -10,23 +10,16 @@ else (a refusal, a duplicate, a message whose fields need `encode_message_fields
 answered as the reference answers it, through the same Python objects (`context`).
 """
 cimport cython
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytearray cimport PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8String
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64
+from delayserver.native.grow cimport reserve
 from delayserver.native.idmap cimport IdMap
 from delayserver.native.layout cimport HEADER_SIZE, MESSAGE_HEAD_SIZE, T_MESSAGE
 from delayserver.native.screen cimport maybe_saved
-
-
-cdef uint8_t *reserve(bytearray framed, Py_ssize_t used, Py_ssize_t need) except NULL:
-    """The bytes of `framed` from `used` on, grown first when it holds fewer than `need` more."""
-    cdef Py_ssize_t size = PyByteArray_GET_SIZE(framed)
-    if used + need > size:
-        PyByteArray_Resize(framed, max(used + need, 2 * size))
-    return <uint8_t *>PyByteArray_AS_STRING(framed) + used
 
 
 cdef inline void put_record_header(uint8_t *out, Py_ssize_t length) noexcept:

@@ -29,6 +29,7 @@ from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcmp, memcpy
 from posix.types cimport off_t
 from delayserver.native.endian cimport be16, be32, be64, put32, put64
+from delayserver.native.grow cimport reserve
 from delayserver.native.tuples cimport PyObject_GC_IsTracked, PyObject_GC_UnTrack, new_tuple_of, set_item
 from delayserver.native.layout cimport (
     HEADER_SIZE, OFFSET_SIZE, MESSAGE_HEAD_SIZE, CANCEL_HEAD_SIZE, TXN_PREFIX_SIZE,
@@ -123,7 +124,7 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     cdef const uint8_t[::1] view = data
     cdef const uint8_t *buf = &view[0] if view.shape[0] else NULL
     cdef Py_ssize_t n = view.shape[0]
-    cdef Py_ssize_t pos = 0, s, e, off, end = start_offset, id_at, id_end, at, size, old
+    cdef Py_ssize_t pos = 0, s, e, off, end = start_offset, id_at, id_end, at, size, used = 0
     cdef uint32_t length, crc, seed_scheduled, seed_cancel, seed
     cdef int rtype, kind
     cdef Py_ssize_t head, id_len_at
@@ -134,7 +135,7 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     cdef bytearray arr = None
     cdef list bucket_ids = None
     cdef uint8_t *out
-    cdef object mid, cancel_id, key
+    cdef object mid, cancel_id, key, arr_key = None
     cdef dict run = None
     cdef list run_list = None
     cdef bint follow_all = follow_prefix is None
@@ -143,6 +144,7 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     per_bucket = {}
     ids = {}
     starts = {}
+    filled = {}  # bucket -> the bytes of its buffer filled, but the current one's (`used`)
     runs = []
     txn_notes = []
     followed = []
@@ -210,26 +212,30 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
             if not hit:
                 key = bucket
         if not hit:  # `key` is the bucket's int: the runs share it
+            if arr is not None:
+                filled[arr_key] = used
             arr = per_bucket.get(key)
             if arr is None:
                 arr = per_bucket[key] = PyByteArray_FromStringAndSize(NULL, 0)
                 bucket_ids = ids[key] = []
                 start = sizes_of(key)
                 starts[key] = start
+                used = 0
             else:
                 bucket_ids = ids[key]
                 start = starts[key]
+                used = filled[key]
+            arr_key = key
             have_last = sched >= 0
             last_bucket = bucket
         if rtype == T_CANCEL:
             kind, seed = T_SCHEDULED_CANCEL, seed_cancel
         else:
             kind, seed = T_SCHEDULED, seed_scheduled
-        old = PyByteArray_GET_SIZE(arr)
-        at = start + old
+        at = start + used
         size = HEADER_SIZE + OFFSET_SIZE + (e - s)
-        PyByteArray_Resize(arr, old + size)
-        out = <uint8_t *>PyByteArray_AS_STRING(arr) + old
+        out = reserve(arr, used, size)
+        used += size
         put64(out + HEADER_SIZE, <uint64_t>off)
         memcpy(out + HEADER_SIZE + OFFSET_SIZE, buf + s, e - s)
         crc = crc32c_update(crc32c_update(seed, out + HEADER_SIZE, OFFSET_SIZE), buf + s, e - s)
@@ -266,6 +272,10 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
             followed.append((rtype, s, e))
         end = base + e
         pos = e
+    if arr is not None:  # each buffer cut to what it was filled with (grown ahead: `reserve`)
+        filled[arr_key] = used
+    for key, arr in per_bucket.items():
+        PyByteArray_Resize(arr, filled[key])
     return per_bucket, ids, runs, txn_notes, followed, end, max_sequence, changes
 
 
