@@ -207,6 +207,25 @@ def test_the_replay_walk_takes_a_node_s_batch():
     assert len(records) == 21 and all(rtype == T.SCHEDULED for _, rtype, _, _ in records)
 
 
+def test_the_replay_walk_makes_each_bucket_s_buffer_its_size_at_once():
+    """A group commit's pass (a thousand 1 KiB records, runs of three buckets' and a cancel among
+    them): each bucket's buffer is allocated once at the size it ends at, as a bytearray of that
+    length is, not grown record by record (each growth copied what it held; grown by an eighth a
+    time, a pass this size copied its buffer over again dozens of times)."""
+    frames = [(T.MESSAGE, r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, SCALE * (i // 100 % 3) + i, {}, 1, 0))
+              for i in range(1000)]
+    frames.insert(500, (T.CANCEL, r.encode_cancel(r.Cancel("m7", 7, 1))))
+    frames.append((T.MESSAGE, stamped(r.encode_message_fields("before-1970", "s.x", b"y", 0, {}, 1, 0), -5, 0)))
+    data = r.encode_epoch_record(3) + sequenced_frames(frames, 100)
+    args = (data, 0, len(data), 0, SCALE, lambda b: 0, r.schedule_change_sequence, 0)
+    native = native_records.walk(*args)
+    assert native is not None and comparable(native) == comparable(replayer.walk(*args))
+    per_bucket = native[0]
+    assert sorted(per_bucket) == [-SCALE, 0, SCALE, 2 * SCALE]
+    for bucket in (0, SCALE, 2 * SCALE):
+        assert sys.getsizeof(per_bucket[bucket]) == sys.getsizeof(bytearray(len(per_bucket[bucket]))), bucket
+
+
 # --- the SEND decoder ---------------------------------------------------------------------------
 
 

@@ -118,6 +118,37 @@ cdef inline bint is_transactional(int rtype) noexcept nogil:
     return rtype == T_PREPARE or rtype == T_COMMIT or rtype == T_ROLLBACK or rtype == T_TXN_CHECK or rtype == T_TXN_PARK
 
 
+cdef dict bucket_sizes(const uint8_t *buf, Py_ssize_t n, Py_ssize_t base, Py_ssize_t limit, int64_t scale):
+    """About what `walk` will write of each bucket (bucket -> bytes), from a look at the record
+    headers only, so that each bucket's buffer is made its size at once instead of grown as it
+    fills (growing copies what it holds: `grow.reserve`). What it leaves out (a schedule time
+    below 0, a record `walk` stops before) is grown into as before; what `walk` does not write is
+    cut off at its end."""
+    cdef dict sizes = {}
+    cdef Py_ssize_t pos = 0, s, e, run_bytes = 0
+    cdef int64_t sched, bucket, run_bucket = -1
+    cdef int rtype
+    while pos + HEADER_SIZE <= n and base + pos < limit:
+        s = pos + HEADER_SIZE
+        e = s + <Py_ssize_t>be32(buf + pos + 4)
+        if e > n:
+            break
+        rtype = buf[pos + 8]
+        if (rtype == T_MESSAGE or rtype == T_COMMIT or rtype == T_CANCEL) and s + 16 <= e:
+            sched = <int64_t>be64(buf + s + 8)
+            if sched >= 0:
+                bucket = sched - sched % scale
+                if bucket != run_bucket:  # (most passes: one bucket's records, one entry)
+                    if run_bytes:
+                        sizes[run_bucket] = sizes.get(run_bucket, 0) + run_bytes
+                    run_bucket, run_bytes = bucket, 0
+                run_bytes += HEADER_SIZE + OFFSET_SIZE + (e - s)
+        pos = e
+    if run_bytes:
+        sizes[run_bucket] = sizes.get(run_bucket, 0) + run_bytes
+    return sizes
+
+
 def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64_t scale, sizes_of,
          change_sequence, uint64_t max_sequence, bytes follow_prefix=None):
     """The replayer's walk (replayer.walk documents the arguments and the result), or None."""
@@ -150,6 +181,9 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
     followed = []
     seed_scheduled = type_seed(T_SCHEDULED)
     seed_cancel = type_seed(T_SCHEDULED_CANCEL)
+    if scale <= 0:
+        return None  # (the Python walk says what it makes of it)
+    expected = bucket_sizes(buf, n, base, limit, scale)
     while pos + HEADER_SIZE <= n:
         length = be32(buf + pos + 4)
         rtype = buf[pos + 8]
@@ -216,7 +250,7 @@ def walk(data, Py_ssize_t base, Py_ssize_t limit, Py_ssize_t start_offset, int64
                 filled[arr_key] = used
             arr = per_bucket.get(key)
             if arr is None:
-                arr = per_bucket[key] = PyByteArray_FromStringAndSize(NULL, 0)
+                arr = per_bucket[key] = PyByteArray_FromStringAndSize(NULL, expected.get(key, 0))
                 bucket_ids = ids[key] = []
                 start = sizes_of(key)
                 starts[key] = start
