@@ -121,9 +121,9 @@ cdef inline bint is_transactional(int rtype) noexcept nogil:
 cdef dict bucket_sizes(const uint8_t *buf, Py_ssize_t n, Py_ssize_t base, Py_ssize_t limit, int64_t scale):
     """About what `walk` will write of each bucket (bucket -> bytes), from a look at the record
     headers only, so that each bucket's buffer is made its size at once instead of grown as it
-    fills (growing copies what it holds: `grow.reserve`). What it leaves out (a schedule time
-    below 0, a record `walk` stops before) is grown into as before; what `walk` does not write is
-    cut off at its end."""
+    fills (growing may copy what it holds). What it leaves out (a schedule time below 0) is grown
+    into by doubling (`grow.reserve`); what `walk` does not write (a record it stops before) is cut
+    off at its end."""
     cdef dict sizes = {}
     cdef Py_ssize_t pos = 0, s, e, run_bytes = 0
     cdef int64_t sched, bucket, run_bucket = -1
