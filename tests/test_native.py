@@ -210,8 +210,8 @@ def test_the_replay_walk_takes_a_node_s_batch():
 def test_the_replay_walk_makes_each_bucket_s_buffer_its_size_at_once():
     """A group commit's pass (a thousand 1 KiB records, runs of three buckets' and a cancel among
     them): each bucket's buffer is allocated once at the size it ends at, as a bytearray of that
-    length is, not grown record by record (each growth copied what it held; grown by an eighth a
-    time, a pass this size copied its buffer over again dozens of times)."""
+    length is, not grown record by record (a bytearray grows by an eighth at a time, and each
+    growth may copy what it holds)."""
     frames = [(T.MESSAGE, r.encode_message_fields(f"m{i}", "s.x", b"x" * 1024, SCALE * (i // 100 % 3) + i, {}, 1, 0))
               for i in range(1000)]
     frames.insert(500, (T.CANCEL, r.encode_cancel(r.Cancel("m7", 7, 1))))
