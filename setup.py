@@ -7,8 +7,9 @@ from setuptools import Extension, setup
 KERNELS = [
     Extension("delayserver.native.records", ["delayserver/native/records.pyx"], optional=True),
     Extension("delayserver.native.send", ["delayserver/native/send.pyx"], optional=True),
-    Extension("delayserver.native.dedupe", ["delayserver/native/dedupe.pyx"], optional=True),
-    Extension("delayserver.native.receive", ["delayserver/native/receive.pyx"], optional=True),
+    # dedupe and receive take the dedupe keys' saved hash (xxh3) from Debian's libxxhash-dev.
+    Extension("delayserver.native.dedupe", ["delayserver/native/dedupe.pyx"], libraries=["xxhash"], optional=True),
+    Extension("delayserver.native.receive", ["delayserver/native/receive.pyx"], libraries=["xxhash"], optional=True),
     Extension("delayserver.native.wheel", ["delayserver/native/wheel.pyx"], optional=True),
     Extension("delayserver.native.resp", ["delayserver/native/resp.pyx"], optional=True),
     Extension("delayserver.native.idmap", ["delayserver/native/idmap.pyx"], optional=True),

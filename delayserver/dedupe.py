@@ -238,7 +238,17 @@ class DedupeTable:
             return self._remember_many_py(entries, store_time)
         self.changes += _native_remember_many(
             self._positions, self._keys, self._stores, self._scheds, self._hashes, self._updates, self._base,
-            self.window_ms, entries, store_time, self._saved, self._saved_position, key_hash)
+            self.window_ms, entries, store_time, self._saved, self._saved_position)
+
+    def remember_accepted(self, keys: list, accepted: list, store_time: int) -> None:
+        """`remember_many` of ``(keys[i], when)`` of each ``(i, when)`` of `accepted` (a stored
+        request's: `admit`'s keys and accepted), without the list of those pairs made first when
+        the kernel is built."""
+        if _native_remember_many is None:
+            return self._remember_many_py([(keys[i], when) for i, when in accepted], store_time)
+        self.changes += _native_remember_many(
+            self._positions, self._keys, self._stores, self._scheds, self._hashes, self._updates, self._base,
+            self.window_ms, accepted, store_time, self._saved, self._saved_position, keys)
 
     def _remember_many_py(self, entries, store_time: int) -> None:
         """`remember_many` in Python, the table's columns bound once, no call per id: the compiled

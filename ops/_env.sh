@@ -8,11 +8,15 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 if [ ! -f "$STAMP" ]; then
-    # The install compiles the kernels of delayserver/native: a C compiler, from Debian's packages.
-    if ! command -v cc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "installing from Debian's packages: gcc" >&2
+    # The install compiles the kernels of delayserver/native: a C compiler and xxhash's header and
+    # library (the dedupe keys' hash), from Debian's packages.
+    needed=()
+    command -v cc >/dev/null 2>&1 || needed+=(gcc)
+    [ -f /usr/include/xxhash.h ] || needed+=(libxxhash-dev)
+    if [ "${#needed[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing from Debian's packages: ${needed[*]}" >&2
         apt-get update -qq >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${needed[@]}" >&2
     fi
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >&2

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from unittest import mock
 
 import attrs
+import xxhash
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -768,7 +769,14 @@ def test_the_send_request_encoder_writes_the_headers_it_measured():
 
 
 NOW = 1_700_000_000_000
-PENDING = object()  # another request's commit, as `committing` names it
+class OtherSend:
+    """Another request's commit, as `committing` names it: `_Pending.when_of` tells its times."""
+
+    def when_of(self, key) -> int:
+        return NOW + 9
+
+
+PENDING = OtherSend()
 
 admit_items = st.builds(
     p.SendItem, st.sampled_from(["a", "b", "c", "d", "e", "f", "", "x" * 129, "\u00e9"]),
@@ -825,7 +833,7 @@ def test_the_receivers_pass_is_the_reference(tmp_path_factory, items, as_batch, 
         table.remember_many([(k, NOW + 7) for k in known], accepted_at)
     elif with_table == "restarted":  # the ids read back at start are screened by their hashes' bits
         table = restarted_table(tmp_path_factory.mktemp("dedupe") / "dedupe.bin", known, known[1:], accepted_at)
-    committing = {k: (PENDING, NOW + 9) for k in committing_ids}
+    committing = {k: PENDING for k in committing_ids}
     checked = dict(r.CHECKED_SUBJECTS)  # the first run may add subjects: the second starts from the same
     expected = admitted(receiver_module._admit, rows, items, view, refused, table, committing, max_bytes)
     r.CHECKED_SUBJECTS.clear()
@@ -859,7 +867,7 @@ def test_ids_a_restarted_table_does_not_hold_are_screened_without_a_lookup(tmp_p
     results, accepted, _, keys, _, _ = admitted(native_receive.admit, rows, items, None, None, table, {}, 1 << 20)
     assert [x.code for x in results[500:]] == [ResultCode.DUPLICATE] * 5 and results[:500] == [None] * 500
     assert 5 <= calls["find"] <= 5 + 100  # (before: one call for each of the 505 ids)
-    table.remember_many([(keys[i], when) for i, when in accepted], NOW)
+    table.remember_accepted(keys, accepted, NOW)
     assert calls["saved"] <= 100 and len(table) == 10_500
     assert all(table.find(i, NOW) == NOW + 5 for i in ids[:500])
 
@@ -868,8 +876,8 @@ def test_ids_a_restarted_table_does_not_hold_are_screened_without_a_lookup(tmp_p
 @given(st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), min_size=1, max_size=6, unique=True),
        st.data())
 def test_a_stored_requests_bookkeeping_is_the_reference(ids, data):
-    """The four passes over a stored request's accepted messages: committing marked and unmarked
-    (a key another request holds now is left to it), the dedupe entries and the results."""
+    """The three passes over a stored request's accepted messages: committing marked and unmarked
+    (a key another request holds now is left to it) and the results."""
     n = len(ids)
     keys = list(ids)
     picked = data.draw(st.lists(st.sampled_from(range(n)), unique=True, max_size=n))
@@ -877,26 +885,76 @@ def test_a_stored_requests_bookkeeping_is_the_reference(ids, data):
     mine, other = object(), object()
     taken_over = data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=2))
 
-    def run(mark, unmark, entries, stored):
-        committing = {"z": (other, NOW)}
+    def run(mark, unmark, stored):
+        committing = {"z": other}
         mark(committing, keys, accepted, mine)
         marked = dict(committing)
         for k in taken_over:  # another request of the same id took its key over meanwhile
             if k in committing:
-                committing[k] = (other, NOW + 1)
+                committing[k] = other
         unmark(committing, keys, accepted, mine)
         results = [None] * n
         stored(results, accepted, [(k, "s") for k in ids], p.SendResult, ResultCode.OK, "stored")
-        return marked, committing, entries(keys, accepted), results
+        return marked, committing, results
 
     expected = run(receiver_module._mark_committing, receiver_module._unmark_committing,
-                   receiver_module._accepted_entries, receiver_module._stored_results)
-    got = run(native_receive.mark_committing, native_receive.unmark_committing,
-              native_receive.accepted_entries, native_receive.stored_results)
+                   receiver_module._stored_results)
+    got = run(native_receive.mark_committing, native_receive.unmark_committing, native_receive.stored_results)
     assert got == expected
-    assert [type(x) for x in got[3]] == [type(x) for x in expected[3]]
+    assert all(got[0][keys[i]] is mine for i, _ in accepted)  # the request itself: no tuple per message
+    assert [type(x) for x in got[2]] == [type(x) for x in expected[2]]
     assert receiver_module.stored_results is native_receive.stored_results
     assert receiver_module.unmark_committing is native_receive.unmark_committing
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(["a", "b", "\u00e9", "c\x002", "order-1", "\U0001f600x"]), min_size=1, max_size=8,
+                unique=True), st.data())
+def test_a_stored_requests_ids_are_remembered_from_its_keys_and_accepted(tmp_path_factory, ids, data):
+    """`remember_accepted(keys, accepted, t)` is `remember_many` of ``(keys[i], when)`` of each
+    accepted message, compiled and in Python, column for column, on a fresh table and on one read
+    back at start (some of the ids among those read back, within their window or past it)."""
+    keys = list(ids)
+    picked = data.draw(st.lists(st.sampled_from(range(len(keys))), unique=True, max_size=len(keys)))
+    accepted = [(i, NOW + 10 * i) for i in picked]
+    known = data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=3))
+    restarted = data.draw(st.booleans())
+    stored_at = data.draw(st.sampled_from([NOW - 10, NOW - 60_000]))
+
+    def table():
+        if restarted:
+            return restarted_table(tmp_path_factory.mktemp("dedupe") / "dedupe.bin", known, [], stored_at)
+        t = dedupe.DedupeTable(60_000)
+        t.remember_many([(k, NOW + 7) for k in known], stored_at)
+        return t
+
+    def columns(t):
+        return (dict(t._positions.items()), list(t._keys), list(t._stores), list(t._scheds), list(t._hashes),
+                list(t._updates), t.changes)
+
+    reference, compiled = table(), table()
+    reference._remember_many_py([(keys[i], when) for i, when in accepted], NOW)
+    compiled.remember_accepted(keys, accepted, NOW)
+    assert columns(compiled) == columns(reference)
+    assert all(h == dedupe.key_hash(k.encode("utf-8"))  # (a key read back at start is no object: None)
+               for k, h in zip(compiled._keys, compiled._hashes) if k is not None)
+
+
+def test_the_saved_hash_of_each_remembered_id_is_taken_without_a_python_call(monkeypatch):
+    """The compiled bookkeeping hashes each new id in C (libxxhash), as `key_hash` does: with the
+    module's `key_hash` made to fail, a request's ids are still remembered, each with its hash."""
+    ids = [f"order-{i:06d}" for i in range(200)] + ["\u00e9t\u00e9", "\U0001f600"]
+    expected = [dedupe.key_hash(k.encode("utf-8")) for k in ids]
+
+    def no_call(raw):
+        raise AssertionError("key_hash called from Python")
+
+    monkeypatch.setattr(dedupe, "key_hash", no_call)
+    table = dedupe.DedupeTable(60_000)
+    table.remember_accepted(ids, [(i, NOW + i) for i in range(len(ids))], NOW)
+    table.remember_many([("one-more", NOW)], NOW)
+    assert list(table._hashes) == expected + [xxhash.xxh3_64_intdigest(b"one-more") & 0xFFFFFFFF]
+    assert [table.find(k, NOW) for k in ids] == [NOW + i for i in range(len(ids))]
 
 
 # --- the timing wheel's adds in bulk ------------------------------------------------------------

@@ -19,14 +19,15 @@ reference, output for output.
   (`delayserver.sender.redis_streams._xadd_commands_py`);
 - `records.id_keys`, `records.time_keys`: the id and time index keys of a replayed append, in an
   array "Q" (`delayserver.storage.id_index._id_keys`, `delayserver.storage.time_index._time_keys`);
-- `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids
+- `dedupe.remember_many`: the dedupe table's bookkeeping of a request's accepted ids, its keys' saved
+  hashes taken in C (libxxhash)
   (`delayserver.dedupe.DedupeTable._remember_many_py`);
 - `idmap.IdMap`: the dedupe table's map of ids to positions, probed from C by `remember_many`
   and `admit` (the dict of `delayserver.dedupe._positions_dict`);
 - `receive.admit`: the receiver's pass over a request's messages (`delayserver.node.receiver._admit`);
-- `receive.mark_committing`, `unmark_committing`, `accepted_entries`, `stored_results`: the
+- `receive.mark_committing`, `unmark_committing`, `stored_results`: the
   receiver's passes over a stored request's accepted messages
-  (`delayserver.node.receiver._mark_committing` and the three after it);
+  (`delayserver.node.receiver._mark_committing` and the two after it);
 - `wheel.dispatch_fields`, `records.dispatch_data`: the sender's pass over an acknowledged batch
   and its DISPATCH records in one piece (`delayserver.sender.sender._dispatch_fields_py`,
   `delayserver.storage.record._encode_dispatch_data_py`);

@@ -10,6 +10,8 @@ else (a refusal, a duplicate, a message whose fields need `encode_message_fields
 answered as the reference answers it, through the same Python objects (`context`).
 """
 cimport cython
+from cpython.object cimport PyObject
+from cpython.dict cimport PyDict_GetItemWithError
 from cpython.bytearray cimport PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8String
@@ -18,6 +20,7 @@ from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64
 from delayserver.native.grow cimport reserve
 from delayserver.native.idmap cimport IdMap
+from delayserver.native.keyhash cimport str_key_hash
 from delayserver.native.layout cimport HEADER_SIZE, MESSAGE_HEAD_SIZE, T_MESSAGE
 from delayserver.native.screen cimport maybe_saved
 
@@ -29,17 +32,18 @@ cdef inline void put_record_header(uint8_t *out, Py_ssize_t length) noexcept:
     out[8] = T_MESSAGE
 
 
-cdef bint maybe_saved_id(key, bytes bitmap, int shift, key_hash) except -1:
+cdef bint maybe_saved_id(key, bytes bitmap, int shift) except -1:
     """Whether `key` may be among the dedupe table's ids read back at start (False: it is not, and
     `find` would answer None). A key `find` would have to look at otherwise (not a str, no UTF-8)
     is left to it."""
+    cdef uint32_t h
     if type(key) is not str:
         return True
     try:
-        raw = PyUnicode_AsUTF8String(key)
+        h = str_key_hash(key)
     except UnicodeError:
         return True
-    return maybe_saved(bitmap, shift, key_hash(raw))
+    return maybe_saved(bitmap, shift, h)
 
 
 def admit(list rows, items, view, long long now, refused, refusal_text, table, dict committing, schedule_time,
@@ -53,9 +57,8 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     cdef IdMap id_map = ids if type(ids) is IdMap else None  # probed without a Python call
     cdef bytes saved_bitmap = None
     cdef int saved_shift = 0
-    cdef object key_hash = None
     if saved is not None:  # the ids read back at start: most of those not among them are told by a bit
-        saved_shift, saved_bitmap, key_hash = saved
+        saved_shift, saved_bitmap = saved[0], saved[1]
     cdef list results = [None] * count
     cdef list accepted = []
     cdef bytearray framed = bytearray()
@@ -65,7 +68,7 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     cdef list twins = []
     cdef list waits = []
     cdef object last_spec = None, last_when = 0, when, spec, message_id, subject, headers, key = None, known
-    cdef object encoded, item
+    cdef object encoded, item, other
     cdef tuple row
     cdef const uint8_t[::1] buf
     cdef Py_ssize_t buf_n = 0
@@ -97,7 +100,7 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
             keys[i] = key
             # `find` only for a key accepted since start, or one the saved ids' bitmap does not rule out
             if (id_map.lookup(key) >= 0 if id_map is not None else key in ids) or (
-                    saved is not None and maybe_saved_id(key, saved_bitmap, saved_shift, key_hash)):
+                    saved is not None and maybe_saved_id(key, saved_bitmap, saved_shift)):
                 known = table.find(key, now)
             else:
                 known = None
@@ -108,7 +111,8 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
                 twins.append((i, in_batch[key]))
                 continue
             if key in committing:
-                waits.append((i, *committing[key]))
+                other = committing[key]
+                waits.append((i, other, other.when_of(key)))
                 continue
         try:
             if type(spec) is int:  # an epoch time, as decoded
@@ -161,16 +165,16 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
 
 
 # --- a stored request's bookkeeping: `Receiver.send`'s passes over its accepted messages ----------
-# (`receiver._mark_committing` and the three after it are the references, tests/test_native.py;
+# (`receiver._mark_committing` and the two after it are the references, tests/test_native.py;
 # indexed as Python indexes, checked: the indexes are admit's, but a wrong one must not crash)
 
 @cython.boundscheck(True)
 @cython.wraparound(True)
 def mark_committing(dict committing, list keys, list accepted, object pending):
-    """``committing[keys[i]] = (pending, when)`` of each ``(i, when)`` of `accepted`."""
+    """``committing[keys[i]] = pending`` of each ``(i, when)`` of `accepted`."""
     cdef tuple entry
     for entry in accepted:
-        committing[keys[<Py_ssize_t>entry[0]]] = (pending, entry[1])
+        committing[keys[<Py_ssize_t>entry[0]]] = pending
 
 
 @cython.boundscheck(True)
@@ -178,20 +182,13 @@ def mark_committing(dict committing, list keys, list accepted, object pending):
 def unmark_committing(dict committing, list keys, list accepted, object pending):
     """Takes the key of each of `accepted` out of `committing` where `pending` still holds it."""
     cdef tuple entry
-    cdef object key, held
+    cdef object key
+    cdef PyObject *held
     for entry in accepted:
         key = keys[<Py_ssize_t>entry[0]]
-        held = committing.get(key)
-        if held is not None and held[0] is pending:
+        held = PyDict_GetItemWithError(committing, key)  # borrowed: no reference taken and dropped
+        if held == <PyObject *>pending:
             del committing[key]
-
-
-@cython.boundscheck(True)
-@cython.wraparound(True)
-def accepted_entries(list keys, list accepted):
-    """``[(keys[i], when) for i, when in accepted]``: what the dedupe table remembers of them."""
-    cdef tuple entry
-    return [(keys[<Py_ssize_t>entry[0]], entry[1]) for entry in accepted]
 
 
 @cython.boundscheck(True)

@@ -51,14 +51,13 @@ from delayserver.storage.threads import run_disk
 from delayserver.wakeup import Wakeup
 
 try:  # the compiled pass over a request's messages (delayserver/native/receive.pyx), when built
-    from delayserver.native.receive import accepted_entries as _native_accepted_entries
     from delayserver.native.receive import admit as _native_admit
     from delayserver.native.receive import mark_committing as _native_mark_committing
     from delayserver.native.receive import stored_results as _native_stored_results
     from delayserver.native.receive import unmark_committing as _native_unmark_committing
 except ImportError:
     _native_admit = _native_mark_committing = _native_unmark_committing = None
-    _native_accepted_entries = _native_stored_results = None
+    _native_stored_results = None
 
 #: The least of message_log's durable pages below the page floor handed back at once (`Receiver._give_back_pages`).
 GIVE_BACK_BYTES = 1 << 20
@@ -75,7 +74,7 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
            context: tuple) -> tuple:
     """`Receiver.send`'s pass over a request's messages, in order: the ones refused (`refused`, with
     `refusal_text`), invalid, or duplicates of an id in the dedupe `table`, earlier in the request
-    or committing for another request (`committing`: key -> (its _Pending, its schedule time)), and
+    or committing for another request (`committing`: key -> its _Pending), and
     the records of the others, framed: each a record header (its checksum left for
     `sequence_framed`) and a payload, a new MESSAGE head in front of its span of the request (`view`
     over it; a row without a span, or whose fields need checks, goes through `encode_message_fields`).
@@ -116,7 +115,8 @@ def _admit(rows, items, view, now: int, refused: ResultCode | None, refusal_text
                 twins.append((i, in_batch[key]))
                 continue
             if key in committing:
-                waits.append((i, *committing[key]))
+                other = committing[key]
+                waits.append((i, other, other.when_of(key)))
                 continue
         try:
             if type(spec) is int:  # an epoch time, as decoded
@@ -159,22 +159,17 @@ def _admit_context() -> tuple:
 # compiled kernels (receive.pyx) must do as these do (tests/test_native.py).
 
 def _mark_committing(committing: dict, keys: list, accepted: list, pending) -> None:
-    """Each accepted message's key committing for `pending`, with its schedule time."""
-    for i, when in accepted:
-        committing[keys[i]] = (pending, when)
+    """Each accepted message's key committing for `pending` (`_Pending.when_of` tells its schedule
+    time)."""
+    for i, _ in accepted:
+        committing[keys[i]] = pending
 
 
 def _unmark_committing(committing: dict, keys: list, accepted: list, pending) -> None:
     """Each accepted message's key out of `committing`, where `pending` still holds it."""
     for i, _ in accepted:
-        held = committing.get(keys[i])
-        if held is not None and held[0] is pending:
+        if committing.get(keys[i]) is pending:
             del committing[keys[i]]
-
-
-def _accepted_entries(keys: list, accepted: list) -> list:
-    """``(key, schedule time)`` of each accepted message: what the dedupe table remembers."""
-    return [(keys[i], when) for i, when in accepted]
 
 
 def _stored_results(results: list, accepted: list, rows: list, result_type, code, text: str) -> None:
@@ -186,7 +181,6 @@ def _stored_results(results: list, accepted: list, rows: list, result_type, code
 
 mark_committing = _native_mark_committing or _mark_committing
 unmark_committing = _native_unmark_committing or _unmark_committing
-accepted_entries = _native_accepted_entries or _accepted_entries
 stored_results = _native_stored_results or _stored_results
 
 RECENT_BATCHES = 64
@@ -210,9 +204,23 @@ class _Pending:
     on_durable: Callable[[], None] | None = None
     end: int = -1  # message_log offset after its last record
     nbytes: int = attrs.field(init=False)  # the payloads' bytes
+    #: A send's dedupe keys and accepted ``(index, schedule time)`` (`admit`'s), with dedupe on:
+    #: what `when_of` looks in.
+    keys: list | None = None
+    accepted: list | None = None
 
     def __attrs_post_init__(self) -> None:
         self.nbytes = len(self.framed) - HEADER_SIZE * self.records
+
+    def when_of(self, key) -> int:
+        """The schedule time of this send's message stored under dedupe `key` (one the send holds
+        committing: a later request with that key waits for this one and answers with it). A scan
+        of the send's accepted messages: only such a wait asks."""
+        keys = self.keys
+        for i, when in self.accepted:
+            if keys[i] == key:
+                return when
+        raise KeyError(key)
 
     @classmethod
     def of(cls, *records: tuple[int, bytes]) -> _Pending:
@@ -286,7 +294,7 @@ class Receiver:
         self.dedupe = dedupe
         # Ids of messages being committed, with their request and schedule time: a retry that
         # arrives meanwhile waits for the first one's answer instead of storing the id twice.
-        self._committing: dict[str, tuple[_Pending, int]] = {}
+        self._committing: dict[str, _Pending] = {}
         self.store = store
         self.clock = clock
         self.config = config
@@ -409,8 +417,9 @@ class Receiver:
         if accepted:
             p = _Pending(framed, len(accepted))
             if table is not None:
+                p.keys, p.accepted = keys, accepted
                 mark_committing(self._committing, keys, accepted, p)
-                p.on_durable = lambda: table.remember_many(accepted_entries(keys, accepted), now)
+                p.on_durable = lambda: table.remember_accepted(keys, accepted, now)
             try:
                 await self._commit(p)
             finally:
