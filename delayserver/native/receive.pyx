@@ -14,7 +14,6 @@ from cpython.object cimport PyObject
 from cpython.dict cimport PyDict_GetItemWithError
 from cpython.bytearray cimport PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.unicode cimport PyUnicode_AsUTF8String
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from delayserver.native.endian cimport put32, put64

@@ -208,19 +208,19 @@ class _Pending:
     #: what `when_of` looks in.
     keys: list | None = None
     accepted: list | None = None
+    _whens: dict | None = attrs.field(default=None, init=False)  # key -> schedule time, made at the first wait
 
     def __attrs_post_init__(self) -> None:
         self.nbytes = len(self.framed) - HEADER_SIZE * self.records
 
     def when_of(self, key) -> int:
         """The schedule time of this send's message stored under dedupe `key` (one the send holds
-        committing: a later request with that key waits for this one and answers with it). A scan
-        of the send's accepted messages: only such a wait asks."""
-        keys = self.keys
-        for i, when in self.accepted:
-            if keys[i] == key:
-                return when
-        raise KeyError(key)
+        committing: a later request with that key waits for this one and answers with it). Only
+        such a wait asks: the map of the send's keys to their times is made at the first one."""
+        if self._whens is None:
+            keys = self.keys
+            self._whens = {keys[i]: when for i, when in self.accepted}
+        return self._whens[key]
 
     @classmethod
     def of(cls, *records: tuple[int, bytes]) -> _Pending:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from delayserver.clock import TrioClock
 from delayserver.config import Config
@@ -495,3 +496,33 @@ async def test_the_page_floor_is_worked_out_only_when_a_give_back_could_be_due(s
         nursery.cancel_scope.cancel()
     assert len(gave) >= 2, gave
     assert len(asked) == len(gave), (asked, gave)
+
+
+async def test_a_request_racing_one_that_commits_its_ids_answers_each_with_the_first_ones_time(store, autojump_clock):
+    """Two requests of the same 300 ids, the second sent while the first commits: each of the
+    second's messages waits for the first and answers DUPLICATE with the schedule time its id was
+    stored at (each id its own: the first request's times differ); nothing is stored twice."""
+    from delayserver.dedupe import DedupeTable
+
+    config = Config.from_dict({"max_delay": "1d", "max_message_bytes": 1024})
+    r = Receiver(store, TrioClock(NOW), config, recent=RecentBatches(), disk=DiskSpace(store, 0),
+                 on_durable=Wakeup(), sequence_floor=lambda: 1, dedupe=DedupeTable(config.dedupe_window_ms))
+    first_items = [SendItem(f"order-{i}", "orders.q", TimeSpec.delay(1000 + i), b"x") for i in range(300)]
+    again = [SendItem(f"order-{i}", "orders.q", TimeSpec.delay(5000), b"y") for i in reversed(range(300))]
+    answers = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(r.serve)
+
+        async def send(name, items):
+            answers[name] = await r.send(items)
+
+        async with trio.open_nursery() as senders:
+            senders.start_soon(send, "first", first_items)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(r._committing) == 300  # the first request holds its ids while it commits
+            senders.start_soon(send, "again", again)
+        nursery.cancel_scope.cancel()
+    assert [a.code for a in answers["first"]] == [ResultCode.OK] * 300
+    assert [(a.code, a.schedule_time) for a in answers["again"]] == \
+        [(ResultCode.DUPLICATE, NOW + 1000 + i) for i in reversed(range(300))]
+    assert len(stored(store)) == 300 and r._committing == {}
