@@ -205,10 +205,10 @@ class DedupeTable:
         """``(ids, saved)``, for a caller screening many ids to skip `find` for most of those the
         table does not hold: `ids`, the ids accepted since start (id -> position); `saved`, None
         when no entry read back at start is live (then an id not in `ids` is not known: `find`
-        answers None), else ``(shift, bitmap, key_hash)``: an id not in `ids` is known only if
-        bit ``key_hash(its UTF-8) >> shift`` of `bitmap` is set (`_Saved.bits`)."""
+        answers None), else ``(shift, bitmap)``: an id not in `ids` is known only if bit
+        ``key_hash(its UTF-8) >> shift`` of `bitmap` is set (`_Saved.bits`)."""
         saved = self._saved
-        return self._positions, None if saved is None else (*saved.bits, key_hash)
+        return self._positions, None if saved is None else saved.bits
 
     def find(self, message_id: str, now_ms: int) -> int | None:
         """The schedule time of the message accepted under `message_id` within the window, or None."""

@@ -57,7 +57,7 @@ def admit(list rows, items, view, long long now, refused, refusal_text, table, d
     cdef bytes saved_bitmap = None
     cdef int saved_shift = 0
     if saved is not None:  # the ids read back at start: most of those not among them are told by a bit
-        saved_shift, saved_bitmap = saved[0], saved[1]
+        saved_shift, saved_bitmap = saved
     cdef list results = [None] * count
     cdef list accepted = []
     cdef bytearray framed = bytearray()
