@@ -236,9 +236,7 @@ class DedupeTable:
         when built, else `_remember_many_py`."""
         if _native_remember_many is None:
             return self._remember_many_py(entries, store_time)
-        self.changes += _native_remember_many(
-            self._positions, self._keys, self._stores, self._scheds, self._hashes, self._updates, self._base,
-            self.window_ms, entries, store_time, self._saved, self._saved_position)
+        self._remember_compiled(entries, store_time, None)
 
     def remember_accepted(self, keys: list, accepted: list, store_time: int) -> None:
         """`remember_many` of ``(keys[i], when)`` of each ``(i, when)`` of `accepted` (a stored
@@ -246,9 +244,13 @@ class DedupeTable:
         the kernel is built."""
         if _native_remember_many is None:
             return self._remember_many_py([(keys[i], when) for i, when in accepted], store_time)
+        self._remember_compiled(accepted, store_time, keys)
+
+    def _remember_compiled(self, entries, store_time: int, request_keys: list | None) -> None:
+        """The compiled kernel over the table's columns (its `request_keys`: delayserver/native/dedupe.pyx)."""
         self.changes += _native_remember_many(
             self._positions, self._keys, self._stores, self._scheds, self._hashes, self._updates, self._base,
-            self.window_ms, accepted, store_time, self._saved, self._saved_position, keys)
+            self.window_ms, entries, store_time, self._saved, self._saved_position, request_keys)
 
     def _remember_many_py(self, entries, store_time: int) -> None:
         """`remember_many` in Python, the table's columns bound once, no call per id: the compiled

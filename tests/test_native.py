@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from unittest import mock
 
 import attrs
-import xxhash
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -769,6 +769,8 @@ def test_the_send_request_encoder_writes_the_headers_it_measured():
 
 
 NOW = 1_700_000_000_000
+
+
 class OtherSend:
     """Another request's commit, as `committing` names it: `_Pending.when_of` tells its times."""
 

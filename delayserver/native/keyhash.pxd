@@ -14,9 +14,14 @@ cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object o, Py_ssize_t *size) except NULL
 
 
+cdef inline uint32_t hash32(const char *data, size_t n) noexcept nogil:
+    """32 bits of xxh3 of `n` bytes at `data`: what `key_hash` keeps."""
+    return <uint32_t>XXH3_64bits(data, n)  # (its low 32 bits)
+
+
 cdef inline uint32_t bytes_key_hash(bytes raw) noexcept:
     """`key_hash(raw)`."""
-    return <uint32_t>(XXH3_64bits(<const char *>raw, <size_t>len(raw)) & 0xFFFFFFFF)
+    return hash32(<const char *>raw, <size_t>len(raw))
 
 
 cdef inline uint32_t str_key_hash(str key) except? 0:
@@ -25,9 +30,7 @@ cdef inline uint32_t str_key_hash(str key) except? 0:
     the table keeps: a cached copy would grow each such id's memory)."""
     cdef Py_ssize_t n
     cdef const char *data
-    cdef bytes raw
     if PyUnicode_IS_COMPACT_ASCII(key):
         data = PyUnicode_AsUTF8AndSize(key, &n)
-        return <uint32_t>(XXH3_64bits(data, <size_t>n) & 0xFFFFFFFF)
-    raw = PyUnicode_AsUTF8String(key)
-    return bytes_key_hash(raw)
+        return hash32(data, <size_t>n)
+    return bytes_key_hash(PyUnicode_AsUTF8String(key))
