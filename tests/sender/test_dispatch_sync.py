@@ -10,9 +10,10 @@ import threading
 
 import trio
 
-from delayserver.client import AsyncProducer
+from delayserver.client import AsyncProducer, Message
 from delayserver.config import Config
 from delayserver.node.server import DelayServer
+from delayserver.sender import sender as sender_module
 from delayserver.sender.spool import iter_spool
 
 
@@ -79,3 +80,47 @@ async def test_a_slow_dispatch_fsync_holds_back_no_delivery_and_one_fsync_covers
         assert len(dispatched) == 6
     finally:
         held.released.set()
+
+
+def spool_node(tmp_path, **kw) -> DelayServer:
+    raw = dict(data_dir=str(tmp_path / "data"), listen="127.0.0.1:0", send_wait_ms=1,
+               broker_group=[{"name": "spool", "transport": "spool"}])
+    raw.update(kw)
+    return DelayServer(Config.from_dict(raw))
+
+
+async def test_a_delivery_settles_after_the_linger_with_those_acknowledged_meanwhile(tmp_path, nursery, monkeypatch):
+    """The fsync task gathers acknowledged batches for `DISPATCH_SYNC_LINGER_S` before a round (an
+    fsync costs about as much CPU whatever it covers): batches acknowledged within it settle
+    together, in one fsync, none before the linger is over."""
+    monkeypatch.setattr(sender_module, "DISPATCH_SYNC_LINGER_S", 0.5)
+    server = spool_node(tmp_path)
+    await nursery.start(server.serve)
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        first = await prod.send("linger.q", b"0", delay=0)
+        await wait_until(lambda: first.message_id in spooled_ids(server, "linger.q"))
+        handed_over = trio.current_time()
+        for i in range(3):  # each falls due on its own and is sent as a batch of its own
+            h = await prod.send("linger.q", b"%d" % i, delay=0)
+            await wait_until(lambda: h.message_id in spooled_ids(server, "linger.q"))
+    assert trio.current_time() - handed_over < 0.5, "the machine is too slow for this test's linger"
+    assert server.sender.delivered == 0 and server.sender.dispatch_fsyncs == 0
+    await wait_until(lambda: server.sender.delivered == 4)
+    assert trio.current_time() - handed_over >= 0.45
+    assert server.sender.dispatch_fsyncs == 1
+
+
+async def test_a_quarter_of_the_in_flight_budget_waiting_for_an_fsync_starts_the_round_at_once(
+        tmp_path, nursery, monkeypatch):
+    """A small in-flight budget must not fill with deliveries that only wait for the fsync task's
+    linger: once a quarter of it waits, the round starts. With a linger of a minute, 40 messages
+    through a budget of 8 are all settled within seconds."""
+    monkeypatch.setattr(sender_module, "DISPATCH_SYNC_LINGER_S", 60)
+    server = spool_node(tmp_path, max_inflight=8, send_batch_size=2)
+    await nursery.start(server.serve)
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as prod:
+        await prod.send_many([Message("early.q", b"x", message_id=f"e{i}") for i in range(40)])
+    await wait_until(lambda: server.sender.delivered == 40, 20)
+    assert spooled_ids(server, "early.q") == {f"e{i}" for i in range(40)}
+    assert server.sender.dispatch_fsyncs >= 40 // 8
+    assert server.sender.groups["spool"].inflight == 0
