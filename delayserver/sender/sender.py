@@ -17,9 +17,10 @@ generation.
   appended while the one before ran (group commit across batches and groups): a group task hands
   over its records and sends its next batch, so a slow fsync of our disk never holds back the
   messages falling due behind it. The records not yet fsynced belong to unsettled deliveries, at
-  most `max_inflight` per group (the bound `DISPATCH_POWER_LOSS_WINDOW` relies on). RETRY -> back
-  to routing after a back-off, possibly to another group, without any retry limit; REJECTED ->
-  parked (see `parked.py`), never blocking the others. A transport that raises instead of
+  most `max_inflight` per group (the bound `DISPATCH_POWER_LOSS_WINDOW` relies on). A round
+  gathers for `DISPATCH_SYNC_LINGER_S` first (sooner once a quarter of a group's budget waits).
+  RETRY -> back to routing after a back-off, possibly to another group, without any retry limit;
+  REJECTED -> parked (see `parked.py`), never blocking the others. A transport that raises instead of
   answering (a bug, or a broker's reply its client library did not expect) counts as RETRY for
   the whole batch, logged with its traceback: nothing a broker sends stops the node.
 - Poison isolation: a batch the broker refuses whole (every message REJECTED, as an HTTP 4xx
@@ -215,11 +216,11 @@ class Sender:
         # Batches whose dispatch records are appended and await the fsync that settles them:
         # (acknowledged deliveries, their group, dispatch time).
         self._unsynced: list[tuple[list[Delivery], BrokerGroup, int]] = []
-        self._unsynced_count = 0  # the deliveries in `_unsynced`
-        self._unsynced_wakeup = Wakeup()
+        self._unsynced_count = 0  # the deliveries in `_unsynced` (checked per batch: not summed each time)
         # Enough deliveries wait for an fsync to start a round before the linger is over.
         self._sync_early_at = max(1, max_inflight // 4)
-        self._sync_soon = Wakeup()
+        # `_unsynced` gained its first batch, or `_sync_early_at` deliveries: the fsync task's.
+        self._unsynced_wakeup = Wakeup()
         self.dispatch_fsyncs = 0
         # (broker group name, lateness in ms of each message it acknowledged): the metrics' hook.
         self.on_delivered = lambda group, lateness_ms: None
@@ -652,9 +653,8 @@ class Sender:
             del per_bucket[bucket]
         self._unsynced.append((acked, group, now))
         self._unsynced_count += len(acked)
-        self._unsynced_wakeup.set()
-        if self._unsynced_count >= self._sync_early_at:
-            self._sync_soon.set()
+        if len(self._unsynced) == 1 or self._unsynced_count >= self._sync_early_at:
+            self._unsynced_wakeup.set()
 
     async def _sync_task(self) -> None:
         """fsync dispatch_log for every batch appended since the last round, then settle them."""
@@ -664,7 +664,7 @@ class Sender:
                 continue
             deadline = trio.current_time() + DISPATCH_SYNC_LINGER_S
             while self._unsynced_count < self._sync_early_at and trio.current_time() < deadline:
-                await self._sync_soon.wait(deadline - trio.current_time())
+                await self._unsynced_wakeup.wait(deadline - trio.current_time())
             # Shielded: a round that began settles what it covers, even when the sender stops.
             with trio.CancelScope(shield=True):
                 await self._sync_round()
