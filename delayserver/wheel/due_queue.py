@@ -4,7 +4,9 @@ The sender sees due messages only through it: `take` hands out messages that fel
 schedule_log, cancelled ones dropped), `settle` records one as done (delivered or parked), `drop`
 forgets one without delivering it, `retry_later` holds one for a while on a monotonic clock, and
 `generation` tells whether what the sender holds is still owed (the tick manager was reset by a
-change of role: the reload owns it now). Waiting is by wake-ups, never by polling: `ready` is set
+change of role: the reload owns it now). `falls_due_within` tells whether a batch waiting to fill
+has anything to wait for, and `advance` lets a batch whose wait is over take what fell due meanwhile
+before the tick task wakes for it. Waiting is by wake-ups, never by polling: `ready` is set
 when messages are due, `retry_wakeup` when a retry was scheduled.
 
 A due record that cannot be read (CorruptSegment) is handed to `on_corrupt(bucket, error)` (the
@@ -78,6 +80,19 @@ class DueQueue:
         if self._unread is not None:
             return len(self._ticks.ready) + len(self._unread[0])
         return len(self._ticks.ready)
+
+    def falls_due_within(self, now: int, ms: int) -> bool:
+        """Whether a message is due and not taken yet, or the wheel holds one due by `now + ms`
+        (wall ms): what a batch waiting to fill would wait for."""
+        if self.waiting:
+            return True
+        due = self._ticks.wheel.next_due()
+        return due is not None and due <= now + ms
+
+    def advance(self, now: int) -> int:
+        """Move what fell due by `now` (wall ms) from the wheel to the ready queue, as the tick task
+        does (entries of a bucket still loading are held back the same way); returns how many."""
+        return self._ticks.advance(now)
 
     @property
     def taken(self) -> int:

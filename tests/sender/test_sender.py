@@ -247,15 +247,16 @@ async def test_a_transport_that_raises_costs_its_batch_a_retry_not_the_node(tmp_
 async def test_the_lateness_reported_is_each_delivered_messages_own(tmp_path, nursery):
     """The lateness the sender reports (its window, the metrics' hook) is dispatch time minus
     schedule time of each delivered message, as the delivered records carry them, for batches of
-    one subject and of several (the spool's two paths). Each batch lingers 50 ms to fill: none is
-    0 ms late."""
+    one subject and of several (the spool's two paths). Each batch lingers 50 ms to fill, for a
+    message falling due 20 ms after the others (the last of each list): none is 0 ms late."""
     server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}], send_wait_ms=50))
     reported = []
     server.sender.on_delivered = lambda group, lateness_ms: reported.extend((group, ms) for ms in lateness_ms)
-    one = [Message("late.one", b"x", delay=0) for _ in range(40)]
-    mixed = [Message(f"late.s{i % 3}", b"y", delay=0) for i in range(30)]
+    one = [Message("late.one", b"x", delay=0 if i < 39 else 20) for i in range(40)]
+    mixed = [Message(f"late.s{i % 3}", b"y", delay=0 if i < 29 else 20) for i in range(30)]
     async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
         await producer.send_many(one, batch=40)
+        await wait_until(lambda: server.sender.delivered == 40, 10)
         await producer.send_many(mixed, batch=30)
     await wait_until(lambda: server.sender.delivered == 70, 10)
     spooled = [t - m.schedule_time for subject in ("late.one", "late.s0", "late.s1", "late.s2")
@@ -263,6 +264,44 @@ async def test_the_lateness_reported_is_each_delivered_messages_own(tmp_path, nu
     assert len(spooled) == 70 and min(spooled) > 0
     assert sorted(ms for _, ms in reported) == sorted(spooled) == sorted(server.sender.lateness_ms)
     assert {group for group, _ in reported} == {"g"}
+
+
+async def test_a_lone_message_goes_at_once_without_waiting_for_a_batch_to_fill(tmp_path, nursery):
+    """A batch waits `send_wait_ms` to fill only when something more falls due within that time:
+    with a wait of a minute, a message with nothing due behind it is delivered at once."""
+    server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}],
+                                                   send_wait_ms=60_000))
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+        for k in range(3):
+            await producer.send(f"alone.{k}", b"x", delay=0)
+            await wait_until(lambda: server.sender.delivered == k + 1, 10)
+    assert [m.subject for k in range(3) for _, _, _, m in iter_spool(server.config.data_dir, f"alone.{k}")] == \
+        ["alone.0", "alone.1", "alone.2"]
+
+
+async def test_a_batch_waiting_to_fill_takes_what_fell_due_during_its_wait_itself(tmp_path, nursery, monkeypatch):
+    """A message due 300 ms after another, within the batch's wait of a second: the batch waits for
+    it and, when the wait is over, advances the wheel itself and takes it, in the same batch, not
+    early, even when the tick task does not wake for it (here it sleeps 30 s unless an entry is
+    added)."""
+    from delayserver.wheel import service
+
+    async def drowsy(ticks, now, limit_ms):
+        ticks.sleeping_until = now + 30_000
+        with trio.move_on_after(30):
+            await ticks.changed.wait()
+        ticks.sleeping_until = None
+
+    monkeypatch.setattr(service, "_sleep_until", drowsy)
+    server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}],
+                                                   send_wait_ms=1000))
+    async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
+        await producer.send_many([Message("pull.q", b"first", delay=0), Message("pull.q", b"second", delay=300)])
+    await wait_until(lambda: server.sender.delivered == 2, 10)
+    (_, at_a, _, a), (_, at_b, _, b) = iter_spool(server.config.data_dir, "pull.q")
+    assert (a.body, b.body) == (b"first", b"second")
+    assert at_a == at_b  # one batch, one dispatch time
+    assert b.schedule_time - a.schedule_time >= 300 and at_b >= b.schedule_time  # waited for it; not early
 
 
 async def test_messages_falling_due_are_taken_and_routed_in_the_tick_task_s_step(tmp_path, nursery):
