@@ -10,8 +10,7 @@ generation.
   leaves), so healthy groups deliver at full rate beside a dead one.
 - Each group's task forms batches of up to `send_batch_size`, waiting up to `send_wait_ms` for one
   to fill (not at all when nothing else falls due within that time: a lone message goes at once),
-  and when the wait is over takes what fell due meanwhile itself, before the tick task wakes for
-  it. A slow or dead group never holds back another. The task starts each batch's send
+  so that a slow or dead group never holds back another, and starts each batch's send
   with up to `batches_in_flight` under way: a batch does not wait for the acknowledgement of the
   one before it, so a broker slow to acknowledge for a moment holds back no hand-over.
 - Per-message results: ACKED -> a dispatch_log record, appended at once; the message is settled
@@ -492,15 +491,13 @@ class Sender:
     async def _next_batch(self, group: BrokerGroup) -> list[Delivery]:
         """The group's next batch: one held back as a unit, or up to `send_batch_size` queued
         messages, after waiting up to `send_wait_ms` for the batch to fill when anything more
-        falls due within that time (for any group: the wheel does not know which), and taking
-        what fell due during the wait."""
+        falls due within that time (for any group: the wheel does not know which)."""
         while True:
             if group.batches:
                 return group.batches.popleft()
             if group.queue:
                 if len(group.queue) < self.batch_size and self.wait_ms and self._more_falls_due_within(self.wait_ms):
                     await trio.sleep(self.wait_ms / 1000)
-                    self._take_what_fell_due()
                 queue = group.queue
                 if not queue:  # taken meanwhile (a group replaced)
                     continue
@@ -515,14 +512,6 @@ class Sender:
         """Whether a batch waiting `ms` to fill could gain a message: one is due and not taken
         yet, or falls due within `ms`. (Without a wheel, as in a sender built alone: it waits.)"""
         return self.due is None or self.due.falls_due_within(self.clock.now_ms(), ms)
-
-    def _take_what_fell_due(self) -> None:
-        """A batch's wait is over: advance the wheel and route what fell due during the wait, so
-        that it goes in this batch. The tick task would wake for it up to half a millisecond
-        later, after this batch went."""
-        due = self.due
-        if due is not None and self.may_deliver() and (due.advance(self.clock.now_ms()) or due.waiting):
-            self.dispatch_now()
 
     async def _send_released(self, group: BrokerGroup, batch: list[Delivery], slots: trio.Semaphore) -> None:
         """Send one batch (counted in `group.sending` by its starter), then free its slot."""

@@ -5,8 +5,7 @@ schedule_log, cancelled ones dropped), `settle` records one as done (delivered o
 forgets one without delivering it, `retry_later` holds one for a while on a monotonic clock, and
 `generation` tells whether what the sender holds is still owed (the tick manager was reset by a
 change of role: the reload owns it now). `falls_due_within` tells whether a batch waiting to fill
-has anything to wait for, and `advance` lets a batch whose wait is over take what fell due meanwhile
-before the tick task wakes for it. Waiting is by wake-ups, never by polling: `ready` is set
+has anything to wait for. Waiting is by wake-ups, never by polling: `ready` is set
 when messages are due, `retry_wakeup` when a retry was scheduled.
 
 A due record that cannot be read (CorruptSegment) is handed to `on_corrupt(bucket, error)` (the
@@ -88,11 +87,6 @@ class DueQueue:
             return True
         due = self._ticks.wheel.next_due()
         return due is not None and due <= now + ms
-
-    def advance(self, now: int) -> int:
-        """Move what fell due by `now` (wall ms) from the wheel to the ready queue, as the tick task
-        does (entries of a bucket still loading are held back the same way); returns how many."""
-        return self._ticks.advance(now)
 
     @property
     def taken(self) -> int:

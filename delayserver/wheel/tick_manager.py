@@ -78,10 +78,6 @@ MIN_READ_BYTES = 16 << 10  # the least a time-bounded slice reads
 #: How long one load step may hold the event loop (it stops after the record that passes it).
 LOAD_SLICE_S = 0.001
 _CLOCK_EVERY = 32  # records between two looks at the clock in a load step
-#: Two tasks advance the wheel (the tick task, and a batch whose wait to fill is over), each with
-#: its own reading of the clock: one that is older by less than this is a stale reading, not a
-#: clock step, and moves nothing back.
-STALE_READING_MS = 1000
 
 
 def _split_refs_py(refs: list[int], bits: int, offsets_too: bool = True) -> tuple[int, list[int] | None] | None:
@@ -487,13 +483,11 @@ class TickManager:
 
         Due entries of a bucket still loading are held back until it is loaded (module docstring).
         """
-        if now < self.last_now - STALE_READING_MS:
+        if now < self.last_now:
             log.warning("clock stepped back by %d ms: nothing fires early", self.last_now - now)
-            self.last_now = now
         elif now - self.last_now > 60_000:
             log.warning("clock stepped forward by %d ms: firing what became due", now - self.last_now)
-        if now > self.last_now:
-            self.last_now = now  # (a stale reading, older by less than STALE_READING_MS, moves nothing back)
+        self.last_now = now
         due = self.wheel.advance(now)
         if due and self.loaded_offset < self.loading_end:
             loading = self._bucket_ids.get(self.loading_bucket)

@@ -279,29 +279,18 @@ async def test_a_lone_message_goes_at_once_without_waiting_for_a_batch_to_fill(t
         ["alone.0", "alone.1", "alone.2"]
 
 
-async def test_a_batch_waiting_to_fill_takes_what_fell_due_during_its_wait_itself(tmp_path, nursery, monkeypatch):
+async def test_a_batch_waits_to_fill_for_what_falls_due_within_its_wait(tmp_path, nursery):
     """A message due 300 ms after another, within the batch's wait of a second: the batch waits for
-    it and, when the wait is over, advances the wheel itself and takes it, in the same batch, not
-    early, even when the tick task does not wake for it (here it sleeps 30 s unless an entry is
-    added)."""
-    from delayserver.wheel import service
-
-    async def drowsy(ticks, now, limit_ms):
-        ticks.sleeping_until = now + 30_000
-        with trio.move_on_after(30):
-            await ticks.changed.wait()
-        ticks.sleeping_until = None
-
-    monkeypatch.setattr(service, "_sleep_until", drowsy)
+    it and both go in it (one dispatch time), neither early."""
     server = await start_node(nursery, node_config(tmp_path, [{"name": "g", "transport": "spool"}],
                                                    send_wait_ms=1000))
     async with AsyncProducer(f"127.0.0.1:{server.port}") as producer:
-        await producer.send_many([Message("pull.q", b"first", delay=0), Message("pull.q", b"second", delay=300)])
+        await producer.send_many([Message("fill.q", b"first", delay=0), Message("fill.q", b"second", delay=300)])
     await wait_until(lambda: server.sender.delivered == 2, 10)
-    (_, at_a, _, a), (_, at_b, _, b) = iter_spool(server.config.data_dir, "pull.q")
+    (_, at_a, _, a), (_, at_b, _, b) = iter_spool(server.config.data_dir, "fill.q")
     assert (a.body, b.body) == (b"first", b"second")
     assert at_a == at_b  # one batch, one dispatch time
-    assert b.schedule_time - a.schedule_time >= 300 and at_b >= b.schedule_time  # waited for it; not early
+    assert b.schedule_time - a.schedule_time >= 300 and at_b >= b.schedule_time
 
 
 async def test_messages_falling_due_are_taken_and_routed_in_the_tick_task_s_step(tmp_path, nursery):

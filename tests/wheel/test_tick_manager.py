@@ -12,7 +12,6 @@ import pytest
 from delayserver.storage.errors import CorruptSegment
 from delayserver.storage.record import HEADER_SIZE
 from delayserver.storage.store import bucket_stats
-from delayserver.wheel.tick_manager import STALE_READING_MS
 from tests.pipeline_node import SCALE_MS, START_MS, Node, run_until_idle
 
 TICK_MS = 10
@@ -380,23 +379,6 @@ def test_a_clock_step_back_fires_nothing_early_and_is_logged(node, caplog):
     node.now = START_MS + 2000
     node.tick()
     assert fire_ids(node.take()) == ["m"]
-
-
-def test_a_reading_of_the_clock_a_little_older_than_the_last_is_no_step(node, caplog):
-    """The tick task and a batch ending its wait both advance the wheel, each with its own reading
-    of the clock: the older one is neither logged as a step back nor moves `last_now` back, and
-    fires nothing that is not due for it."""
-    node.send([("m", START_MS + 2000)])
-    node.replay_all()
-    node.load_all()
-    caplog.set_level(logging.WARNING, logger="delayserver.wheel")
-    assert node.ticks.advance(START_MS + 1900) == 0
-    assert node.ticks.advance(START_MS + 1900 - (STALE_READING_MS - 1)) == 0
-    assert node.ticks.last_now == START_MS + 1900
-    assert "clock stepped" not in caplog.text
-    assert node.ticks.advance(START_MS + 2000) == 1
-    assert node.ticks.advance(START_MS + 2000 - STALE_READING_MS - 1) == 0
-    assert "clock stepped back by 1001 ms" in caplog.text
 
 
 def test_a_clock_step_forward_fires_what_became_due_each_once_and_is_logged(node, caplog):
