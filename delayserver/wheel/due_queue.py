@@ -83,10 +83,7 @@ class DueQueue:
     def falls_due_within(self, now: int, ms: int) -> bool:
         """Whether a message is due and not taken yet, or the wheel holds one due by `now + ms`
         (wall ms): what a batch waiting to fill would wait for."""
-        if self.waiting:
-            return True
-        due = self._ticks.wheel.next_due()
-        return due is not None and due <= now + ms
+        return bool(self.waiting) or self._ticks.wheel.holds_due_by(now + ms)
 
     @property
     def taken(self) -> int:

@@ -63,10 +63,7 @@ def _urgent_at(ticks: TickManager) -> int:
 
 def _delivering(ticks: TickManager, now: int) -> bool:
     """Whether deliveries are under way: something ready or in flight, or due within the horizon."""
-    if ticks.ready or ticks.inflight:
-        return True
-    due = ticks.wheel.next_due()
-    return due is not None and due - now <= DELIVERING_HORIZON_MS
+    return bool(ticks.ready or ticks.inflight) or ticks.wheel.holds_due_by(now + DELIVERING_HORIZON_MS)
 
 
 async def _sleep_until(ticks: TickManager, now: int, limit_ms: int) -> None:

@@ -251,6 +251,11 @@ class TimingWheel:
         assert self._len == 0, "test_model_agrees: an entry left without a heap key"
         return None
 
+    def holds_due_by(self, t: int) -> bool:
+        """Whether an entry stored falls due by `t`: `advance(t)` would return something."""
+        due = self.next_due()
+        return due is not None and due <= t
+
     def cancel(self, ref: int, due_ms: int | None = None) -> bool:
         """Remove the stored entry with this ref and return True, or return False if there is none.
 

@@ -62,8 +62,9 @@ def test_entries_at_slot_boundaries_fire_at_their_due_time_not_a_tick_early():
     for ref, due in enumerate(dues):
         assert wheel.advance(due - 1) == []
         assert wheel.next_due() == due
+        assert not wheel.holds_due_by(due - 1) and wheel.holds_due_by(due)
         assert wheel.advance(due) == [(due, ref)]
-    assert len(wheel) == 0
+    assert len(wheel) == 0 and not wheel.holds_due_by(10**9)
 
 
 def test_ties_fire_in_insertion_order():
