@@ -18,7 +18,9 @@ from collections.abc import Mapping
 from unittest import mock
 
 import attrs
+import hiredis
 import pytest
+import redis
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -438,6 +440,53 @@ def test_the_xadd_encoder_is_the_reference(messages, template, maxlen):
         assert native == expected
     if type(expected) is bytes:  # and the transport's own call gives the same
         assert redis_streams.xadd_commands(messages, template, maxlen) == expected
+
+
+# --- the Redis transport's reply scan ----------------------------------------------------------
+
+
+bulk_reply = st.binary(max_size=20).map(lambda b: b"$%d\r\n%b\r\n" % (len(b), b))
+#: Replies of other shapes, and malformed ones: an error, a nil, an integer, a simple string, a push,
+#: an array, a length not a number, a string longer than its length, a length missing.
+OTHER_REPLIES = (b"-ERR not now\r\n", b"-WRONGTYPE x\r\n", b"$-1\r\n", b":1\r\n", b"+OK\r\n",
+                 b">2\r\n$7\r\nMOVING!\r\n:1\r\n", b"*1\r\n$1\r\na\r\n", b"$1x\r\n", b"$3\r\nabcd\r\n", b"$\r\n")
+
+
+def _hiredis_replies(data: bytes) -> list | type:
+    """The replies hiredis finds in `data`, or InvalidResponse."""
+    reader = hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
+    reader.feed(data)
+    replies = []
+    try:
+        while (reply := reader.gets(False)) is not False:
+            replies.append(reply)
+    except redis.InvalidResponse:
+        return redis.InvalidResponse
+    return replies
+
+
+@SETTINGS
+@given(st.lists(bulk_reply | st.sampled_from(OTHER_REPLIES), max_size=6), st.integers(0, 200), st.integers(0, 8))
+def test_the_reply_scan_passes_only_whole_bulk_strings_as_hiredis_parses_them(replies, cut, want):
+    assert redis_streams._native_scan_bulk_replies is native_resp.scan_bulk_replies  # the transport calls the kernel
+    data = b"".join(replies)[:cut]
+    at, got, clean = native_resp.scan_bulk_replies(bytearray(data), 0, want)
+    # What it passed over is its first `got` replies, each a bulk string as hiredis reads it.
+    assert got <= want and data[:at] == b"".join(replies[:got])
+    passed = _hiredis_replies(data[:at])
+    assert len(passed) == got and all(type(x) is bytes for x in passed)
+    if not clean:  # it stopped at the start of a reply of another shape, for hiredis to parse
+        assert replies[got] in OTHER_REPLIES
+    elif got < want:  # it stopped for want of bytes: hiredis finds no whole reply there either
+        assert at == len(data) or _hiredis_replies(data[at:]) == []
+
+
+def test_the_reply_scan_goes_on_from_where_it_stopped():
+    """Fed as the bytes come: a scan from the position the last one reached finds the rest."""
+    data = bytearray(b"$3\r\n1-1\r\n$3\r\n1-2\r\n$3\r\n1-3\r\n")
+    assert native_resp.scan_bulk_replies(data[:12], 0, 3) == (9, 1, True)
+    assert native_resp.scan_bulk_replies(data, 9, 2) == (27, 2, True)
+    assert native_resp.scan_bulk_replies(data, 0, 2) == (18, 2, True)  # never past `want`
 
 
 # --- index keys ---------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 `delayserver.sender.redis_streams._xadd_commands_py`, byte for byte (tests/test_native.py holds them
 side by side), or hand back None, and the reference then encodes the batch (and raises what it
 raises). Each batch is sized first and written after, into one bytes object.
+
+`scan_bulk_replies` finds the end of a batch's replies when each is a bulk string (an XADD's entry
+id), and stops at any other shape for hiredis to parse: it never decides what a reply means.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
@@ -155,3 +158,54 @@ def xadd_commands(list messages, named, bytes body_field, bytes schedule_field, 
                 p = PyUnicode_AsUTF8AndSize(value, &value_n)
                 w = put_bulk(w, p, value_n)
     return out
+
+
+
+cdef inline Py_ssize_t bulk_end(const unsigned char[:] buf, Py_ssize_t pos, Py_ssize_t size) noexcept nogil:
+    """The end of the bulk string at `pos` of `buf` (`size` bytes), -1 if `buf` ends before it,
+    -2 if it is not one (another reply's type, a nil, a malformed or oversized length)."""
+    cdef Py_ssize_t i = pos + 1, length = 0, end
+    cdef unsigned char c
+    if buf[pos] != 36:  # '$'
+        return -2
+    while i < size:
+        c = buf[i]
+        if c < 48 or c > 57:  # not a digit
+            break
+        length = length * 10 + (c - 48)
+        if length > 536870912:  # past Redis's largest bulk string (proto-max-bulk-len)
+            return -2
+        i += 1
+    if i == size:
+        return -1
+    if i == pos + 1 or buf[i] != 13:  # no digits (a nil: $-1), or no CR after them
+        return -2
+    if i + 1 == size:
+        return -1
+    if buf[i + 1] != 10:
+        return -2
+    end = i + 2 + length + 2
+    if end > size:
+        return -1
+    if buf[end - 2] != 13 or buf[end - 1] != 10:
+        return -2
+    return end
+
+
+def scan_bulk_replies(const unsigned char[:] buf, Py_ssize_t pos, Py_ssize_t want):
+    """Up to `want` RESP bulk-string replies ($<n>\\r\\n<n bytes>\\r\\n: what XADD answers) of
+    `buf` from `pos`: (the position after the last whole one, how many, and False if it stopped at
+    a reply of another shape, True if only for want of bytes or having all). Another shape (an
+    error, a nil, a push, a malformed length) is for the caller's hiredis reader to parse, as
+    redis_streams._read_replies reads every reply without this scan."""
+    cdef Py_ssize_t size = buf.shape[0], got = 0, end
+    cdef bint clean = True
+    with nogil:
+        while got < want and pos < size:
+            end = bulk_end(buf, pos, size)
+            if end < 0:
+                clean = end == -1
+                break
+            pos = end
+            got += 1
+    return pos, got, clean

@@ -23,8 +23,9 @@ delivery is at least once). redis-py is blocking: each batch runs in a trio work
 the transport's own connection pool, and redis-py's own retries are off (the sender retries with
 back-off). redis-py makes the connections (address, TLS, AUTH, SELECT, its handshake); the batch's
 XADD commands are encoded here, in one pass (a compiled kernel, delayserver/native/resp.pyx, when
-built), and written at once on a connection of the pool, and the replies are read off its socket
-by one hiredis reader, as many as there were commands, in order. redis-py's pipeline would build a
+built), and written at once on a connection of the pool, and the replies are read off its socket,
+as many as there were commands, in order: scanned in one compiled pass when every one is an
+entry's id (most batches), else parsed by one hiredis reader. redis-py's pipeline would build a
 command object and an argument list per message, and its connection parses one reply per call.
 """
 from __future__ import annotations
@@ -46,10 +47,11 @@ from delayserver.sender.transport import (
 )
 from delayserver.storage.threads import ThreadPool
 
-try:  # the compiled XADD encoder (delayserver/native/resp.pyx), when the install built it
+try:  # the compiled XADD encoder and reply scan (delayserver/native/resp.pyx), when the install built it
+    from delayserver.native.resp import scan_bulk_replies as _native_scan_bulk_replies
     from delayserver.native.resp import xadd_commands as _native_xadd_commands
 except ImportError:
-    _native_xadd_commands = None
+    _native_scan_bulk_replies = _native_xadd_commands = None
 
 log = logging.getLogger("delayserver.sender.redis")
 
@@ -179,30 +181,49 @@ def _plain_socket(connection) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-def _read_replies(sock: socket.socket, count: int, name: str) -> tuple[list[Any], bool]:
+def _read_replies(sock: socket.socket, count: int, name: str) -> tuple[list[Any] | None, bool]:
     """`count` replies read off `sock` (a redis-py connection's, whose commands were just written),
-    parsed by one hiredis reader as the bytes come (redis-py reads and parses one reply per call);
-    an error reply is a redis.ResponseError in its place. Also whether bytes are left over. A
-    reply that is an array answers no XADD: a RESP3 push (a server's notice), skipped. The socket's
-    timeout is the connection's; a timeout, a reset or an end of the stream raises redis.TimeoutError
-    or redis.ConnectionError, as redis-py's own reads would."""
+    and whether bytes are left over. None for the replies when every one is a bulk string (a stream
+    entry's id: each XADD succeeded), as the compiled scan finds (most batches); else each reply,
+    parsed by one hiredis reader as the bytes come (redis-py reads and parses one reply per call),
+    an error reply a redis.ResponseError in its place. A reply that is an array answers no XADD: a
+    RESP3 push (a server's notice), skipped. The socket's timeout is the connection's; a timeout, a
+    reset or an end of the stream raises redis.TimeoutError or redis.ConnectionError, as redis-py's
+    own reads would."""
+    received = bytearray()
+    at = scanned = 0
+    clean = _native_scan_bulk_replies is not None
+    while clean and scanned < count:
+        received += _recv(sock, name)
+        at, got, clean = _native_scan_bulk_replies(received, at, count - scanned)
+        scanned += got
+    if clean:
+        return None, at < len(received)
+    # A reply of another shape: hiredis parses all of them, from the first.
     reader = hiredis.Reader(protocolError=redis.InvalidResponse, replyError=redis.ResponseError)
+    if received:
+        reader.feed(received)
     replies: list[Any] = []
     while len(replies) < count:
         reply = reader.gets(False)
         if reply is False:
-            try:
-                data = sock.recv(_READ_BYTES)
-            except TimeoutError as e:
-                raise redis.TimeoutError(f"{name}: Timeout reading from the server") from e
-            except OSError as e:
-                raise redis.ConnectionError(f"{name}: error reading from the server: {e}") from e
-            if not data:
-                raise redis.ConnectionError(f"{name}: connection closed by the server")
-            reader.feed(data)
+            reader.feed(_recv(sock, name))
         elif not isinstance(reply, list):  # (hiredis gives a push as a PushNotification, a list)
             replies.append(reply)
     return replies, reader.has_data()
+
+
+def _recv(sock: socket.socket, name: str) -> bytes:
+    """The next bytes off `sock`: raises as redis-py's reads do, also at the end of the stream."""
+    try:
+        data = sock.recv(_READ_BYTES)
+    except TimeoutError as e:
+        raise redis.TimeoutError(f"{name}: Timeout reading from the server") from e
+    except OSError as e:
+        raise redis.ConnectionError(f"{name}: error reading from the server: {e}") from e
+    if not data:
+        raise redis.ConnectionError(f"{name}: connection closed by the server")
+    return data
 
 
 def _outcome_of(reply: Any) -> DeliveryResult:
@@ -254,12 +275,15 @@ class RedisTransport(Transport):
         except Exception as e:  # redis-py met a reply it does not expect (a server that is not Redis)
             log.exception("%s: batch of %d failed, will retry", self.name, len(messages))
             return [DeliveryResult(Outcome.RETRY, f"{self.name}: unexpected {type(e).__name__}: {e}")] * len(messages)
+        if replies is None:  # every XADD answered with an entry's id
+            return [ACKED] * len(messages)
         return [_outcome_of(reply) for reply in replies]
 
-    def _xadd_all(self, messages: Sequence[OutboundMessage]) -> list[Any]:
+    def _xadd_all(self, messages: Sequence[OutboundMessage]) -> list[Any] | None:
         """Run in a worker thread: one write of all the batch's commands, then a reply or an
-        exception per message. A connection that fails midway is closed, not handed back for reuse:
-        its unread replies would be taken for the next batch's."""
+        exception per message, or None when every XADD succeeded (`_read_replies`). A connection
+        that fails midway is closed, not handed back for reuse: its unread replies would be taken
+        for the next batch's."""
         commands = xadd_commands(messages, self.stream_template, self.maxlen)
         connection = self.pool.get_connection()
         try:

@@ -164,6 +164,56 @@ async def test_pushes_between_replies_are_skipped_and_a_surplus_reply_costs_the_
     assert len(connections) == 2  # the first one, with a reply left over, was not used again
 
 
+async def test_replies_that_come_a_few_bytes_at_a_time_are_scanned_whole(nursery):
+    """The compiled scan of a batch's replies goes on from read to read: replies written five bytes
+    at a time are all acknowledged, and none is left over (the next batch uses the same connection)."""
+    connections = []
+
+    async def serve(stream):
+        number = len(connections)
+        connections.append(stream)
+        async for replies in xadd_replies(stream, number):
+            data = b"".join(replies)
+            for k in range(0, len(data), 5):
+                await stream.send_all(data[k:k + 5])
+                await trio.sleep(0)
+
+    [listener] = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    port = listener.socket.getsockname()[1]
+    async with make_transport("redis", f"127.0.0.1:{port}", {"timeout_ms": 2000}, data_dir=None) as t:
+        with trio.fail_after(5):
+            first = await t.send_batch([outbound(i) for i in range(40)])
+            second = await t.send_batch([outbound(i) for i in range(40, 43)])
+    assert [r.outcome for r in first] == [Outcome.ACKED] * 40
+    assert [r.outcome for r in second] == [Outcome.ACKED] * 3
+    assert len(connections) == 1
+
+
+async def test_an_error_after_ids_scanned_over_several_reads_is_that_messages_alone(nursery):
+    """Replies scanned as entry ids over two reads, then an error in a third: hiredis parses the
+    batch's replies from the first, and only the refused XADD is RETRY."""
+    connections = []
+
+    async def serve(stream):
+        number = len(connections)
+        connections.append(stream)
+        async for replies in xadd_replies(stream, number):
+            if replies:
+                await stream.send_all(b"".join(replies[:2]))
+                await trio.sleep(0.05)
+                await stream.send_all(b"".join(replies[2:-1]))
+                await trio.sleep(0.05)
+                await stream.send_all(b"-OOM command not allowed\r\n")
+
+    [listener] = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    port = listener.socket.getsockname()[1]
+    async with make_transport("redis", f"127.0.0.1:{port}", {"timeout_ms": 2000}, data_dir=None) as t:
+        with trio.fail_after(5):
+            results = await t.send_batch([outbound(i) for i in range(6)])
+    assert [r.outcome for r in results] == [Outcome.ACKED] * 5 + [Outcome.RETRY]
+    assert "OOM" in results[5].detail
+
+
 async def test_a_server_that_is_not_redis_gives_retry(nursery):
     """A peer that answers +OK to everything, the handshake included: redis-py raises on its
     reply (not a RedisError); the batch is RETRY and the sender goes on."""
