@@ -160,7 +160,6 @@ def xadd_commands(list messages, named, bytes body_field, bytes schedule_field, 
     return out
 
 
-
 cdef inline Py_ssize_t bulk_end(const unsigned char[:] buf, Py_ssize_t pos, Py_ssize_t size) noexcept nogil:
     """The end of the bulk string at `pos` of `buf` (`size` bytes), -1 if `buf` ends before it,
     -2 if it is not one (another reply's type, a nil, a malformed or oversized length)."""
